@@ -1,0 +1,160 @@
+"""The engine ⇄ connector contract, split by role (DESIGN §5, after vLLM V1).
+
+The engine owns two objects built from one :class:`~connector.config.OffloadConfig`:
+the *scheduler side* (no tensors: decides what to load and save) and the
+*worker side* (owns transfers between the paged KV tensor and the tiers).
+Each engine step the scheduler side emits exactly one :class:`ConnectorMetadata`
+and the model runner hands it to the worker side before the forward pass.
+
+The engine never imports a concrete connector; ``engine`` depends on this file
+and on a factory in ``connector``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class ConnectorRequest(Protocol):
+    """What the scheduler side may read of an engine request (read-only)."""
+
+    request_id: str
+    #: prompt token ids followed by the output tokens accepted so far
+    all_token_ids: Sequence[int]
+    num_prompt_tokens: int
+    #: tokens whose KV is already in the paged cache (GPU prefix hits + computed + loaded)
+    num_computed_tokens: int
+
+
+class ScheduledRequest(NamedTuple):
+    """One request as scheduled in one step (input to ``build_connector_meta``)."""
+
+    request_id: str
+    token_ids: Sequence[int]  # all token ids known for the request at this step
+    block_ids: Sequence[int]  # the request's whole block table after this step's allocation
+    num_computed_tokens: int  # KV present before this step's forward (after any external load)
+    num_scheduled_tokens: int  # tokens the model computes in this step
+    num_prompt_tokens: int
+
+
+class LoadSpec(NamedTuple):
+    """Load ``token_ids[:num_load_end]`` from the tiers into slots, keeping the
+    first ``num_load_start`` tokens untouched (they are already on the GPU)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    slot_mapping: torch.Tensor  # int64 [num_load_end]; slot = block_id * block_size + offset
+    num_load_start: int
+    num_load_end: int
+
+
+class SaveSpec(NamedTuple):
+    """Store ``token_ids[:num_save_end]``; tokens before ``num_save_start`` are already stored."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    slot_mapping: torch.Tensor  # int64 [num_save_end]
+    num_save_start: int
+    num_save_end: int
+
+
+@dataclass
+class ConnectorMetadata:
+    """Everything the worker side needs for one step. Built once per step by the
+    scheduler side; read-only for the worker side."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class RequestTransferStats(NamedTuple):
+    """Per-request figures the engine reports in ``RequestOutput.metrics`` and logs."""
+
+    num_prompt_tokens: int
+    num_gpu_hit_tokens: int
+    num_external_hit_tokens: int
+    num_loaded_tokens: int
+    num_loaded_bytes: int
+    load_seconds: float
+    num_saved_tokens: int
+
+
+class KVConnectorScheduler(abc.ABC):
+    """Scheduler-side role. Never touches tensors other than building slot maps."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """How many tokens beyond ``num_computed_tokens`` (the GPU prefix hit) can be
+        loaded from the tiers. Side-effect free (may pin nothing); called possibly
+        several times per request while it waits. When the whole prompt would hit,
+        the last prompt token is left to compute (returns at most
+        ``num_prompt_tokens - 1 - num_computed_tokens``)."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Called exactly once when blocks for the request's first scheduling were
+        allocated; records the load to put in the next metadata (``num_external_tokens``
+        may be 0)."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
+        """Called exactly once per step after scheduling; resets per-step state."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
+        """Called once when a request finishes or is aborted. Returns True when an
+        asynchronous save still reads the request's blocks: the engine must keep
+        them until ``get_finished`` reports the request id as done sending."""
+
+    def request_stats(self, request_id: str) -> RequestTransferStats | None:  # noqa: B027
+        """Transfer figures for a finished request (None when unknown)."""
+        return None
+
+
+class KVConnectorWorker(abc.ABC):
+    """Worker-side role: moves KV between the paged cache and the tiers."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """Called once at start-up with the engine's KV tensor
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    @abc.abstractmethod
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        """Called once per step before the forward pass."""
+
+    @abc.abstractmethod
+    def start_load_kv(self) -> None:
+        """Begin the loads of the bound metadata (may return before they finish)."""
+
+    @abc.abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer ``layer_idx``'s KV of every load is in the paged cache."""
+
+    @abc.abstractmethod
+    def save_kv_layer(self, layer_idx: int) -> None:
+        """Called after layer ``layer_idx`` wrote its new KV; may start saving it."""
+
+    @abc.abstractmethod
+    def wait_for_save(self) -> None:
+        """Called once at the end of the forward pass: every save of this step has
+        read what it needs from the paged cache (the data may still be in flight
+        to lower tiers)."""
+
+    @abc.abstractmethod
+    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Return (request ids whose async saves completed, request ids whose
+        async loads completed) since the last call."""
+
+    def load_failures(self) -> dict[str, int]:
+        """Request id → number of tokens that were promised by the scheduler side
+        but could not be loaded this step (corrupt/missing chunks). The engine
+        recomputes from that point; empty when every load succeeded."""
+        return {}

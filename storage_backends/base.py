@@ -1,0 +1,117 @@
+"""The one storage interface every tier implements (DESIGN §6).
+
+Keys are ``str`` (a namespace fingerprint followed by a chunk hash); values are
+:class:`~storage_backends.chunk.KVChunk`. Backends are used from several threads
+at once (the engine's step loop, the connector's save worker, server handlers),
+so every public method is thread-safe.
+
+Byte-level methods (``get_encoded`` / ``put_encoded``) exist so that a server
+can move already-serialized chunks without decoding and re-encoding tensors.
+Backends that hold bytes (disk, Redis, gRPC) implement the tensor methods on
+top of them; the CPU tier holds tensors and encodes on demand.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from storage_backends.chunk import KVChunk
+
+
+class BackendError(RuntimeError):
+    """A tier could not serve a call (unreachable, timed out, refused).
+
+    Callers in the connector treat it as a miss for reads and a dropped write
+    for stores; the message names the tier and the reason.
+    """
+
+
+class StorageBackend(abc.ABC):
+    """Abstract chunk store. Subclasses: CPU memory, local disk, Redis, gRPC."""
+
+    #: short tier name used in stats, metrics and log lines ("cpu", "disk", "redis", "grpc")
+    name: str = "backend"
+
+    # ---- reads ---------------------------------------------------------------
+    @abc.abstractmethod
+    def contains(self, keys: Sequence[str]) -> int:
+        """Return how many leading ``keys`` are present (stops at the first miss).
+
+        Side-effect free apart from LRU recency; one round trip for remote tiers.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str) -> KVChunk | None:
+        """Return the chunk, or None when absent or when its checksum fails
+        (a corrupt value is logged, counted in ``stats()['corrupt']`` and treated as a miss)."""
+
+    def get_many(self, keys: Sequence[str]) -> list[KVChunk | None]:
+        """Batch form of :meth:`get`; remote tiers pipeline it in one round trip."""
+        return [self.get(k) for k in keys]
+
+    @abc.abstractmethod
+    def get_encoded(self, key: str) -> bytes | None:
+        """Return the serialized chunk (header + payload) after verifying it, or None."""
+
+    # ---- writes --------------------------------------------------------------
+    @abc.abstractmethod
+    def put(self, key: str, chunk: KVChunk) -> None:
+        """Store one chunk under ``key`` (one value per key, replacing any old one).
+
+        May evict least-recently-used unpinned entries to respect the byte cap.
+        Raises ``ValueError`` for a value that can never fit.
+        """
+
+    def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
+        """Batch form of :meth:`put`; remote tiers pipeline it."""
+        for key, chunk in items:
+            self.put(key, chunk)
+
+    @abc.abstractmethod
+    def put_encoded(self, key: str, data: bytes) -> None:
+        """Store an already-serialized chunk. The header and checksum are
+        verified first; a bad value raises ``ValueError`` and stores nothing."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True when something was removed."""
+
+    # ---- listing, stats, lifecycle ------------------------------------------
+    @abc.abstractmethod
+    def keys(self, prefix: str = "") -> list[str]:
+        """Keys that start with ``prefix`` (unordered)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: at least ``num_keys``, ``bytes_used``,
+        ``capacity_bytes`` (None when unbounded), ``hits``, ``misses``, ``puts``,
+        ``evictions``, ``corrupt``, ``errors``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Release connections, threads and files. Idempotent."""
+
+    # ---- asynchronous helpers (I/O off the caller's thread) -----------------
+    def _executor(self) -> ThreadPoolExecutor:
+        executor = getattr(self, "_io_executor", None)
+        if executor is None:
+            executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvstash-{self.name}")
+            self._io_executor = executor
+        return executor
+
+    def submit_put_many(self, items: Iterable[tuple[str, KVChunk]]) -> Future:
+        """Run :meth:`put_many` on a background thread; the future carries its exception."""
+        return self._executor().submit(self.put_many, list(items))
+
+    def submit_get_many(self, keys: Sequence[str]) -> Future:
+        """Run :meth:`get_many` on a background thread."""
+        return self._executor().submit(self.get_many, list(keys))
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -4,12 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh dev
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server not found: installing it with apt-get" >&2
+# System packages the tests drive for real: redis-server (standalone and cluster)
+# and docker-compose (only to validate docker-compose.yml; no Docker engine needed).
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v docker-compose >/dev/null 2>&1 || missing="$missing docker-compose"
+if [ -n "$missing" ]; then
+  echo "installing with apt-get:$missing" >&2
   SUDO=""
   if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

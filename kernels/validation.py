@@ -44,10 +44,10 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int | None, devic
         raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, expected num_tokens={num_tokens}")
 
 
-def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    """Every slot is -1 or in [0, num_slots). Reads the values (a sync on CUDA)."""
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> int:
+    """Every slot is -1 or in [0, num_slots). Reads the values (a sync on CUDA); returns the minimum."""
     if slot_mapping.numel() == 0:
-        return
+        return 0
     low, high = torch.aminmax(slot_mapping)
     low, high = int(low), int(high)
     if low < -1 or high >= num_slots:
@@ -55,6 +55,7 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
             f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) "
             f"(num_blocks * block_size), got min {low} max {high}"
         )
+    return low
 
 
 def check_kv_layer(kv_layer: torch.Tensor, name: str = "kv_layer") -> None:

@@ -30,6 +30,14 @@ class BackendError(RuntimeError):
     """
 
 
+class CapacityError(BackendError):
+    """A put found no room: every entry that could be evicted is pinned (or being written).
+
+    Nothing was stored; the caller treats it like any dropped write (the chunk is
+    recomputed if it is needed later). Counted in ``stats()['rejected']``.
+    """
+
+
 class StorageBackend(abc.ABC):
     """Abstract chunk store. Subclasses: CPU memory, local disk, Redis, gRPC."""
 
@@ -80,6 +88,19 @@ class StorageBackend(abc.ABC):
     def delete(self, key: str) -> bool:
         """Remove ``key``; True when something was removed."""
 
+    # ---- pins (protection from eviction between lookup and retrieve) --------
+    def pin(self, keys: Sequence[str]) -> int:
+        """Protect the leading present ``keys`` from eviction until :meth:`unpin`.
+
+        Returns how many leading keys are present (and pinned); pins are reference
+        counted. Tiers that evict on their own (CPU, disk) override this; tiers
+        whose eviction kvstash does not control (Redis, gRPC) only report presence.
+        """
+        return self.contains(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:  # noqa: B027 - default: nothing was pinned
+        """Drop one pin per key taken by :meth:`pin`; absent or unpinned keys are ignored."""
+
     # ---- listing, stats, lifecycle ------------------------------------------
     @abc.abstractmethod
     def keys(self, prefix: str = "") -> list[str]:
@@ -91,8 +112,12 @@ class StorageBackend(abc.ABC):
         ``capacity_bytes`` (None when unbounded), ``hits``, ``misses``, ``puts``,
         ``evictions``, ``corrupt``, ``errors``."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook, default no-op
-        """Release connections, threads and files. Idempotent."""
+    def close(self) -> None:
+        """Release connections, threads and files. Idempotent; subclasses call ``super().close()``."""
+        executor = getattr(self, "_io_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
+            self._io_executor = None
 
     # ---- asynchronous helpers (I/O off the caller's thread) -----------------
     def _executor(self) -> ThreadPoolExecutor:

@@ -1,0 +1,273 @@
+"""The in-memory chunk (:class:`KVChunk`) and its one serialized form.
+
+Serialized chunk = fixed header + shape + layout + payload::
+
+    offset size  field
+    0      4     magic b"KVSC"
+    4      2     format version (u16, little-endian)
+    6      2     header length in bytes, shape and layout included (u16)
+    8      1     dtype code (see _DTYPE_TO_CODE)
+    9      1     codec code (0 none, 1 lz4)
+    10     1     number of dimensions
+    11     1     layout name length
+    12     8     payload length: stored (possibly compressed) bytes (u64)
+    20     8     raw length: uncompressed tensor bytes (u64)
+    28     4     CRC-32 of the header bytes before this field plus the shape,
+                 layout and payload (zlib.crc32; about 2.5 GB/s on one core)
+    32     8*n   shape (u64 each)
+    ..     k     layout name (ASCII, e.g. "LKTHD")
+    ..           payload
+
+The checksum covers the header too, so a flipped dtype or shape byte is caught
+like a flipped payload byte. CRC-32 detects every error burst of up to 32 bits,
+hence every single changed byte.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+MAGIC = b"KVSC"
+FORMAT_VERSION = 1
+DEFAULT_LAYOUT = "LKTHD"  # [num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim]
+CODECS = ("none", "lz4")
+
+_FIXED = struct.Struct("<4sHHBBBBQQ")  # everything before the checksum
+_CHECKSUM = struct.Struct("<I")
+_PREFIX_BYTES = _FIXED.size + _CHECKSUM.size  # 32
+_DIM = struct.Struct("<Q")
+
+# float8 types exist only in newer torch builds, hence getattr.
+_DTYPE_TO_CODE = {
+    getattr(torch, name): code
+    for name, code in (
+        ("float32", 1),
+        ("float16", 2),
+        ("bfloat16", 3),
+        ("float64", 4),
+        ("int8", 5),
+        ("uint8", 6),
+        ("float8_e4m3fn", 7),
+        ("float8_e5m2", 8),
+    )
+    if hasattr(torch, name)
+}
+_CODE_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
+_CODEC_TO_CODE = {"none": 0, "lz4": 1}
+_CODE_TO_CODEC = {code: name for name, code in _CODEC_TO_CODE.items()}
+
+
+class ChunkFormatError(ValueError):
+    """Serialized bytes are not a valid chunk: foreign magic, other format
+    version, truncation, inconsistent header or a checksum mismatch."""
+
+
+class ChunkVersionError(ChunkFormatError):
+    """A kvstash chunk of another format version: valid for some build, not readable by this one."""
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """KV of a run of tokens for every layer, as one CPU tensor.
+
+    ``tensor``: ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` for the
+    default layout ``"LKTHD"``; one letter of ``layout`` per dimension, ``T``
+    marking the token dimension.
+    """
+
+    tensor: torch.Tensor
+    layout: str = DEFAULT_LAYOUT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"KVChunk.tensor must be a torch.Tensor, got {type(self.tensor).__name__}")
+        if len(self.layout) != self.tensor.dim() or "T" not in self.layout:
+            raise ValueError(
+                f"layout {self.layout!r} must name each of the tensor's {self.tensor.dim()} "
+                f"dimensions (shape {tuple(self.tensor.shape)}) and contain 'T' for tokens"
+            )
+        if len(set(self.layout)) != len(self.layout) or not self.layout.isascii():
+            raise ValueError(f"layout {self.layout!r} must be distinct ASCII letters")
+        if self.tensor.dtype not in _DTYPE_TO_CODE:
+            raise ValueError(f"unsupported chunk dtype {self.tensor.dtype}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensor.shape[self.layout.index("T")])
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def equal(self, other: KVChunk) -> bool:
+        """Byte-exact comparison (NaN payloads included), same dtype, shape and layout."""
+        return (
+            self.layout == other.layout
+            and self.dtype == other.dtype
+            and self.tensor.shape == other.tensor.shape
+            and torch.equal(tensor_bytes(self.tensor), tensor_bytes(other.tensor))
+        )
+
+
+class ChunkHeader(NamedTuple):
+    """What the header of a serialized chunk says; produced by :func:`parse_header`."""
+
+    version: int
+    header_len: int
+    dtype: torch.dtype
+    codec: str
+    shape: tuple[int, ...]
+    layout: str
+    payload_len: int
+    raw_len: int
+    checksum: int
+
+    @property
+    def total_len(self) -> int:
+        """Length of the whole serialized chunk, header and payload."""
+        return self.header_len + self.payload_len
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as a flat uint8 tensor (a view when contiguous; never a float conversion)."""
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def encode_chunk(chunk: KVChunk, codec: str = "none") -> bytes:
+    """Serialize ``chunk`` (a CPU tensor) with ``codec`` ("none" or "lz4").
+
+    Called on every store to a byte tier. The tensor's bytes are read through a
+    memoryview; with codec "none" the only copy is the final join.
+    """
+    if codec not in _CODEC_TO_CODE:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    tensor = chunk.tensor
+    if tensor.device.type != "cpu":
+        raise ValueError(f"encode_chunk needs a CPU tensor, got one on {tensor.device}")
+    raw = memoryview(tensor_bytes(tensor).numpy())
+    if codec == "lz4":
+        import lz4.block  # optional dependency, only needed for this codec
+
+        payload = lz4.block.compress(raw, store_size=False)
+    else:
+        payload = raw
+    layout = chunk.layout.encode("ascii")
+    shape = tensor.shape
+    header_len = _PREFIX_BYTES + _DIM.size * len(shape) + len(layout)
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        header_len,
+        _DTYPE_TO_CODE[tensor.dtype],
+        _CODEC_TO_CODE[codec],
+        len(shape),
+        len(layout),
+        len(payload),
+        len(raw),
+    )
+    tail = b"".join(_DIM.pack(size) for size in shape) + layout
+    checksum = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(fixed)))
+    return b"".join((fixed, _CHECKSUM.pack(checksum), tail, payload))
+
+
+def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
+    """Parse and sanity-check the header only (no checksum, no payload needed).
+
+    Used by the disk tier to rebuild its index from file prefixes. Raises
+    :class:`ChunkFormatError` for a foreign magic, another format version or an
+    inconsistent header.
+    """
+    view = memoryview(data)
+    if len(view) < _PREFIX_BYTES:
+        raise ChunkFormatError(
+            f"truncated chunk: {len(view)} bytes is shorter than the {_PREFIX_BYTES}-byte header"
+        )
+    magic, version, header_len, dtype_code, codec_code, ndim, layout_len, payload_len, raw_len = (
+        _FIXED.unpack_from(view)
+    )
+    if magic != MAGIC:
+        raise ChunkFormatError(f"not a kvstash chunk: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ChunkVersionError(
+            f"chunk format version {version} is not supported (this build reads {FORMAT_VERSION})"
+        )
+    if header_len != _PREFIX_BYTES + _DIM.size * ndim + layout_len:
+        raise ChunkFormatError(f"inconsistent chunk header: length {header_len} for {ndim} dims")
+    if len(view) < header_len:
+        raise ChunkFormatError(f"truncated chunk header: {len(view)} of {header_len} bytes")
+    if dtype_code not in _CODE_TO_DTYPE:
+        raise ChunkFormatError(f"unknown dtype code {dtype_code} in chunk header")
+    if codec_code not in _CODE_TO_CODEC:
+        raise ChunkFormatError(f"unknown codec code {codec_code} in chunk header")
+    (checksum,) = _CHECKSUM.unpack_from(view, _FIXED.size)
+    shape = tuple(_DIM.unpack_from(view, _PREFIX_BYTES + _DIM.size * i)[0] for i in range(ndim))
+    layout_start = _PREFIX_BYTES + _DIM.size * ndim
+    layout_bytes = bytes(view[layout_start : layout_start + layout_len])
+    if not layout_bytes.isascii():
+        raise ChunkFormatError("chunk layout name is not ASCII")
+    dtype = _CODE_TO_DTYPE[dtype_code]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw_len != int(np.prod(shape, dtype=np.uint64)) * itemsize:
+        raise ChunkFormatError(f"chunk raw length {raw_len} does not match shape {shape} of {dtype}")
+    codec = _CODE_TO_CODEC[codec_code]
+    if codec == "none" and payload_len != raw_len:
+        raise ChunkFormatError(f"uncompressed chunk payload {payload_len} bytes, expected {raw_len}")
+    return ChunkHeader(
+        version, header_len, dtype, codec, shape, layout_bytes.decode("ascii"), payload_len, raw_len, checksum
+    )
+
+
+def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
+    """Check header, length and checksum of a whole serialized chunk without decoding tensors.
+
+    Used before storing already-encoded bytes (``put_encoded``) and by :func:`decode_chunk`.
+    """
+    view = memoryview(data)
+    header = parse_header(view)
+    if len(view) != header.total_len:
+        what = "truncated" if len(view) < header.total_len else "oversized"
+        raise ChunkFormatError(f"{what} chunk: {len(view)} bytes, header says {header.total_len}")
+    checksum = zlib.crc32(view[: _FIXED.size])
+    checksum = zlib.crc32(view[_PREFIX_BYTES : header.header_len], checksum)
+    checksum = zlib.crc32(view[header.header_len :], checksum)
+    if checksum != header.checksum:
+        raise ChunkFormatError(
+            f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"
+        )
+    return header
+
+
+def decode_chunk(data: bytes | bytearray | memoryview) -> KVChunk:
+    """Verify and deserialize a chunk; the result owns its (writable) tensor.
+
+    Raises :class:`ChunkFormatError` for anything but an intact chunk of this format version.
+    """
+    view = memoryview(data)
+    header = verify_chunk(view)
+    payload = view[header.header_len :]
+    if header.codec == "lz4":
+        import lz4.block
+
+        try:
+            raw = lz4.block.decompress(payload, uncompressed_size=header.raw_len, return_bytearray=True)
+        except lz4.block.LZ4BlockError as exc:
+            raise ChunkFormatError(f"lz4 payload does not decompress: {exc}") from exc
+        if len(raw) != header.raw_len:
+            raise ChunkFormatError(f"lz4 payload decompressed to {len(raw)} bytes, expected {header.raw_len}")
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    else:
+        flat = torch.empty(header.raw_len, dtype=torch.uint8)
+        flat.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    tensor = flat.view(header.dtype).reshape(header.shape)
+    return KVChunk(tensor, header.layout)

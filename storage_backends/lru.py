@@ -1,0 +1,100 @@
+"""LRU bookkeeping with pins, shared by the bounded tiers (CPU memory and disk).
+
+Not thread-safe by itself: each backend calls it under its own lock.
+Sizes are in the backend's unit (slots for the CPU tier, bytes for disk).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class LRUEntry:
+    """One stored key: its size, pin count and the backend's own record (slot ids, file name)."""
+
+    size: int
+    record: Any
+    num_pins: int = 0
+
+
+class LRUIndex:
+    """Keys in recency order (oldest first) with a total size that must stay within ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.used = 0
+        self._key_to_entry: OrderedDict[str, LRUEntry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._key_to_entry)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._key_to_entry
+
+    def items(self) -> list[tuple[str, LRUEntry]]:
+        """(key, entry) pairs, least recent first (a snapshot)."""
+        return list(self._key_to_entry.items())
+
+    def num_pinned(self) -> int:
+        return sum(1 for entry in self._key_to_entry.values() if entry.num_pins > 0)
+
+    def get(self, key: str, touch: bool = True) -> LRUEntry | None:
+        """The entry for ``key`` (made most recent when ``touch``), or None."""
+        entry = self._key_to_entry.get(key)
+        if entry is not None and touch:
+            self._key_to_entry.move_to_end(key)
+        return entry
+
+    def add(self, key: str, size: int, record: Any, num_pins: int = 0) -> LRUEntry:
+        """Insert ``key`` as most recent. The caller has made room (see :meth:`victims_for`)."""
+        if key in self._key_to_entry:
+            raise KeyError(f"{key!r} is already indexed; remove it first")
+        entry = LRUEntry(size, record, num_pins)
+        self._key_to_entry[key] = entry
+        self.used += size
+        return entry
+
+    def remove(self, key: str) -> LRUEntry | None:
+        entry = self._key_to_entry.pop(key, None)
+        if entry is not None:
+            self.used -= entry.size
+        return entry
+
+    def victims_for(self, size: int) -> list[str] | None:
+        """Least-recently-used unpinned keys whose removal frees room for ``size`` more units.
+
+        Side-effect free. Returns None when even evicting every unpinned key is not enough.
+        """
+        room_needed = self.used + size - self.capacity
+        victim_keys: list[str] = []
+        for key, entry in self._key_to_entry.items():
+            if room_needed <= 0:
+                break
+            if entry.num_pins == 0:
+                victim_keys.append(key)
+                room_needed -= entry.size
+        return victim_keys if room_needed <= 0 else None
+
+    def pin(self, keys: Sequence[str]) -> int:
+        """Pin the leading present keys (stops at the first absent one); returns how many were pinned."""
+        num_pinned = 0
+        for key in keys:
+            entry = self._key_to_entry.get(key)
+            if entry is None:
+                break
+            entry.num_pins += 1
+            num_pinned += 1
+        return num_pinned
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Drop one pin from each present, pinned key; absent or unpinned keys are ignored."""
+        for key in keys:
+            entry = self._key_to_entry.get(key)
+            if entry is not None and entry.num_pins > 0:
+                entry.num_pins -= 1

@@ -1,0 +1,133 @@
+"""The KV block pool: reference counts, prefix caching by chained block hashes,
+and an LRU queue of free blocks whose cached contents stay reusable until the
+block is handed out again.
+
+Called only by the scheduler, a few times per request per step. Never touches
+tensors: a block is an id; its KV lives in the model runner's KV tensor at
+slots `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.request import Request
+
+_ROOT_HASH = b"kvstash-gpu-prefix-v1"
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chain hash of one full block: blake2b(parent || token ids as little-endian int64)."""
+    payload = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(parent_hash + payload, digest_size=16).digest()
+
+
+class BlockManager:
+    """Pool of `num_blocks` blocks of `block_size` tokens.
+
+    Free blocks sit in `free_block_ids` in eviction order (front first). A freed
+    block that holds a cached full block goes to the back, so the least recently
+    used cached blocks are overwritten first; a freed block with nothing cached
+    goes to the front."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_id_to_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block_id: dict[bytes, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend `request.block_hashes` to every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Side-effect free on the pool: ids of the longest run of leading full blocks
+        already cached. Leaves at least one token to compute, so the step that admits
+        the request produces logits."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.hash_to_block_id.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def allocate_slots(
+        self, request: Request, num_total_tokens: int, cached_block_ids: Sequence[int] = ()
+    ) -> bool:
+        """Make `request.block_ids` cover `num_total_tokens` tokens, first appending
+        `cached_block_ids` (a prefix hit, only at admission). Returns False and
+        changes nothing when too few blocks are free."""
+        num_needed = -(-num_total_tokens // self.block_size) - len(request.block_ids) - len(cached_block_ids)
+        num_needed = max(num_needed, 0)
+        num_revived = sum(1 for block_id in cached_block_ids if self.ref_counts[block_id] == 0)
+        if num_needed + num_revived > self.num_free_blocks:
+            return False
+        for block_id in cached_block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_block_ids[block_id]
+            self.ref_counts[block_id] += 1
+            request.block_ids.append(block_id)
+        request.num_cached_blocks = len(request.block_ids)
+        for _ in range(num_needed):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            old_hash = self.block_id_to_hash[block_id]
+            if old_hash is not None:
+                # The block is overwritten now: its cached content is gone.
+                if self.hash_to_block_id.get(old_hash) == block_id:
+                    del self.hash_to_block_id[old_hash]
+                self.block_id_to_hash[block_id] = None
+            self.ref_counts[block_id] = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is computed (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_block_hashes(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        for i in range(request.num_cached_blocks, num_full):
+            block_hash = request.block_hashes[i]
+            block_id = request.block_ids[i]
+            # A twin computed in the same step keeps the first registration.
+            if block_hash not in self.hash_to_block_id and self.block_id_to_hash[block_id] is None:
+                self.hash_to_block_id[block_hash] = block_id
+                self.block_id_to_hash[block_id] = block_hash
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (finish or preemption); tail blocks first so
+        a shared prefix outlives the tails in the LRU order."""
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids[block_id] = None
+                if self.block_id_to_hash[block_id] is None:
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        request.block_ids = []
+        request.num_cached_blocks = 0

@@ -1,0 +1,246 @@
+"""The engine core: a step loop that an offline `LLM` or an async HTTP server drives.
+
+`add_request` validates and queues; `step` runs one scheduler plan through the
+model runner and returns the updated requests' outputs; `abort_request` ends a
+request at once. Not thread-safe: one caller drives it (a server runs it in one
+task and feeds it through a queue).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs, ModelConfig, SamplingParams
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models import load_model
+from engine.request import Request, RequestOutput
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life (read by tests, benchmarks and /metrics)."""
+
+    num_steps: int = 0
+    #: tokens the model actually ran a forward pass on (prefix hits and loads excluded)
+    num_computed_tokens_total: int = 0
+    num_generated_tokens_total: int = 0
+    num_requests_finished: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineCore:
+    """`model` is a local Hugging Face folder, or an in-memory transformers config
+    with `load_format="dummy"` (random weights, no tokenizer)."""
+
+    def __init__(self, model: str | Path | Any, engine_args: EngineArgs | None = None) -> None:
+        args = engine_args or EngineArgs()
+        args.validate()
+        if args.speculative is not None:
+            raise ValueError(
+                f"speculative decoding ({args.speculative!r}) is not available in this engine build"
+            )
+        if isinstance(model, str | Path):
+            self.model_dir: Path | None = Path(model)
+            if not self.model_dir.is_dir():
+                raise ValueError(f"model folder {str(model)!r} does not exist")
+            self.model_config = ModelConfig.from_dir(self.model_dir)
+        else:
+            self.model_dir = None
+            self.model_config = ModelConfig.from_hf_config(model)
+            if args.load_format != "dummy":
+                raise ValueError("an in-memory model config needs load_format='dummy' (random weights)")
+        config = self.model_config
+        self.args = args
+        self.device = args.resolve_device()
+        self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
+        self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
+        self.model = load_model(
+            config, self.model_dir, self.device, self.dtype, dummy=args.load_format == "dummy"
+        )
+        num_blocks = self._num_kv_blocks()
+        self.block_size = args.block_size
+        self.tokenizer = self._load_tokenizer()
+
+        scheduler_connector = worker_connector = None
+        if args.kv_offload is not None:
+            from connector import create_kv_connector
+
+            scheduler_connector, worker_connector = create_kv_connector(
+                args.kv_offload,
+                model_id=str(self.model_dir or getattr(model, "name_or_path", "") or config.family),
+                dtype=self.dtype,
+                num_layers=config.num_layers,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                block_size=args.block_size,
+                device=self.device,
+            )
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, connector=scheduler_connector
+        )
+        self.runner = ModelRunner(
+            self.model,
+            config,
+            num_blocks,
+            args.block_size,
+            self.device,
+            self.dtype,
+            connector=worker_connector,
+        )
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        logger.info(
+            "engine ready: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            config.family,
+            self.dtype,
+            self.device,
+            num_blocks,
+            args.block_size,
+            self.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        if args.num_gpu_blocks is not None:
+            return args.num_gpu_blocks
+        per_block = kv_bytes_per_block(self.model_config, args.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # room for activations of one step of max_num_batched_tokens tokens
+            activation_bytes = args.max_num_batched_tokens * self.model_config.hidden_size * 64
+            budget = int(total * args.gpu_memory_utilization) - (total - free) - activation_bytes
+        else:
+            budget = args.cpu_kv_cache_bytes
+        useful = args.max_num_seqs * -(-self.max_model_len // args.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache ({budget} bytes, {per_block} bytes per block)")
+        return int(num_blocks)
+
+    def _load_tokenizer(self):
+        if self.model_dir is None:
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+
+    # --- the driver API -----------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue one request. Raises ValueError (nothing is queued) for
+        a duplicate id, an empty or too long prompt, or token ids outside the vocab."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens does not fit the model's context "
+                f"of {self.max_model_len} tokens (at least one token must be generated)"
+            )
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size)
+            raise ValueError(
+                f"request {request_id!r}: token id {bad!r} is outside the vocabulary [0, {vocab_size})"
+            )
+        num_max_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.block_size
+        if num_max_tokens > capacity:
+            raise ValueError(
+                f"request {request_id!r} may need {num_max_tokens} tokens of KV cache but the whole cache "
+                f"holds {capacity}; raise num_gpu_blocks or lower max_tokens"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.model_config.eos_token_ids | self._tokenizer_eos_ids(),
+            max_model_len=self.max_model_len,
+            generator=generator,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def _tokenizer_eos_ids(self) -> frozenset[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return frozenset() if eos is None else frozenset([eos])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now (finish_reason "abort"); unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish_request(request, "abort")
+        return request.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and update once. Returns the outputs of the requests that got
+        a token this step (cumulative state; finished ones are then forgotten)."""
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        updated = self.scheduler.update_from_output(
+            plan, result.request_id_to_token, result.load_failures, result.finished_sending_ids
+        )
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens_total += result.num_computed_tokens
+        outputs = []
+        for request in updated:
+            self.stats.num_generated_tokens_total += 1
+            self._detokenize_and_check_stop(request)
+            if request.is_finished:
+                self.stats.num_requests_finished += 1
+                self.requests.pop(request.request_id, None)
+                self._log_finished(request)
+            outputs.append(request.to_output())
+        return outputs
+
+    def _detokenize_and_check_stop(self, request: Request) -> None:
+        """Update `request.text`; a stop string ends the request, the text cut before it."""
+        if self.tokenizer is None:
+            return
+        stop_strings = request.sampling_params.stop_strings
+        if not stop_strings and not request.is_finished:
+            return  # decode once at the end unless stop strings need the text now
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+            if not request.is_finished:
+                self.scheduler.finish_request(request, "stop")
+            request.finish_reason = "stop"
+        request.text = text
+
+    def _log_finished(self, request: Request) -> None:
+        m = request.metrics
+        logger.info(
+            "req=%s prompt=%d gpu_hit=%d ext_hit=%d output=%d ttft_ms=%.1f reason=%s",
+            request.request_id,
+            m.num_prompt_tokens,
+            m.num_local_cached_tokens,
+            m.num_external_cached_tokens,
+            len(request.output_token_ids),
+            1000 * (m.ttft_s or 0.0),
+            request.finish_reason,
+        )

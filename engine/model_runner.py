@@ -1,0 +1,162 @@
+"""The model runner: owns the weights and the one KV tensor, turns a scheduler
+plan into flat model inputs, runs the forward pass through paged attention and
+samples. Called by the engine core once per step.
+
+KV tensor: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
+layer l uses the view `kv_cache[l]`; slot = block_id * block_size + offset.
+Attention goes through `kernels` on CUDA and `kernels.reference` on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from connector.base import KVConnectorWorker
+from engine.config import ModelConfig
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.sampler import sample
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of paged attention (all on the model's device)."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs], KV length after this step
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+
+
+@dataclass
+class RunnerOutput:
+    request_id_to_token: dict[str, int]
+    #: request id -> leading tokens truly in the paged cache (connector load failures)
+    load_failures: dict[str, int]
+    finished_sending_ids: set[str]
+    num_computed_tokens: int
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        connector: KVConnectorWorker | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.connector = connector
+        self.scale = config.head_dim**-0.5
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cuda":
+            from kernels import paged_attention, reshape_and_cache
+        else:
+            from kernels.reference import paged_attention_ref as paged_attention
+            from kernels.reference import reshape_and_cache_ref as reshape_and_cache
+        self._reshape_and_cache = reshape_and_cache
+        self._paged_attention = paged_attention
+        self._metadata: AttentionMetadata | None = None
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache)
+
+    def _prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """-> input_ids int64 [T], positions int64 [T], logits row per sampling request
+        (or -1); sets `self._metadata`."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        logits_rows: list[int] = []
+        max_blocks = max(len(r.block_ids) for r in plan.requests)
+        block_tables = np.zeros((len(plan.requests), max_blocks), dtype=np.int32)
+        for i, (request, num_new) in enumerate(zip(plan.requests, plan.num_scheduled_tokens, strict=True)):
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(request.all_token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            block_ids = np.asarray(request.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            block_tables[i, : len(block_ids)] = block_ids
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            logits_rows.append(query_start_loc[-1] - 1 if end == request.num_tokens else -1)
+        device = self.device
+        self._metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+            torch.from_numpy(np.concatenate(positions)).to(device, non_blocking=True),
+            logits_rows,
+        )
+
+    def _attention(self, layer_idx: int, query, key, value) -> torch.Tensor:
+        """Write this step's K/V [T, KVH, D] into the layer's blocks, then attend
+        with query [T, H, D] over each sequence's whole paged KV."""
+        md = self._metadata
+        kv_layer = self.kv_cache[layer_idx]
+        if self.connector is not None:
+            self.connector.wait_for_layer_load(layer_idx)
+        self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
+        out = self._paged_attention(
+            query.contiguous(), kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
+        )
+        if self.connector is not None:
+            self.connector.save_kv_layer(layer_idx)
+        return out
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one step: connector loads, forward, connector saves, sampling."""
+        connector = self.connector
+        if connector is not None:
+            connector.bind_connector_metadata(plan.connector_meta)
+            connector.start_load_kv()
+        request_id_to_token: dict[str, int] = {}
+        if plan.requests:
+            input_ids, positions, logits_rows = self._prepare(plan)
+            hidden = self.model(input_ids, positions, self._attention)
+            sampling = [(i, row) for i, row in enumerate(logits_rows) if row >= 0]
+            if sampling:
+                rows = torch.tensor([row for _, row in sampling], device=self.device)
+                logits = self.model.compute_logits(hidden[rows])
+                requests = [plan.requests[i] for i, _ in sampling]
+                token_ids = sample(
+                    logits, [r.sampling_params for r in requests], [r.generator for r in requests]
+                )
+                request_id_to_token = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+        load_failures: dict[str, int] = {}
+        finished_sending: set[str] = set()
+        if connector is not None:
+            connector.wait_for_save()
+            load_failures = dict(connector.load_failures())
+            finished_sending, _ = connector.get_finished(plan.finished_request_ids)
+        self._metadata = None
+        return RunnerOutput(
+            request_id_to_token=request_id_to_token,
+            load_failures=load_failures,
+            finished_sending_ids=set(finished_sending),
+            num_computed_tokens=plan.total_num_scheduled_tokens,
+        )

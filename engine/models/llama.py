@@ -1,0 +1,148 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias, tied
+embeddings) and Qwen3 (per-head q/k RMSNorm).
+
+Parameter names equal the Hugging Face checkpoint names, so weights load by name.
+The forward pass works on the flat token batch of one engine step; attention is
+delegated to a callable supplied by the model runner (paged KV cache, connector
+hooks), so this file knows nothing about blocks or devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.rope import RotaryEmbedding, apply_rotary
+
+#: (layer_idx, query [T, H, D], key [T, KVH, D], value [T, KVH, D]) -> [T, H, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, **factory) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        # Qwen2 always has a QKV bias; others say so through `attention_bias`.
+        qkv_bias = config.family == "qwen2" or bool(getattr(hf, "attention_bias", False))
+        out_bias = config.family != "qwen2" and bool(getattr(hf, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias, **factory)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias, **factory)
+        self.qk_norm = config.family == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, **factory) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; the Llama family uses 'silu'")
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, **factory) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.self_attn = Attention(config, layer_idx, **factory)
+        self.mlp = MLP(config.hidden_size, hf.intermediate_size, getattr(hf, "hidden_act", "silu"), **factory)
+        self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
+
+    def forward(self, hidden, cos, sin, attention: AttentionFn) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, **factory) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Causal LM over a flat batch: `forward(input_ids [T], positions [T], attention)`
+    returns the final hidden states [T, hidden]; `compute_logits(hidden [N, hidden])`
+    returns float32 logits [N, vocab]. Called once per engine step; no state of its own
+    besides weights and RoPE tables."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        factory = {"device": device, "dtype": dtype}
+        self.model = DecoderModel(config, **factory)
+        self.tie_word_embeddings = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        # RoPE tables are plain tensors, not parameters: made on the real device by the loader.
+        self.rotary: RotaryEmbedding | None = (
+            None if device.type == "meta" else RotaryEmbedding(config.hf_config, device)
+        )
+
+    def set_rope_device(self, device: torch.device) -> None:
+        """Called by the loader once the weights live on `device`."""
+        self.rotary = RotaryEmbedding(self.config.hf_config, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,118 @@
+"""One generation request as the engine tracks it, and what it returns."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request figures reported in `RequestOutput.metrics`."""
+
+    num_prompt_tokens: int
+    #: prompt tokens found in the GPU prefix cache at the request's first admission
+    num_local_cached_tokens: int = 0
+    #: prompt tokens loaded from the offload tiers (after any load failure)
+    num_external_cached_tokens: int = 0
+    #: seconds from `add_request` to the first output token (None before it)
+    ttft_s: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (cumulative, not a delta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or stop string), "length", "abort" or None while running
+    metrics: RequestMetrics
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable engine-side state. The scheduler owns `status`, `num_computed_tokens`
+    and `block_ids`; the block manager owns `block_hashes` and `num_cached_blocks`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    #: chain hashes of the full blocks of `all_token_ids` (extended lazily)
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: how many leading blocks of `block_ids` are registered in the prefix cache
+    num_cached_blocks: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_admissions: int = 0
+    metrics: RequestMetrics = field(init=False)
+    generator: torch.Generator | None = None
+    #: output text up to now (maintained by the engine core when a tokenizer exists)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(num_prompt_tokens=len(self.prompt_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.metrics.ttft_s is None:
+            self.metrics.ttft_s = time.monotonic() - self.arrival_time
+
+    def check_token_stop(self) -> str | None:
+        """Finish reason implied by the last output token (EOS, max_tokens, context) or None."""
+        params = self.sampling_params
+        if (
+            not params.ignore_eos
+            and self.output_token_ids
+            and self.output_token_ids[-1] in self.eos_token_ids
+        ):
+            return "stop"
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids),
+            text=self.text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            metrics=RequestMetrics(**vars(self.metrics)),
+        )

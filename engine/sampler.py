@@ -1,0 +1,53 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded
+torch.Generator. Called by the model runner once per step on the logits of the
+requests that produce a token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits float32 [N, V]; top_k int64 [N] (0 = off); top_p float32 [N] (1.0 = off).
+    Returns logits with the filtered-out tokens set to -inf. top-k keeps the k largest
+    logits (ties at the k-th value kept); top-p then keeps the smallest set of most
+    likely tokens whose probability reaches top_p (always at least one)."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), torch.full_like(top_k, vocab_size))
+    kth_value = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # probability mass strictly before each token; a token is dropped once that already reaches top_p
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,  # float32 [N, V]
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token id per row. Greedy rows take the argmax; the others sample from
+    softmax(logits / temperature) after top-k/top-p, drawing from their own
+    generator (seeded requests) or the global RNG."""
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        device = logits.device
+        temperature = torch.tensor([params[i].temperature for i in random_rows], device=device)
+        top_k = torch.tensor([params[i].top_k for i in random_rows], device=device, dtype=torch.int64)
+        top_p = torch.tensor([params[i].top_p for i in random_rows], device=device, dtype=torch.float32)
+        scaled = logits[rows] / temperature[:, None]
+        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        for row_index, i in enumerate(random_rows):
+            token_ids[i] = torch.multinomial(probs[row_index], 1, generator=generators[i])[0]
+    return token_ids.tolist()

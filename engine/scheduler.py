@@ -1,0 +1,216 @@
+"""The scheduler (vLLM V1 style): a waiting and a running queue and one token
+budget per step. There is no prefill or decode phase: each scheduled request
+advances `num_computed_tokens` by some tokens; a prompt longer than the budget
+is split over steps, the request staying in the running queue, and only the
+step that reaches the end of its known tokens samples a token.
+
+Called by the engine core once per step (`schedule`, then `update_from_output`).
+Never touches tensors. Calls the connector's scheduler side, when present, at
+admission (`get_num_new_matched_tokens`, `update_state_after_alloc`), once per
+step (`build_connector_meta`) and when a request finishes (`request_finished`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. `num_scheduled_tokens[i]` new tokens of `requests[i]` start at
+    `requests[i].num_computed_tokens` (already counting prefix hits and loads)."""
+
+    requests: list[Request]
+    num_scheduled_tokens: list[int]
+    preempted_request_ids: list[str]
+    #: requests finished since the previous step (for the connector worker's get_finished)
+    finished_request_ids: set[str]
+    connector_meta: ConnectorMetadata | None = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_external_hit_tokens: int = 0
+    num_load_failures: int = 0
+
+
+@dataclass
+class Scheduler:
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    connector: KVConnectorScheduler | None = None
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    #: finished requests whose blocks an async connector save still reads
+    request_id_to_sending: dict[str, Request] = field(default_factory=dict)
+    _finished_request_ids: set[str] = field(default_factory=set)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.request_id_to_sending)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: list[int] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                num_scheduled.append(num_new)
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing behind it is left
+
+        # 2. Admit waiting requests while budget, seats and blocks last (not after a preemption).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_block_ids = self.block_manager.find_cached_prefix(request)
+            num_gpu_hit = len(cached_block_ids) * self.block_manager.block_size
+            num_external = 0
+            if self.connector is not None:
+                num_external = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
+            num_computed = num_gpu_hit + num_external
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
+                break
+            self.waiting.popleft()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            request.num_admissions += 1
+            if request.num_admissions == 1:
+                request.metrics.num_local_cached_tokens = min(num_gpu_hit, request.num_prompt_tokens)
+                request.metrics.num_external_cached_tokens = num_external
+            self.stats.num_prefix_hit_tokens += num_gpu_hit
+            self.stats.num_external_hit_tokens += num_external
+            self.running.append(request)
+            scheduled.append(request)
+            num_scheduled.append(num_new)
+            budget -= num_new
+
+        output = SchedulerOutput(
+            requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = set()
+        if self.connector is not None:
+            output.connector_meta = self.connector.build_connector_meta(
+                [
+                    ScheduledRequest(
+                        request_id=r.request_id,
+                        token_ids=r.all_token_ids,
+                        block_ids=list(r.block_ids),
+                        num_computed_tokens=r.num_computed_tokens,
+                        num_scheduled_tokens=n,
+                        num_prompt_tokens=r.num_prompt_tokens,
+                    )
+                    for r, n in zip(scheduled, num_scheduled, strict=True)
+                ]
+            )
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it back at the front of the waiting
+        queue; it is recomputed (its prefix may still hit the cache)."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+        logger.debug("preempted request %s", request.request_id)
+
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        request_id_to_token: dict[str, int],
+        load_failures: dict[str, int] | None = None,
+        finished_sending_ids: Iterable[str] = (),
+    ) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens of requests that
+        reached the end of their known tokens; finish on EOS/max_tokens/context.
+        `load_failures` maps a request id to the number of leading tokens truly in
+        its paged cache: that request's output is dropped and it recomputes from there.
+        Returns the requests that got a new token (finished ones included)."""
+        load_failures = load_failures or {}
+        updated: list[Request] = []
+        for request, num_new in zip(output.requests, output.num_scheduled_tokens, strict=True):
+            if request.is_finished:  # aborted during the step
+                continue
+            if request.request_id in load_failures:
+                valid = load_failures[request.request_id]
+                lost = request.num_computed_tokens - valid
+                request.num_computed_tokens = min(request.num_computed_tokens, valid)
+                request.metrics.num_external_cached_tokens = max(
+                    0, request.metrics.num_external_cached_tokens - max(lost, 0)
+                )
+                self.stats.num_load_failures += 1
+                self.block_manager.cache_computed_blocks(request)
+                continue
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(request)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a non-final prompt chunk: its logits are dropped
+            request.append_output_token(request_id_to_token[request.request_id])
+            updated.append(request)
+            reason = request.check_token_stop()
+            if reason is not None:
+                self.finish_request(request, reason)
+        for request_id in finished_sending_ids:
+            sending = self.request_id_to_sending.pop(request_id, None)
+            if sending is not None:
+                self.block_manager.free(sending)
+        return updated
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End a request (stop condition or abort). Safe to call from outside a step."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._finished_request_ids.add(request.request_id)
+        delay_free = False
+        if self.connector is not None:
+            delay_free = self.connector.request_finished(request, list(request.block_ids))
+        if delay_free:
+            self.request_id_to_sending[request.request_id] = request
+        else:
+            self.block_manager.free(request)

@@ -129,7 +129,7 @@ def _move(
 def _checked_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[int, ...]:
     """-> packed shape [num_layers, 2, num_tokens, num_kv_heads, head_dim]."""
     validation.check_kv_cache(kv_cache)
-    check_kernel_device("kv_cache", kv_cache)
+    check_kernel_device("kv_cache", kv_cache, _move_kv_rows_kernel)
     validation.check_slot_mapping(slot_mapping, None, kv_cache.device)
     num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
     return (num_layers, 2, slot_mapping.numel(), num_kv_heads, head_dim)
@@ -175,7 +175,7 @@ def unpack_kv(
 def _checked_layer(kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[int, ...]:
     """-> packed layer shape [2, num_tokens, num_kv_heads, head_dim]."""
     validation.check_kv_layer(kv_layer)
-    check_kernel_device("kv_layer", kv_layer)
+    check_kernel_device("kv_layer", kv_layer, _move_kv_rows_kernel)
     validation.check_slot_mapping(slot_mapping, None, kv_layer.device)
     return (2, slot_mapping.numel(), kv_layer.shape[3], kv_layer.shape[4])
 

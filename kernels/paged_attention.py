@@ -173,7 +173,7 @@ def paged_attention(
     hot path passes max_query_len and check_values=False once it built the metadata itself.
     """
     validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
-    check_kernel_device("query", query)
+    check_kernel_device("query", query, _paged_attention_kernel)
     if query.shape[2] > 1 and query.stride(2) != 1:
         raise ValueError(f"query must be contiguous along head_dim, got strides {query.stride()}")
     num_tokens, num_heads, head_dim = query.shape

@@ -77,7 +77,7 @@ def reshape_and_cache(
             raise ValueError(f"{name} must be contiguous along head_dim, got strides {tensor.stride()}")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
-    check_kernel_device("kv_layer", kv_layer)
+    check_kernel_device("kv_layer", kv_layer, _reshape_and_cache_kernel)
     validation.check_slot_mapping(slot_mapping, key.shape[0], kv_layer.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
     if check_values:

@@ -9,6 +9,8 @@ import logging
 
 import click
 
+from cache_server.cli import admin, cache_server
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
@@ -43,6 +45,15 @@ def make_tiny_model_cmd(directory: str, arch: str, seed: int) -> None:
 
     path = make_tiny_model(directory, arch=arch, seed=seed)
     click.echo(f"wrote a tiny {arch} model to {path}")
+
+
+main.add_command(cache_server)
+main.add_command(admin)
+
+
+from engine.generate_cli import generate  # noqa: E402 (subcommands attach after the group)
+
+main.add_command(generate)
 
 
 if __name__ == "__main__":

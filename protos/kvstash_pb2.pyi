@@ -55,10 +55,8 @@ class DeleteRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
-    __slots__ = ("deleted",)
-    DELETED_FIELD_NUMBER: _ClassVar[int]
-    deleted: bool
-    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -123,14 +121,12 @@ class ListKeysRequest(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class KeyEntry(_message.Message):
-    __slots__ = ("key", "size_bytes", "tier")
+    __slots__ = ("key", "tier")
     KEY_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     key: str
-    size_bytes: int
     tier: str
-    def __init__(self, key: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ListKeysResponse(_message.Message):
     __slots__ = ("entries", "next_page_token")
@@ -147,22 +143,22 @@ class InfoRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("entry", "dtype", "shape", "layout", "codec", "num_tokens", "format_version")
+    __slots__ = ("entry", "size_bytes", "dtype", "shape", "layout", "num_tokens", "codec")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     entry: KeyEntry
+    size_bytes: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     layout: str
-    codec: str
     num_tokens: int
-    format_version: int
-    def __init__(self, entry: _Optional[_Union[KeyEntry, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layout: _Optional[str] = ..., codec: _Optional[str] = ..., num_tokens: _Optional[int] = ..., format_version: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, entry: _Optional[_Union[KeyEntry, _Mapping]] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layout: _Optional[str] = ..., num_tokens: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("key", "prefix")

@@ -1,0 +1,87 @@
+"""``kvstash cache-server``: run the cache server in the foreground until SIGTERM.
+
+Attached to the ``kvstash`` root group by ``engine/cli.py``; ``python -m
+cache_server`` runs the same command on its own.
+"""
+
+from __future__ import annotations
+
+import click
+
+from cache_server.admin_cli import admin
+from cache_server.config import AUTH_TOKEN_ENV, GIB, Limits, ServerConfig
+
+__all__ = ["admin", "cache_server"]
+
+
+@click.command("cache-server")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 for all)."
+)
+@click.option("--port", type=int, default=50051, show_default=True, help="TCP port; 0 picks a free one.")
+@click.option(
+    "--memory-gb", type=float, default=4.0, show_default=True, help="Byte cap of the memory tier, GiB."
+)
+@click.option(
+    "--disk-path", type=click.Path(file_okay=False), help="Folder of the disk tier (kept across restarts)."
+)
+@click.option("--disk-gb", type=float, help="Byte cap of the disk tier, GiB (default: unbounded).")
+@click.option("--redis-url", help="Redis below the disk tier, e.g. redis://redis:6379/0.")
+@click.option(
+    "--auth-token", envvar=AUTH_TOKEN_ENV, help=f"Bearer token clients must send (or ${AUTH_TOKEN_ENV})."
+)
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate chain for TLS.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key for TLS.")
+@click.option(
+    "--grace-s", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get on SIGTERM."
+)
+@click.option(
+    "--max-value-mb", type=float, default=256.0, show_default=True, help="Largest value accepted, MiB."
+)
+@click.option(
+    "--max-concurrent-streams",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Put/Get streams served at once.",
+)
+def cache_server(
+    host: str,
+    port: int,
+    memory_gb: float,
+    disk_path: str | None,
+    disk_gb: float | None,
+    redis_url: str | None,
+    auth_token: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    grace_s: float,
+    max_value_mb: float,
+    max_concurrent_streams: int,
+) -> None:
+    """Serve KV chunks over gRPC from memory, with optional disk and Redis tiers below."""
+    from cache_server.server import run
+
+    try:
+        config = ServerConfig(
+            host=host,
+            port=port,
+            memory_bytes=int(memory_gb * GIB),
+            disk_path=disk_path,
+            disk_bytes=int(disk_gb * GIB) if disk_gb is not None else None,
+            redis_url=redis_url,
+            auth_token=auth_token or None,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            grace_s=grace_s,
+            limits=Limits(
+                max_value_bytes=int(max_value_mb * (1 << 20)), max_concurrent_streams=max_concurrent_streams
+            ),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        run(config)
+    except (RuntimeError, ValueError, OSError) as exc:
+        # grpc reports a port it cannot bind as a RuntimeError; tiers raise ValueError or BackendError.
+        raise click.ClickException(f"cannot start the cache server on {host}:{port}: {exc}") from None

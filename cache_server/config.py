@@ -1,0 +1,75 @@
+"""The cache server's settings: where it listens, its storage tiers and its limits.
+
+Built once by the CLI (``kvstash cache-server``) or by a test, then read-only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GIB = 1 << 30
+MIB = 1 << 20
+#: environment variable with the bearer token (server and clients; storage_backends.grpc_backend reads it too)
+AUTH_TOKEN_ENV = "KVSTASH_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits; a request over one gets INVALID_ARGUMENT or RESOURCE_EXHAUSTED."""
+
+    #: longest key, in UTF-8 bytes
+    max_key_bytes: int = 1024
+    #: largest value; a 256-token chunk of an 8B model is 32 MiB, so leave room above it
+    max_value_bytes: int = 256 * MIB
+    #: most keys in one Contains call
+    max_contains_keys: int = 65536
+    #: Put and Get streams served at once; more are refused, not queued
+    max_concurrent_streams: int = 64
+    #: largest ListKeys page
+    max_page_size: int = 10000
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"limit {name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``cache_server.server.serve`` needs.
+
+    ``port`` 0 lets the OS pick a free port; the server prints the one it bound.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    memory_bytes: int = 4 * GIB
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    redis_url: str | None = None
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: seconds that in-flight calls get to finish after SIGTERM
+    grace_s: float = 10.0
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory capacity must be positive, got {self.memory_bytes} bytes")
+        if self.disk_bytes is not None and self.disk_bytes <= 0:
+            raise ValueError(f"disk capacity must be positive, got {self.disk_bytes} bytes")
+        if self.disk_bytes is not None and self.disk_path is None:
+            raise ValueError("a disk capacity was given without a disk path")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"TLS file not found: {path}")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("the auth token is empty")
+        if self.grace_s < 0:
+            raise ValueError(f"grace period must be >= 0 seconds, got {self.grace_s}")

@@ -1,0 +1,346 @@
+"""gRPC handlers of ``kvstash.v1.KVCache`` and ``kvstash.v1.Admin``.
+
+The handlers run on the server's asyncio loop; every storage call goes to a
+worker thread so one slow tier never stalls other calls. A request outside the
+limits, a corrupt value or an unknown key ends the call with a status code and a
+one-line message; an unexpected error is logged with its traceback on the server
+and reported as INTERNAL without details. No handler can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from cache_server.config import Limits
+from cache_server.store import TieredStore
+from protos import kvstash_pb2, kvstash_pb2_grpc
+from storage_backends.base import BackendError
+from storage_backends.chunk import verify_chunk
+from storage_backends.grpc_backend import PIECE_BYTES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 1000
+VERSION = "kvstash.v1"
+
+
+class RequestError(Exception):
+    """A refused request: ends the call with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and client-facing message for an exception raised by a handler."""
+    if isinstance(error, RequestError):
+        return error.code, error.message
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"invalid value: {error}"
+    if isinstance(error, BackendError):
+        return grpc.StatusCode.UNAVAILABLE, f"storage tier unavailable: {error}"
+    logger.exception("unexpected error in a cache server handler")
+    return grpc.StatusCode.INTERNAL, "internal server error (details are in the server log)"
+
+
+def unary_handler(method: Callable) -> Callable:
+    """Turn exceptions of a unary-response handler into statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - every error becomes a status, never a crash
+            code, message = _status_for(error)
+            self.counters.count_failure(code)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+def streaming_handler(method: Callable) -> Callable:
+    """Turn exceptions of a response-streaming handler into statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for response in method(self, request, context):
+                yield response
+        except Exception as error:  # noqa: BLE001 - every error becomes a status, never a crash
+            code, message = _status_for(error)
+            self.counters.count_failure(code)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+@dataclass
+class Counters:
+    """Server-wide counters; touched only on the event loop thread, so no lock."""
+
+    started_at: float = field(default_factory=time.monotonic)
+    num_active_streams: int = 0
+    num_puts: int = 0
+    num_gets: int = 0
+    num_get_hits: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    num_rejected: int = 0
+
+    def count_failure(self, code: grpc.StatusCode) -> None:
+        """A miss (NOT_FOUND) is an answer, not a rejected request."""
+        if code != grpc.StatusCode.NOT_FOUND:
+            self.num_rejected += 1
+
+
+def _short(key: str) -> str:
+    return key if len(key) <= 80 else key[:77] + "..."
+
+
+class _Checks:
+    """Limit checks shared by both services."""
+
+    def __init__(self, limits: Limits, counters: Counters) -> None:
+        self.limits = limits
+        self.counters = counters
+
+    def check_key(self, key: str) -> str:
+        if not key:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty key")
+        num_bytes = len(key.encode())
+        if num_bytes > self.limits.max_key_bytes:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"key of {num_bytes} bytes exceeds the limit of {self.limits.max_key_bytes} bytes",
+            )
+        return key
+
+    @contextlib.asynccontextmanager
+    async def stream_slot(self) -> AsyncIterator[None]:
+        """Hold one of the ``max_concurrent_streams`` slots for a Put or Get."""
+        if self.counters.num_active_streams >= self.limits.max_concurrent_streams:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many concurrent streams (limit {self.limits.max_concurrent_streams}); retry later",
+            )
+        self.counters.num_active_streams += 1
+        try:
+            yield
+        finally:
+            self.counters.num_active_streams -= 1
+
+
+class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
+    """Data plane. One instance per server; handlers may run concurrently."""
+
+    def __init__(self, store: TieredStore, limits: Limits, counters: Counters) -> None:
+        _Checks.__init__(self, limits, counters)
+        self.store = store
+
+    @unary_handler
+    async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
+        async with self.stream_slot():
+            key, pieces, num_received, total_size = None, [], 0, 0
+            async for request in request_iterator:
+                if key is None:
+                    key = self.check_key(request.key)
+                    total_size = self._check_size(request.total_size)
+                elif request.key and request.key != key:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
+                num_received += len(request.data)
+                if num_received > total_size:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"received more than the announced {total_size} bytes",
+                    )
+                pieces.append(request.data)
+            if key is None:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
+            if num_received != total_size:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"value truncated: got {num_received} of {total_size} announced bytes",
+                )
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            del pieces
+            await asyncio.to_thread(self.store.put, key, data)
+            self.counters.num_puts += 1
+            self.counters.bytes_received += total_size
+            return kvstash_pb2.PutResponse(num_bytes=total_size)
+
+    def _check_size(self, total_size: int) -> int:
+        if total_size == 0:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "total_size must be set on the first message"
+            )
+        if total_size > self.limits.max_value_bytes:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"value of {total_size} bytes exceeds the limit of {self.limits.max_value_bytes} bytes",
+            )
+        if total_size > self.store.memory_capacity_bytes:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"value of {total_size} bytes is larger than the memory tier "
+                f"({self.store.memory_capacity_bytes} bytes)",
+            )
+        return total_size
+
+    @streaming_handler
+    async def Get(self, request, context) -> AsyncIterator[kvstash_pb2.GetResponse]:
+        key = self.check_key(request.key)
+        async with self.stream_slot():
+            self.counters.num_gets += 1
+            stored = await asyncio.to_thread(self.store.get, key)
+            if stored is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+            self.counters.num_get_hits += 1
+            data = stored.data
+            total_size = len(data)
+            view = memoryview(data)
+            for start in range(0, total_size, PIECE_BYTES):
+                piece = bytes(view[start : start + PIECE_BYTES])
+                yield kvstash_pb2.GetResponse(total_size=total_size if start == 0 else 0, data=piece)
+            self.counters.bytes_sent += total_size
+
+    @unary_handler
+    async def Contains(self, request, context) -> kvstash_pb2.ContainsResponse:
+        keys = list(request.keys)
+        if len(keys) > self.limits.max_contains_keys:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys in one Contains exceeds the limit of {self.limits.max_contains_keys}",
+            )
+        for key in keys:
+            self.check_key(key)
+        num_hits = await asyncio.to_thread(self.store.contains, keys) if keys else 0
+        return kvstash_pb2.ContainsResponse(num_hits=num_hits)
+
+    @unary_handler
+    async def Delete(self, request, context) -> kvstash_pb2.DeleteResponse:
+        key = self.check_key(request.key)
+        if not await asyncio.to_thread(self.store.delete, key):
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+        return kvstash_pb2.DeleteResponse()
+
+
+class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
+    """Control plane for ``kvstash admin``."""
+
+    def __init__(self, store: TieredStore, limits: Limits, counters: Counters) -> None:
+        _Checks.__init__(self, limits, counters)
+        self.store = store
+
+    @unary_handler
+    async def Stats(self, request, context) -> kvstash_pb2.StatsResponse:
+        tier_stats = await asyncio.to_thread(self.store.stats)
+        counters = self.counters
+        return kvstash_pb2.StatsResponse(
+            tiers=[_tier_stats_message(stats) for stats in tier_stats],
+            uptime_s=time.monotonic() - counters.started_at,
+            num_active_streams=counters.num_active_streams,
+            num_puts=counters.num_puts,
+            num_gets=counters.num_gets,
+            num_get_hits=counters.num_get_hits,
+            bytes_received=counters.bytes_received,
+            bytes_sent=counters.bytes_sent,
+            num_rejected=counters.num_rejected,
+            version=VERSION,
+        )
+
+    @unary_handler
+    async def ListKeys(self, request, context) -> kvstash_pb2.ListKeysResponse:
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if page_size > self.limits.max_page_size:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"page_size {page_size} exceeds the limit of {self.limits.max_page_size}",
+            )
+        after = _decode_page_token(request.page_token)
+        key_to_tier = await asyncio.to_thread(self.store.key_to_tier, request.prefix)
+        # Paging by "keys after the last one returned" stays correct while keys come and go.
+        remaining = sorted(key for key in key_to_tier if after is None or key > after)
+        page = remaining[:page_size]
+        next_token = _encode_page_token(page[-1]) if len(remaining) > page_size else ""
+        return kvstash_pb2.ListKeysResponse(
+            entries=[kvstash_pb2.KeyEntry(key=key, tier=key_to_tier[key]) for key in page],
+            next_page_token=next_token,
+        )
+
+    @unary_handler
+    async def Info(self, request, context) -> kvstash_pb2.InfoResponse:
+        key = self.check_key(request.key)
+        stored = await asyncio.to_thread(self.store.peek, key)
+        if stored is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+        header = await asyncio.to_thread(verify_chunk, stored.data)
+        return kvstash_pb2.InfoResponse(
+            entry=kvstash_pb2.KeyEntry(key=key, tier=stored.tier),
+            size_bytes=len(stored.data),
+            dtype=str(header.dtype).removeprefix("torch."),
+            shape=list(header.shape),
+            layout=header.layout,
+            num_tokens=header.shape[header.layout.index("T")],
+            codec=header.codec,
+        )
+
+    @unary_handler
+    async def Evict(self, request, context) -> kvstash_pb2.EvictResponse:
+        if bool(request.key) == bool(request.prefix):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of key or prefix")
+        if request.key:
+            key = self.check_key(request.key)
+            if not await asyncio.to_thread(self.store.delete, key):
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+            return kvstash_pb2.EvictResponse(num_evicted=1)
+        num_evicted = await asyncio.to_thread(self.store.evict_prefix, request.prefix)
+        return kvstash_pb2.EvictResponse(num_evicted=num_evicted)
+
+    @unary_handler
+    async def Clear(self, request, context) -> kvstash_pb2.ClearResponse:
+        num_evicted = await asyncio.to_thread(self.store.evict_prefix, "")
+        return kvstash_pb2.ClearResponse(num_evicted=num_evicted)
+
+
+TIER_STAT_FIELDS = (
+    "num_keys",
+    "bytes_used",
+    "capacity_bytes",
+    "hits",
+    "misses",
+    "puts",
+    "evictions",
+    "corrupt",
+    "errors",
+)
+
+
+def _tier_stats_message(stats: dict) -> kvstash_pb2.TierStats:
+    # A tier without a cap reports capacity None; the message says 0.
+    values = {name: int(stats.get(name) or 0) for name in TIER_STAT_FIELDS}
+    return kvstash_pb2.TierStats(name=stats["name"], **values)
+
+
+def _encode_page_token(last_key: str) -> str:
+    return base64.urlsafe_b64encode(last_key.encode()).decode()
+
+
+def _decode_page_token(token: str) -> str | None:
+    if not token:
+        return None
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed page_token") from None

@@ -10,6 +10,7 @@ import logging
 import click
 
 from cache_server.cli import admin, cache_server
+from engine.generate_cli import generate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -50,8 +51,6 @@ def make_tiny_model_cmd(directory: str, arch: str, seed: int) -> None:
 main.add_command(cache_server)
 main.add_command(admin)
 
-
-from engine.generate_cli import generate  # noqa: E402 (subcommands attach after the group)
 
 main.add_command(generate)
 

@@ -1,0 +1,53 @@
+"""Click options for every `EngineArgs` field (flag = field name with `-`), shared
+by the commands that start an engine (`generate`, and later `serve`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from engine.config import EngineArgs
+
+_DEFAULTS = EngineArgs()
+
+#: field -> (click type, help); `kv_offload` is configured by the connector's own flags.
+_FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
+    "dtype": (click.Choice(["auto", "float32", "bfloat16", "float16"]), "Weights and KV dtype."),
+    "device": (str, "'auto', 'cpu' or 'cuda[:N]'."),
+    "block_size": (int, "Tokens per KV block."),
+    "num_gpu_blocks": (int, "KV blocks in the pool (default: from memory)."),
+    "gpu_memory_utilization": (float, "Fraction of GPU memory the engine may use."),
+    "cpu_kv_cache_bytes": (int, "KV cache bytes when running on CPU."),
+    "max_num_seqs": (int, "Most requests running at once."),
+    "max_num_batched_tokens": (int, "Token budget per step (chunked prefill)."),
+    "max_model_len": (int, "Context limit (default: the model's)."),
+    "enable_prefix_caching": (bool, "Reuse KV of shared prefixes on the GPU."),
+    "speculative": (click.Choice(["ngram"]), "Speculative decoding method."),
+    "num_speculative_tokens": (int, "Draft tokens per step."),
+    "load_format": (click.Choice(["auto", "dummy"]), "'dummy' = random weights."),
+    "seed": (int, "Engine seed."),
+}
+
+
+def engine_options(command: Callable) -> Callable:
+    """Decorate a click command with one option per `EngineArgs` field."""
+    for name, (option_type, help_text) in reversed(_FIELD_OPTIONS.items()):
+        flag = name.replace("_", "-")
+        default = getattr(_DEFAULTS, name)
+        if option_type is bool:
+            option = click.option(
+                f"--{flag}/--no-{flag}", name, default=default, show_default=True, help=help_text
+            )
+        else:
+            option = click.option(
+                f"--{flag}", name, type=option_type, default=default, show_default=True, help=help_text
+            )
+        command = option(command)
+    return command
+
+
+def engine_args_from_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The `EngineArgs` keyword arguments among a command's parsed options."""
+    return {name: options[name] for name in _FIELD_OPTIONS if name in options}

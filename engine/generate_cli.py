@@ -1,0 +1,40 @@
+"""`kvstash generate MODEL --prompt ...`: run prompts offline and print the text."""
+
+from __future__ import annotations
+
+import click
+
+from engine.engine_flags import engine_args_from_options, engine_options
+
+
+@click.command("generate")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable).")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--sampling-seed", type=int, default=None, help="Seed of each request's sampler.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@engine_options
+def generate(model: str, prompts: tuple[str, ...], **options) -> None:
+    """Generate text for each --prompt with the model in folder MODEL."""
+    from engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=options.pop("max_tokens"),
+            temperature=options.pop("temperature"),
+            top_p=options.pop("top_p"),
+            top_k=options.pop("top_k"),
+            seed=options.pop("sampling_seed"),
+            stop=list(options.pop("stop")) or None,
+            ignore_eos=options.pop("ignore_eos"),
+        )
+        llm = LLM(model, **engine_args_from_options(options))
+        outputs = llm.generate(list(prompts), params)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+    for output in outputs:
+        click.echo(output.text)

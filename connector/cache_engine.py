@@ -1,0 +1,295 @@
+"""``CacheEngine``: masked, chunk-aligned lookup, store and retrieve (DESIGN §5).
+
+Masks have the form ``F…FT…T`` (Falses only at the front). True means "store /
+retrieve this token"; False means the engine's GPU cache already holds it.
+Retrieve reads every chunk overlapping the True region and writes only the
+True tokens into the paged cache, so a False prefix need not be chunk-aligned
+and no token already on the GPU is rewritten. Its result is a CPU bool mask,
+True exactly for the tokens now in the paged cache from the store: a
+contiguous run from the first True that ends before the first missing, corrupt
+or failed chunk; nothing after that chunk is written.
+
+The worker-side connector uses the two-phase forms (``plan_load`` /
+``move_load`` / ``finish_load`` and ``begin_store`` / ``finish_store``) to
+overlap transfers with the forward pass; ``retrieve`` and ``store`` are the
+same phases run back to back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from connector.tiers import TierManager
+from connector.token_db import KV_LAYOUT, ChunkSpan, TokenDatabase
+from connector.transfer import KVMover
+
+log = logging.getLogger(__name__)
+
+Tokens = Sequence[int] | torch.Tensor
+
+
+class LoadPlan(NamedTuple):
+    """Chunks read from the tiers for one load, ready to move into the paged cache."""
+
+    chunks: list[torch.Tensor]  # host [num_layers, 2, chunk_tokens_i, num_kv_heads, head_dim]
+    slot_mappings: list[torch.Tensor]  # int64 [chunk_tokens_i] on the KV device, -1 = leave untouched
+    held_keys: list[str]  # CPU-tier read pins to release after the move
+    num_loaded_end: int  # tokens [start, num_loaded_end) are in the paged cache once moved
+
+
+class PendingStore(NamedTuple):
+    """Host buffers being filled from the paged cache, published by ``finish_store``."""
+
+    key_buffers: list[tuple[str, torch.Tensor]]
+    num_stored_tokens: int
+
+
+class CacheEngine:
+    """One per connector; used from the engine's step loop (not re-entrant)."""
+
+    def __init__(
+        self,
+        token_db: TokenDatabase,
+        tiers: TierManager,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.token_db = token_db
+        self.tiers = tiers
+        self.dtype = dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.chunk_shape = (num_layers, 2, token_db.chunk_size, num_kv_heads, head_dim)
+        self.bytes_per_token = (
+            num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
+        self._mover: KVMover | None = None
+        self.num_corrupt_chunks = 0
+
+    # ---- public API ----------------------------------------------------------
+    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
+        """Number of leading tokens whose KV some tier holds (stops at the first missing
+        chunk). ``pin=True`` keeps those chunks from eviction until the next retrieve of
+        these tokens or the pin timeout. Otherwise side-effect free."""
+        spans = self.token_db.chunk_spans(tokens)
+        self.tiers.expire_pins()
+        keys = [span.key for span in spans]
+        num_chunks = self.tiers.contains_prefix(keys)
+        if pin and num_chunks:
+            self.tiers.pin(keys[:num_chunks])
+        return spans[num_chunks - 1].end if num_chunks else 0
+
+    def store(
+        self,
+        tokens: Tokens,
+        mask: torch.Tensor | None = None,
+        *,
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [len(tokens)]
+    ) -> int:
+        """Store every chunk that overlaps the mask's True region (whole chunks, read
+        from the paged cache at ``slot_mapping``). Returns the tokens newly stored."""
+        start = self._check(tokens, mask, kv_caches, slot_mapping)
+        pending = self.begin_store(tokens, start, kv_caches=kv_caches, slot_mapping=slot_mapping)
+        self.mover(kv_caches).synchronize()
+        return self.finish_store(pending)
+
+    def retrieve(
+        self,
+        tokens: Tokens,
+        mask: torch.Tensor | None = None,
+        *,
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [len(tokens)]
+    ) -> torch.Tensor:
+        """Write the True tokens' KV from the tiers into the paged cache; returns the
+        CPU bool mask [len(tokens)] of the tokens now there from the store."""
+        start = self._check(tokens, mask, kv_caches, slot_mapping)
+        num_tokens = len(tokens)
+        ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
+        if start == num_tokens:
+            return ret_mask
+        plan = self.plan_load(tokens, start, num_tokens, kv_caches=kv_caches, slot_mapping=slot_mapping)
+        self.move_load(plan, kv_caches)
+        self.finish_load(plan)
+        ret_mask[start : plan.num_loaded_end] = True
+        return ret_mask
+
+    # ---- phases --------------------------------------------------------------
+    def mover(self, kv_caches: torch.Tensor) -> KVMover:
+        """The mover for the KV tensor's device (made on first use)."""
+        if self._mover is None or self._mover.device != kv_caches.device:
+            self._mover = KVMover(kv_caches.device, self.dtype, self.chunk_shape)
+        return self._mover
+
+    def plan_load(
+        self,
+        tokens: Tokens,
+        start: int,
+        end: int,
+        *,
+        kv_caches: torch.Tensor,
+        slot_mapping: torch.Tensor,  # int64 [end]
+    ) -> LoadPlan:
+        """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
+        come from all of ``tokens``, which may run past ``end``). Stops at the first
+        missing or corrupt chunk. Releases the lookup pins of these chunks."""
+        spans = [span for span in self.token_db.chunk_spans(tokens) if span.end > start and span.start < end]
+        keys = [span.key for span in spans]
+        chunks, held_keys = self.tiers.get_prefix(keys)
+        self.tiers.unpin(keys)
+        tensors = []
+        for span, chunk in zip(spans, chunks, strict=False):
+            if not self._chunk_fits(span, chunk):
+                break
+            tensors.append(chunk.tensor)
+        if not tensors:
+            return LoadPlan([], [], held_keys, start)
+        loaded = spans[: len(tensors)]
+        num_loaded_end = min(end, loaded[-1].end)
+        # One host tensor of slots for every loaded chunk, -1 outside [start, num_loaded_end).
+        slots = torch.full((loaded[-1].end - loaded[0].start,), -1, dtype=torch.int64)
+        offset = loaded[0].start
+        slots[start - offset : num_loaded_end - offset] = slot_mapping[start:num_loaded_end].cpu()
+        slots = slots.to(kv_caches.device, non_blocking=True)
+        slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
+        return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end)
+
+    def move_load(self, plan: LoadPlan, kv_caches: torch.Tensor, layer: int | None = None) -> None:
+        """Queue the plan's moves (all layers, or one layer) on the mover."""
+        mover = self.mover(kv_caches)
+        for chunk, slots in zip(plan.chunks, plan.slot_mappings, strict=True):
+            mover.load(chunk, kv_caches, slots, layer)
+
+    def finish_load(self, plan: LoadPlan) -> None:
+        """Wait for the plan's moves and drop its CPU-tier read pins."""
+        if self._mover is not None:
+            self._mover.synchronize()
+        self.tiers.release(plan.held_keys)
+
+    def begin_store(
+        self,
+        tokens: Tokens,
+        start: int,
+        *,
+        kv_caches: torch.Tensor,
+        slot_mapping: torch.Tensor,  # int64 [len(tokens)], valid for every token of the stored chunks
+    ) -> PendingStore:
+        """Queue copies of every chunk of ``tokens`` overlapping ``[start, len(tokens))``
+        into host buffers (CPU-tier slots). Chunks the CPU tier already holds are skipped."""
+        spans = [span for span in self.token_db.chunk_spans(tokens) if span.end > start]
+        if not spans:
+            return PendingStore([], 0)
+        host_slots = slot_mapping[spans[0].start : spans[-1].end].cpu()
+        num_slots = kv_caches.shape[2] * kv_caches.shape[3]
+        if host_slots.numel() and (int(host_slots.min()) < 0 or int(host_slots.max()) >= num_slots):
+            raise ValueError(
+                f"slot_mapping must hold a slot in [0, {num_slots}) for every token of the chunks to "
+                f"store (tokens {spans[0].start}..{spans[-1].end}), got min {int(host_slots.min())} "
+                f"max {int(host_slots.max())}"
+            )
+        mover = self.mover(kv_caches)
+        mover.wait_for_compute()
+        device_slots = host_slots.to(kv_caches.device, non_blocking=True)
+        offset = spans[0].start
+        key_buffers = []
+        num_stored_tokens = 0
+        for span in spans:
+            shape = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
+            buffer = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
+            if buffer is None:
+                continue
+            try:
+                mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], buffer)
+            except Exception:
+                self.tiers.abort_put(span.key)
+                raise
+            key_buffers.append((span.key, buffer))
+            num_stored_tokens += span.end - span.start
+        return PendingStore(key_buffers, num_stored_tokens)
+
+    def finish_store(self, pending: PendingStore) -> int:
+        """Publish filled buffers (call after the mover synchronized); returns tokens stored."""
+        for key, buffer in pending.key_buffers:
+            self.tiers.end_put(key, buffer)
+        return pending.num_stored_tokens
+
+    # ---- checks --------------------------------------------------------------
+    def _chunk_fits(self, span: ChunkSpan, chunk) -> bool:
+        expected = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
+        tensor = chunk.tensor
+        if tuple(tensor.shape) == expected and tensor.dtype == self.dtype and chunk.layout == KV_LAYOUT:
+            return True
+        self.num_corrupt_chunks += 1
+        log.warning(
+            "chunk %s has shape %s %s layout %s, expected %s %s %s: treated as a miss",
+            span.key,
+            tuple(tensor.shape),
+            tensor.dtype,
+            chunk.layout,
+            expected,
+            self.dtype,
+            KV_LAYOUT,
+        )
+        return False
+
+    def _check(
+        self, tokens: Tokens, mask: torch.Tensor | None, kv_caches: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> int:
+        """Validate a store/retrieve call; returns the index of the mask's first True
+        (``len(tokens)`` when there is none)."""
+        num_tokens = len(tokens)
+        expected = f"[{self.num_layers}, 2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}]"
+        if not isinstance(kv_caches, torch.Tensor) or kv_caches.dim() != 6:
+            raise ValueError(f"kv_caches must be one tensor {expected}, got {_describe(kv_caches)}")
+        shape = tuple(kv_caches.shape)
+        if shape[0] != self.num_layers or shape[1] != 2 or shape[4:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"kv_caches has shape {list(shape)}, expected {expected}")
+        if kv_caches.dtype != self.dtype:
+            raise ValueError(f"kv_caches has dtype {kv_caches.dtype}, expected {self.dtype}")
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+            raise ValueError(f"slot_mapping must be a 1-D int64 tensor, got {_describe(slot_mapping)}")
+        if slot_mapping.dtype != torch.int64:
+            raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+        if slot_mapping.numel() != num_tokens:
+            raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries but tokens has {num_tokens}")
+        if slot_mapping.device.type != "cpu" and slot_mapping.device != kv_caches.device:
+            raise ValueError(f"slot_mapping is on {slot_mapping.device}, kv_caches on {kv_caches.device}")
+        start = mask_start(mask, num_tokens)
+        if start < num_tokens:
+            needed = slot_mapping[start:].cpu()
+            num_slots = shape[2] * shape[3]
+            if int(needed.min()) < 0 or int(needed.max()) >= num_slots:
+                raise ValueError(
+                    f"slot_mapping of the masked-in tokens must lie in [0, {num_slots}), "
+                    f"got min {int(needed.min())} max {int(needed.max())}"
+                )
+        return start
+
+
+def mask_start(mask: torch.Tensor | None, num_tokens: int) -> int:
+    """Index of the first True of a ``F…FT…T`` mask of length ``num_tokens`` (0 for None,
+    ``num_tokens`` for all-False). Any other form is a ``ValueError``."""
+    if mask is None:
+        return 0
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 1 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a 1-D bool tensor, got {_describe(mask)}")
+    if mask.numel() != num_tokens:
+        raise ValueError(f"mask has {mask.numel()} entries but tokens has {num_tokens}")
+    host_mask = mask.cpu()
+    num_false = num_tokens - int(host_mask.sum())
+    if bool(host_mask[:num_false].any()):
+        raise ValueError("mask must have the form F...FT...T (Falses only at the front)")
+    return num_false
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,187 @@
+"""``OffloadConfig``: what the connector stores where (DESIGN §5).
+
+Built by the engine's caller (``engine.LLM(kv_offload=...)``), by the CLI flags
+in ``engine/offload_cli.py``, from a YAML file or from ``KVSTASH_KV_OFFLOAD_*``
+environment variables. Validation happens once, at construction, and raises
+``ValueError`` naming the bad field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+GIB = 1 << 30
+
+#: schemes accepted for ``remote_url`` (the storage backends implement each)
+REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "grpc", "grpcs")
+CODECS = ("none", "lz4")
+
+#: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
+ENV_PREFIX = "KVSTASH_KV_OFFLOAD_"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Connector settings. Sizes are bytes; 0 CPU bytes means no CPU tier."""
+
+    #: tokens per chunk; chunk keys and the unit of store/retrieve
+    chunk_size: int = 256
+    #: byte cap of the CPU-memory tier (pinned when CUDA is used); 0 disables it
+    cpu_bytes: int = 4 * GIB
+    #: folder of the local-disk tier; None disables it
+    disk_path: str | None = None
+    #: byte cap of the local-disk tier
+    disk_bytes: int = 16 * GIB
+    #: remote tier: redis://, rediss://, redis+cluster://, grpc:// or grpcs:// URL; None disables it
+    remote_url: str | None = None
+    #: serialization codec for disk and remote tiers
+    codec: str = "none"
+    #: store the trailing partial chunk of a prompt under its own key
+    save_partial_chunks: bool = True
+    #: load layer by layer so loading layer l+1 overlaps computing layer l (CUDA)
+    layerwise: bool = False
+    #: chunks waiting to be written to lower tiers; beyond it lower-tier writes are dropped (counted)
+    save_queue_size: int = 256
+    #: seconds after which a pin taken by ``lookup(pin=True)`` is released if no retrieve came
+    pin_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        for name in ("cpu_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer number of bytes, got {value!r}")
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise ValueError(f"disk_path must be a non-empty path string or None, got {self.disk_path!r}")
+        if self.disk_path is not None and self.disk_bytes == 0:
+            raise ValueError("disk_bytes must be positive when disk_path is set")
+        if self.remote_url is not None:
+            scheme = urlparse(self.remote_url).scheme if isinstance(self.remote_url, str) else None
+            if scheme not in REMOTE_SCHEMES:
+                raise ValueError(
+                    f"remote_url {self.remote_url!r} must start with one of "
+                    + ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
+                )
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        for name in ("save_partial_chunks", "layerwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if isinstance(self.save_queue_size, bool) or not isinstance(self.save_queue_size, int):
+            raise ValueError(f"save_queue_size must be an integer, got {self.save_queue_size!r}")
+        if self.save_queue_size <= 0:
+            raise ValueError(f"save_queue_size must be positive, got {self.save_queue_size}")
+        if not isinstance(self.pin_timeout_s, (int, float)) or not self.pin_timeout_s > 0:
+            raise ValueError(
+                f"pin_timeout_s must be a positive number of seconds, got {self.pin_timeout_s!r}"
+            )
+        if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
+            raise ValueError("no tier configured: set cpu_bytes > 0, disk_path or remote_url")
+
+    # ---- construction from text sources --------------------------------------
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
+        """Build from field names (plus ``cpu_gb``/``disk_gb`` in GiB); values may be
+        strings (as in env vars) and are converted to each field's type."""
+        return cls(**parse_fields(values, source=source))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> OffloadConfig:
+        """Read a YAML mapping of field names (see :meth:`from_mapping`)."""
+        return cls.from_mapping(read_yaml(path), source=str(path))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OffloadConfig:
+        """Read ``KVSTASH_KV_OFFLOAD_<FIELD>`` variables (e.g. ``KVSTASH_KV_OFFLOAD_CPU_GB=8``)."""
+        return cls.from_mapping(env_values(os.environ if environ is None else environ), source="environment")
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(OffloadConfig)}
+_GIB_ALIASES = {"cpu_gb": "cpu_bytes", "disk_gb": "disk_bytes"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    kind = _FIELD_TYPES[name]
+    if value is None or not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(text)
+    except ValueError:
+        raise ValueError(f"{source}: {name} has an invalid value {value!r}") from None
+    if kind == "str | None" and text.lower() in ("", "none"):
+        return None
+    return text
+
+
+def parse_fields(values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """Normalize a mapping of user-facing names to ``OffloadConfig`` keyword arguments.
+
+    ``cpu_gb``/``disk_gb`` (GiB, may be fractional) become ``cpu_bytes``/``disk_bytes``.
+    Unknown names raise ``ValueError`` listing them.
+    """
+    unknown = sorted(set(values) - set(_FIELD_TYPES) - set(_GIB_ALIASES))
+    if unknown:
+        raise ValueError(f"{source}: unknown offload setting(s) {', '.join(unknown)}")
+    fields: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in _GIB_ALIASES:
+            try:
+                gib = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{source}: {name} must be a number of GiB, got {value!r}") from None
+            if gib < 0:
+                raise ValueError(f"{source}: {name} must not be negative, got {value!r}")
+            fields[_GIB_ALIASES[name]] = int(gib * GIB)
+        else:
+            fields[name] = _convert(name, value, source)
+    return fields
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a YAML file holding one mapping (empty file = empty mapping)."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"offload config file {str(file)!r} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"offload config file {str(file)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"offload config file {str(file)!r} must hold a mapping of settings")
+    return data
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``KVSTASH_KV_OFFLOAD_*`` variables as a settings mapping (lower-case names).
+
+    ``KVSTASH_KV_OFFLOAD`` (the on switch) and ``KVSTASH_KV_OFFLOAD_CONFIG`` (a YAML
+    path) are not settings and are left out.
+    """
+    values = {}
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG":
+            values[key[len(ENV_PREFIX) :].lower()] = value
+    return values

@@ -1,0 +1,206 @@
+"""The connector's CPU-memory tier: one chunk-shaped slot per chunk in a pinned slab.
+
+Why not ``storage_backends``' ``cpu://`` backend: that one copies on every get
+and put (its contract, right for a server holding bytes). The connector's
+CPU tier sits on the transfer path, so here a slot *is* the staging buffer:
+a store copies the paged cache straight into a slot (device → pinned host,
+one DMA), a retrieve copies straight out of it (pinned host → device, one DMA).
+Every slot holds ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` of the
+model's dtype, so slots never fragment and the byte cap is the slab's size.
+
+Zero-copy reads: :meth:`get` returns a view into the slab. A view stays valid
+only while its key holds a pin (:meth:`pin`) — the tier manager takes one for
+every read and releases it after the transfer. Writes go through
+:meth:`reserve` (a slot that nobody can see yet) and :meth:`publish`.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from storage_backends.base import CapacityError, StorageBackend
+from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
+from storage_backends.counters import Counters
+from storage_backends.lru import LRUIndex
+
+
+class PinnedChunkPool(StorageBackend):
+    """Byte-capped LRU pool of chunk slots; pinned host memory when ``pin_memory``."""
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        chunk_shape: tuple[int, ...],  # [num_layers, 2, chunk_size, num_kv_heads, head_dim]
+        dtype: torch.dtype,
+        *,
+        pin_memory: bool,
+        layout: str,
+    ) -> None:
+        if len(chunk_shape) != 5 or chunk_shape[1] != 2:
+            raise ValueError(
+                f"chunk_shape must be [num_layers, 2, chunk_size, heads, head_dim], got {chunk_shape}"
+            )
+        self.slot_numel = math.prod(chunk_shape)
+        self.slot_bytes = self.slot_numel * torch.empty((), dtype=dtype).element_size()
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots == 0:
+            raise ValueError(
+                f"cpu tier of {capacity_bytes} bytes cannot hold one chunk of {self.slot_bytes} bytes; "
+                "raise cpu_bytes or lower chunk_size"
+            )
+        self.chunk_shape = tuple(chunk_shape)
+        self.layout = layout
+        self.pinned = pin_memory
+        self._slab = torch.empty((self.num_slots, self.slot_numel), dtype=dtype, pin_memory=pin_memory)
+        self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
+        self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
+        self._key_to_reserved: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+        self._counters = Counters()
+
+    def _view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._slab[slot_id, : math.prod(shape)].view(shape)
+
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        expected = self.chunk_shape
+        if (
+            len(shape) != 5
+            or shape[:2] != expected[:2]
+            or shape[3:] != expected[3:]
+            or not 0 < shape[2] <= expected[2]
+        ):
+            raise ValueError(f"chunk shape {tuple(shape)} does not fit a cpu-tier slot of shape {expected}")
+
+    # ---- reads ---------------------------------------------------------------
+    def contains(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            num_present = 0
+            for key in keys:
+                if self._index.get(key) is None:
+                    break
+                num_present += 1
+            return num_present
+
+    def get(self, key: str) -> KVChunk | None:
+        """A zero-copy view of the chunk; hold a pin on ``key`` while reading it."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._counters.add("misses")
+                return None
+            slot_id, shape = entry.record
+            view = self._view(slot_id, shape)
+        self._counters.add("hits")
+        return KVChunk(view, self.layout)
+
+    def get_encoded(self, key: str) -> bytes | None:
+        if self.pin([key]) == 0:
+            return None
+        try:
+            chunk = self.get(key)
+            return None if chunk is None else encode_chunk(chunk)
+        finally:
+            self.unpin([key])
+
+    # ---- writes --------------------------------------------------------------
+    def reserve(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A slot to fill with the chunk stored under ``key``, invisible until :meth:`publish`.
+
+        Evicts least-recently-used unpinned chunks. Returns None when ``key`` is
+        already stored or reserved (same key, same KV: nothing to do). Raises
+        ``CapacityError`` when pinned chunks leave no room.
+        """
+        self._check_shape(tuple(shape))
+        with self._lock:
+            if key in self._index or key in self._key_to_reserved:
+                self._index.get(key)  # refresh recency
+                return None
+            if not self._free_slot_ids:
+                victim_keys = self._index.victims_for(1)
+                if victim_keys is None:
+                    self._counters.add("rejected")
+                    raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")
+                for victim_key in victim_keys:
+                    self._free_slot_ids.append(self._index.remove(victim_key).record[0])
+                self._counters.add("evictions", len(victim_keys))
+            slot_id = self._free_slot_ids.pop()
+            self._key_to_reserved[key] = (slot_id, tuple(shape))
+            return self._view(slot_id, tuple(shape))
+
+    def is_reserved(self, key: str) -> bool:
+        with self._lock:
+            return key in self._key_to_reserved
+
+    def publish(self, key: str) -> None:
+        """Make a filled reservation readable (most recently used)."""
+        with self._lock:
+            slot_id, shape = self._key_to_reserved.pop(key)
+            self._index.add(key, 1, (slot_id, shape))
+        self._counters.add("puts")
+
+    def cancel(self, key: str) -> None:
+        """Give back a reservation that will not be filled (the transfer failed)."""
+        with self._lock:
+            reserved = self._key_to_reserved.pop(key, None)
+            if reserved is not None:
+                self._free_slot_ids.append(reserved[0])
+
+    def put(self, key: str, chunk: KVChunk) -> None:
+        if chunk.layout != self.layout:
+            raise ValueError(f"cpu tier stores layout {self.layout!r}, got {chunk.layout!r}")
+        slot = self.reserve(key, tuple(chunk.tensor.shape))
+        if slot is None:
+            return
+        try:
+            slot.copy_(chunk.tensor)
+        except Exception:
+            self.cancel(key)
+            raise
+        self.publish(key)
+
+    def put_encoded(self, key: str, data: bytes) -> None:
+        self.put(key, decode_chunk(data))
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` unless a reader holds a pin on it (its view must stay valid)."""
+        with self._lock:
+            entry = self._index.get(key, touch=False)
+            if entry is None or entry.num_pins > 0:
+                return False
+            self._free_slot_ids.append(self._index.remove(key).record[0])
+            return True
+
+    # ---- pins ----------------------------------------------------------------
+    def pin(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._index.pin(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._index.unpin(keys)
+
+    # ---- listing, stats ------------------------------------------------------
+    def keys(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return [key for key, _ in self._index.items() if key.startswith(prefix)]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            gauges = {
+                "num_keys": len(self._index),
+                "bytes_used": self._index.used * self.slot_bytes,
+                "capacity_bytes": self.num_slots * self.slot_bytes,
+                "num_slots": self.num_slots,
+                "slot_bytes": self.slot_bytes,
+                "num_pinned": self._index.num_pinned(),
+                "pinned_memory": self.pinned,
+            }
+        return {**gauges, **self._counters.snapshot()}

@@ -1,0 +1,385 @@
+"""Tier manager: CPU memory → local disk → remote, over ``storage_backends`` (DESIGN §5).
+
+Stores go to the CPU tier at once and are written through to the lower tiers
+by one background thread fed by a bounded queue; when the queue is full the
+lower-tier writes are dropped and counted so the engine's step loop never
+stalls on slow I/O. Reads walk the tiers top-down; a chunk found below the CPU
+tier is promoted into it. Pins (taken by ``lookup(pin=True)``) keep CPU-tier
+chunks from being evicted until the retrieve releases them or they time out.
+
+The CPU tier is the connector's own :class:`~connector.cpu_tier.PinnedChunkPool`
+(zero-copy reads and writes on the transfer path); the lower tiers come from
+``storage_backends.create_backend``.
+
+Any tier error is a miss (reads) or a dropped write (stores): it is counted per
+tier and logged once when the tier starts failing and once when it recovers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from connector.config import OffloadConfig
+from connector.cpu_tier import PinnedChunkPool
+from connector.token_db import KV_LAYOUT
+from storage_backends import create_backend
+from storage_backends.base import StorageBackend
+from storage_backends.chunk import KVChunk
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class TierHealth:
+    """Error bookkeeping for one tier; logs once per incident, not per request."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.failing = False
+        self.counts: Counter[str] = Counter()
+
+    def failed(self, operation: str, exc: BaseException) -> None:
+        self.counts["errors"] += 1
+        if not self.failing:
+            self.failing = True
+            log.warning("tier %s failing (%s: %s); treating its reads as misses", self.name, operation, exc)
+
+    def succeeded(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.info("tier %s recovered after %d errors", self.name, self.counts["errors"])
+
+
+def backend_urls(config: OffloadConfig) -> list[str]:
+    """The ``create_backend`` URLs of the configured lower tiers (disk, then remote)."""
+    urls = []
+    if config.disk_path is not None:
+        urls.append(
+            f"file://{Path(config.disk_path).resolve()}?capacity={config.disk_bytes}&codec={config.codec}"
+        )
+    if config.remote_url is not None:
+        separator = "&" if "?" in config.remote_url else "?"
+        urls.append(f"{config.remote_url}{separator}codec={config.codec}")
+    return urls
+
+
+class TierManager:
+    """The ordered tiers of one connector. Thread-safe; called by the cache engine
+    on every lookup, store and retrieve, and owns the write-through thread."""
+
+    def __init__(
+        self,
+        cpu: PinnedChunkPool | None,
+        lower: Sequence[StorageBackend],
+        *,
+        dtype: torch.dtype,
+        save_queue_size: int,
+        pin_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cpu = cpu
+        self.lower = list(lower)
+        self.tiers: list[StorageBackend] = ([cpu] if cpu is not None else []) + self.lower
+        if not self.tiers:
+            raise ValueError("TierManager needs at least one tier")
+        self.health = {id(tier): TierHealth(tier.name) for tier in self.tiers}
+        self.dtype = dtype
+        self.pin_timeout_s = pin_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # key -> one (deadline, tiers holding the pin) per pin taken, oldest first
+        self._key_to_pins: dict[str, list[tuple[float, list[StorageBackend]]]] = {}
+        # tiers that evict on their own override StorageBackend.pin
+        self._pinnable = [tier for tier in self.tiers if type(tier).pin is not StorageBackend.pin]
+        self._counts: Counter[str] = Counter()
+        self._write_queue: queue.Queue = queue.Queue(maxsize=save_queue_size)
+        self._writer: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: OffloadConfig,
+        chunk_shape: tuple[int, ...],  # [num_layers, 2, chunk_size, num_kv_heads, head_dim]
+        dtype: torch.dtype,
+        *,
+        pin_memory: bool,
+    ) -> TierManager:
+        """Build the configured tiers; ``pin_memory`` when the KV cache is on CUDA."""
+        cpu = None
+        if config.cpu_bytes > 0:
+            cpu = PinnedChunkPool(
+                config.cpu_bytes, chunk_shape, dtype, pin_memory=pin_memory, layout=KV_LAYOUT
+            )
+        lower: list[StorageBackend] = []
+        try:
+            for url in backend_urls(config):
+                lower.append(create_backend(url))
+        except Exception:
+            for tier in lower:
+                tier.close()
+            raise
+        return cls(
+            cpu,
+            lower,
+            dtype=dtype,
+            save_queue_size=config.save_queue_size,
+            pin_timeout_s=config.pin_timeout_s,
+        )
+
+    # ---- reads ---------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are present in some tier (each key may sit in a
+        different tier). Side-effect free apart from LRU recency."""
+        num_found = 0
+        progressed = True
+        while progressed and num_found < len(keys):
+            progressed = False
+            for tier in self.tiers:
+                try:
+                    num_more = tier.contains(keys[num_found:])
+                except Exception as exc:
+                    self.health[id(tier)].failed("contains", exc)
+                    continue
+                self.health[id(tier)].succeeded()
+                if num_more:
+                    num_found += num_more
+                    progressed = True
+                    if num_found == len(keys):
+                        break
+        return num_found
+
+    def get_prefix(self, keys: Sequence[str]) -> tuple[list[KVChunk], list[str]]:
+        """The chunks of the leading present ``keys`` (stops at the first key that no
+        tier returns). Lower-tier hits are promoted into the CPU tier.
+
+        Returns ``(chunks, held_keys)``: CPU-tier chunks are zero-copy views kept
+        valid by a pin on each of ``held_keys``; the caller must :meth:`release`
+        them once its transfer has finished reading.
+        """
+        key_to_found: dict[str, tuple[KVChunk, StorageBackend]] = {}
+        held_keys: list[str] = []
+        if self.cpu is not None:
+            for key in keys:
+                if self.cpu.pin([key]) == 1:
+                    chunk = self.cpu.get(key)
+                    held_keys.append(key)
+                    if chunk is not None:
+                        key_to_found[key] = (chunk, self.cpu)
+        for tier in self.lower:
+            wanted = [key for key in keys if key not in key_to_found]
+            if not wanted:
+                break
+            try:
+                key_chunk_pairs = list(zip(wanted, tier.get_many(wanted), strict=True))
+            except Exception as exc:
+                self.health[id(tier)].failed("get", exc)
+                continue
+            self.health[id(tier)].succeeded()
+            for key, chunk in key_chunk_pairs:
+                if chunk is not None:
+                    key_to_found[key] = (chunk, tier)
+        found = []
+        for key in keys:
+            if key not in key_to_found:
+                break
+            chunk, tier = key_to_found[key]
+            found.append(chunk)
+            self._counts[f"hits_{tier.name}"] += 1
+            if self.cpu is not None and tier is not self.cpu:
+                self._put_cpu(key, chunk)
+                self._counts["promotions"] += 1
+        return found, held_keys
+
+    def release(self, held_keys: Sequence[str]) -> None:
+        """Drop the read pins that :meth:`get_prefix` took."""
+        if self.cpu is not None and held_keys:
+            self.cpu.unpin(held_keys)
+
+    # ---- writes --------------------------------------------------------------
+    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor | None:
+        """A host buffer ``shape`` ([num_layers, 2, num_tokens, heads, head_dim]) to fill
+        with the chunk for ``key``: a CPU-tier slot, or a private tensor when there is
+        no CPU tier or it has no room. None when the CPU tier already holds ``key``.
+        Follow with :meth:`end_put` (filled) or :meth:`abort_put`."""
+        if self.cpu is not None:
+            try:
+                return self.cpu.reserve(key, shape)
+            except Exception as exc:
+                self.health[id(self.cpu)].failed("put", exc)
+                self._counts["dropped_writes_cpu"] += 1
+        if not self.lower:
+            return None
+        return torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory)
+
+    def end_put(self, key: str, buffer: torch.Tensor) -> None:
+        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks)."""
+        in_cpu = self.cpu is not None and self.cpu.is_reserved(key)
+        if in_cpu:
+            self.cpu.publish(key)
+        if not self.lower:
+            return
+        if in_cpu and self.cpu.pin([key]) == 0:
+            return  # evicted at once by a concurrent put: nothing valid to write through
+        self._ensure_writer()
+        try:
+            self._write_queue.put_nowait((key, KVChunk(buffer, KV_LAYOUT), in_cpu))
+        except queue.Full:
+            self._counts["dropped_writes"] += 1
+            if in_cpu:
+                self.cpu.unpin([key])
+
+    def abort_put(self, key: str) -> None:
+        """Forget a :meth:`begin_put` buffer that was not filled."""
+        if self.cpu is not None:
+            self.cpu.cancel(key)
+
+    def put(self, key: str, chunk: KVChunk) -> None:
+        """Store a host chunk (copying it into the CPU tier) and queue its write-through."""
+        buffer = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
+        if buffer is not None:
+            buffer.copy_(chunk.tensor)
+            self.end_put(key, buffer)
+
+    def _put_cpu(self, key: str, chunk: KVChunk) -> None:
+        """Copy a lower-tier hit into the CPU tier (no write-through: it came from below)."""
+        try:
+            self.cpu.put(key, chunk)
+            self.health[id(self.cpu)].succeeded()
+        except Exception as exc:
+            self.health[id(self.cpu)].failed("promote", exc)
+
+    def _ensure_writer(self) -> None:
+        with self._lock:
+            if self._writer is None and not self._closed:
+                self._writer = threading.Thread(
+                    target=self._write_through, name="kvstash-write-through", daemon=True
+                )
+                self._writer.start()
+
+    def _write_through(self) -> None:
+        """Background loop: drain the queue in batches into every lower tier."""
+        while True:
+            item = self._write_queue.get()
+            batch = [item]
+            while True:
+                try:
+                    batch.append(self._write_queue.get_nowait())
+                except queue.Empty:
+                    break
+            entries = [entry for entry in batch if entry is not _STOP]
+            items = [(key, chunk) for key, chunk, _ in entries]
+            for tier in self.lower:
+                if not items:
+                    break
+                try:
+                    tier.put_many(items)
+                    self.health[id(tier)].succeeded()
+                    self._counts[f"written_{tier.name}"] += len(items)
+                except Exception as exc:
+                    self.health[id(tier)].failed("put", exc)
+                    self._counts[f"dropped_writes_{tier.name}"] += len(items)
+            held_keys = [key for key, _, held in entries if held]
+            if held_keys:
+                self.cpu.unpin(held_keys)
+            for _ in batch:
+                self._write_queue.task_done()
+            if len(entries) != len(batch):
+                return
+
+    def flush(self) -> None:
+        """Block until every queued lower-tier write was attempted (tests, shutdown)."""
+        self._write_queue.join()
+
+    # ---- pins ----------------------------------------------------------------
+    def pin(self, keys: Sequence[str]) -> None:
+        """Protect ``keys`` from eviction in every tier that evicts on its own (CPU,
+        disk) until :meth:`unpin` or ``pin_timeout_s``. Remote tiers cannot be pinned:
+        a chunk that vanishes there is a miss at retrieve time and gets recomputed."""
+        self.expire_pins()
+        deadline = self._clock() + self.pin_timeout_s
+        with self._lock:
+            for key in keys:
+                pinned_tiers = [tier for tier in self._pinnable if self._pin_one(tier, key)]
+                if pinned_tiers:
+                    self._key_to_pins.setdefault(key, []).append((deadline, pinned_tiers))
+
+    def _pin_one(self, tier: StorageBackend, key: str) -> bool:
+        try:
+            return tier.pin([key]) == 1
+        except Exception as exc:
+            self.health[id(tier)].failed("pin", exc)
+            return False
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Release the oldest pin of each of ``keys`` (keys without pins are ignored)."""
+        with self._lock:
+            for key in keys:
+                pins = self._key_to_pins.get(key)
+                if pins:
+                    self._release(key, pins.pop(0)[1])
+                    if not pins:
+                        del self._key_to_pins[key]
+
+    def expire_pins(self) -> None:
+        """Release every pin older than ``pin_timeout_s``; called on each pin and lookup."""
+        now = self._clock()
+        num_expired = 0
+        with self._lock:
+            for key in list(self._key_to_pins):
+                pins = self._key_to_pins[key]
+                while pins and pins[0][0] <= now:
+                    self._release(key, pins.pop(0)[1])
+                    num_expired += 1
+                if not pins:
+                    del self._key_to_pins[key]
+        self._counts["expired_pins"] += num_expired
+
+    def _release(self, key: str, pinned_tiers: list[StorageBackend]) -> None:
+        for tier in pinned_tiers:
+            try:
+                tier.unpin([key])
+            except Exception as exc:
+                self.health[id(tier)].failed("unpin", exc)
+
+    def num_pinned(self) -> int:
+        """Number of keys holding at least one pin."""
+        with self._lock:
+            return len(self._key_to_pins)
+
+    # ---- stats, lifecycle ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Manager counters (hits per tier, promotions, dropped writes...) and each
+        tier's own ``stats()`` with its error count."""
+        tier_stats = {}
+        for tier in self.tiers:
+            try:
+                backend = tier.stats()
+            except Exception as exc:
+                self.health[id(tier)].failed("stats", exc)
+                backend = {}
+            tier_stats[tier.name] = {**backend, "connector_errors": self.health[id(tier)].counts["errors"]}
+        return {**self._counts, "pinned_keys": self.num_pinned(), "tiers": tier_stats}
+
+    def close(self) -> None:
+        """Finish queued writes, stop the writer thread, close every tier. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            writer = self._writer
+        if writer is not None:
+            self._write_queue.put(_STOP)
+            writer.join()
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,109 @@
+"""Token database: cut token ids into chunks and name each chunk (DESIGN §5).
+
+Chunk ``i`` covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``; its key is
+``namespace:hex(h_i)`` with the chain hash ``h_i = blake2b(h_{i-1} || ids_i)``
+over the chunk's token ids as little-endian uint32, so a key names the whole
+prefix up to the chunk's end, not just the chunk's own tokens. Keys are equal
+across processes and machines (no Python ``hash()``) and cannot be forged
+without a blake2b collision. A trailing partial chunk hashes fewer bytes than a
+full one, so it can never share a full chunk's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+#: bytes of each chain hash (128-bit: collision-safe for any realistic cache)
+DIGEST_BYTES = 16
+#: layout of the tensors stored under our keys: [layers, K/V, tokens, kv heads, head dim]
+KV_LAYOUT = "LKTHD"
+_MAX_TOKEN_ID = (1 << 32) - 1
+
+
+class ChunkSpan(NamedTuple):
+    """One chunk of a token sequence: tokens ``[start, end)`` stored under ``key``."""
+
+    start: int
+    end: int
+    key: str
+
+
+def namespace_fingerprint(
+    *,
+    model_id: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    chunk_size: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> str:
+    """A short name for everything that makes stored KV incompatible.
+
+    Two engines share chunks exactly when all these agree; it prefixes every key
+    so that ``keys(prefix)`` lists one model's chunks.
+    """
+    identity = {
+        "model_id": model_id,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "layout": KV_LAYOUT,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "chunk_size": chunk_size,
+    }
+    digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return f"kvstash-{digest}"
+
+
+def token_ids_to_array(tokens: Sequence[int] | torch.Tensor) -> np.ndarray:
+    """Token ids as a little-endian uint32 array; ``ValueError`` for ids outside [0, 2**32)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        ids = tokens.detach().cpu().numpy().astype(np.int64, copy=False)
+    else:
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"tokens must be a flat sequence of token ids, got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() > _MAX_TOKEN_ID):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return ids.astype("<u4")
+
+
+class TokenDatabase:
+    """Maps token sequences to chunk spans and keys. Stateless and thread-safe;
+    called by the cache engine on every lookup, store and retrieve."""
+
+    def __init__(self, namespace: str, chunk_size: int, save_partial_chunks: bool) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.namespace = namespace
+        self.chunk_size = chunk_size
+        self.save_partial_chunks = save_partial_chunks
+
+    def chunk_spans(self, tokens: Sequence[int] | torch.Tensor) -> list[ChunkSpan]:
+        """Spans of every keyed chunk of ``tokens`` in order: all full chunks, then the
+        trailing partial chunk when ``save_partial_chunks`` (else it is left out)."""
+        ids = token_ids_to_array(tokens)
+        num_tokens = ids.shape[0]
+        spans = []
+        previous = b""
+        for start in range(0, num_tokens, self.chunk_size):
+            end = min(start + self.chunk_size, num_tokens)
+            if end - start < self.chunk_size and not self.save_partial_chunks:
+                break
+            digest = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
+            digest.update(ids[start:end].tobytes())
+            previous = digest.digest()
+            spans.append(ChunkSpan(start, end, f"{self.namespace}:{previous.hex()}"))
+        return spans

@@ -1,0 +1,191 @@
+"""Worker-side connector: moves KV between the engine's paged cache and the tiers.
+
+Per step (called from the model runner's thread): ``start_load_kv`` reads the
+chunks of every load from the tiers (misses and corrupt chunks are found here)
+and queues their moves; ``wait_for_layer_load(l)`` makes layer l's KV ready —
+with ``layerwise`` on CUDA every layer's moves are queued at once on the
+mover's stream with one event per layer, so loading layer l+1 overlaps
+computing layer l. ``wait_for_save`` copies this step's saves from the paged
+cache into CPU-tier slots (one pack + one device→host copy per chunk) and
+publishes them; lower-tier writes then happen on the tier manager's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from connector.base import ConnectorMetadata, KVConnectorWorker, LoadSpec
+from connector.cache_engine import CacheEngine, LoadPlan
+from connector.tracker import TransferTracker
+
+
+class _Load(NamedTuple):
+    spec: LoadSpec
+    plan: LoadPlan
+    read_seconds: float  # host time reading the tiers
+
+
+class OffloadWorker(KVConnectorWorker):
+    """Owns the transfers of one engine's KV tensor."""
+
+    def __init__(self, cache_engine: CacheEngine, tracker: TransferTracker, *, layerwise: bool) -> None:
+        self.cache_engine = cache_engine
+        self.tracker = tracker
+        self.layerwise = layerwise
+        self.kv_cache: torch.Tensor | None = None
+        self._metadata = ConnectorMetadata()
+        self._loads: list[_Load] = []
+        self._layer_to_event: dict[int, torch.cuda.Event] = {}
+        self._num_layers_moved = 0  # CPU layerwise: layers moved so far this step
+        self._move_seconds = 0.0  # CPU: host time spent moving this step's loads
+        self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._request_id_to_valid: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        engine = self.cache_engine
+        expected = (engine.num_layers, 2, engine.num_kv_heads, engine.head_dim)
+        if kv_cache.dim() != 6 or (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[4:]) != expected:
+            raise ValueError(
+                f"KV tensor of shape {list(kv_cache.shape)} does not match the connector's "
+                f"[{engine.num_layers}, 2, num_blocks, block_size, {engine.num_kv_heads}, {engine.head_dim}]"
+            )
+        if kv_cache.dtype != engine.dtype:
+            raise ValueError(
+                f"KV tensor dtype {kv_cache.dtype} does not match the connector's {engine.dtype}"
+            )
+        self.kv_cache = kv_cache
+
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._metadata = metadata
+        self._request_id_to_valid = {}
+
+    # ---- loads ---------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        self._loads = []
+        self._layer_to_event = {}
+        self._num_layers_moved = 0
+        self._move_seconds = 0.0
+        self._timing = None
+        if not self._metadata.loads:
+            return
+        if self.kv_cache is None:
+            raise RuntimeError("start_load_kv before register_kv_caches")
+        engine = self.cache_engine
+        for spec in self._metadata.loads:
+            began = time.perf_counter()
+            plan = engine.plan_load(
+                spec.token_ids,
+                spec.num_load_start,
+                spec.num_load_end,
+                kv_caches=self.kv_cache,
+                slot_mapping=spec.slot_mapping,
+            )
+            self._loads.append(_Load(spec, plan, time.perf_counter() - began))
+            if plan.num_loaded_end < spec.num_load_end:
+                self._request_id_to_valid[spec.request_id] = plan.num_loaded_end
+        mover = engine.mover(self.kv_cache)
+        if not mover.on_cuda:
+            if not self.layerwise:
+                self._move_on_cpu(None)
+            return
+        # Blocks being loaded may have been read by kernels still queued on the compute stream.
+        mover.wait_for_compute()
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record(mover.stream)
+        if self.layerwise:
+            for layer in range(engine.num_layers):
+                for load in self._loads:
+                    engine.move_load(load.plan, self.kv_cache, layer)
+                self._layer_to_event[layer] = mover.record()
+        else:
+            for load in self._loads:
+                engine.move_load(load.plan, self.kv_cache)
+            self._layer_to_event = dict.fromkeys(range(engine.num_layers), mover.record())
+        end_event.record(mover.stream)
+        self._timing = (start_event, end_event)
+
+    def _move_on_cpu(self, layer: int | None) -> None:
+        began = time.perf_counter()
+        for load in self._loads:
+            self.cache_engine.move_load(load.plan, self.kv_cache, layer)
+        self._move_seconds += time.perf_counter() - began
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        if not self._loads:
+            return
+        event = self._layer_to_event.get(layer_idx)
+        if event is not None:
+            torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+        elif self.layerwise and not self.cache_engine.mover(self.kv_cache).on_cuda:
+            while self._num_layers_moved <= layer_idx:
+                self._move_on_cpu(self._num_layers_moved)
+                self._num_layers_moved += 1
+
+    def _finish_loads(self) -> None:
+        """Wait for every load of the step, release its pins, record its figures."""
+        if not self._loads:
+            return
+        engine = self.cache_engine
+        if self.layerwise and not engine.mover(self.kv_cache).on_cuda:
+            self.wait_for_layer_load(engine.num_layers - 1)
+        for load in self._loads:
+            engine.finish_load(load.plan)
+        move_seconds = self._move_seconds
+        if self._timing is not None:
+            move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
+        num_step_tokens = sum(load.plan.num_loaded_end - load.spec.num_load_start for load in self._loads)
+        for load in self._loads:
+            num_tokens = load.plan.num_loaded_end - load.spec.num_load_start
+            # The step's moves share one stream: each request gets its share of the move time.
+            share = num_tokens / num_step_tokens if num_step_tokens else 0.0
+            self.tracker.loaded(
+                load.spec.request_id,
+                num_tokens,
+                num_tokens * engine.bytes_per_token,
+                load.read_seconds + move_seconds * share,
+                failed=load.plan.num_loaded_end < load.spec.num_load_end,
+            )
+        self._loads = []
+
+    # ---- saves ---------------------------------------------------------------
+    def save_kv_layer(self, layer_idx: int) -> None:
+        """Nothing per layer: ``wait_for_save`` packs all layers of a chunk in one kernel,
+        which moves the same bytes with far fewer launches."""
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()
+        engine = self.cache_engine
+        pending = []
+        for spec in self._metadata.saves:
+            if spec.request_id in self._request_id_to_valid:
+                # Its load failed: KV past the valid length is not in the cache, save nothing.
+                self.tracker.save_done(spec.request_id, 0)
+                continue
+            store = engine.begin_store(
+                spec.token_ids[: spec.num_save_end],
+                spec.num_save_start,
+                kv_caches=self.kv_cache,
+                slot_mapping=spec.slot_mapping,
+            )
+            pending.append((spec.request_id, store))
+        if not pending:
+            return
+        engine.mover(self.kv_cache).synchronize()
+        for request_id, store in pending:
+            self.tracker.save_done(request_id, engine.finish_store(store))
+
+    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
+        # Loads finish within their step, so only saves are ever reported.
+        return self.tracker.take_finished_sending(), set()
+
+    def load_failures(self) -> dict[str, int]:
+        """Request id → leading tokens truly in the paged cache, for loads that stopped
+        at a missing or corrupt chunk this step."""
+        return dict(self._request_id_to_valid)
+
+    def close(self) -> None:
+        """Finish queued lower-tier writes and close the tiers (idempotent)."""
+        self.cache_engine.tiers.close()

@@ -10,8 +10,9 @@ URLs::
 Each value is one serialized chunk (header + checksum + payload), so a write can
 never half-land. Batch calls (``contains``, ``get_many``, ``put_many``) are one
 pipelined round trip; in Cluster mode redis-py's cluster pipeline groups the
-commands by node. Every socket operation is bounded by ``timeout`` (default 5 s);
-a failure raises :class:`BackendError` naming host:port. The connection pool
+commands by node. Every socket operation is bounded by ``timeout`` (default 5 s):
+a standalone call fails within one timeout, a Cluster call within three (it retries
+twice to follow failovers). A failure raises :class:`BackendError` naming host:port. The connection pool
 reconnects by itself, so the backend works again once Redis is back.
 
 Redis evicts by its own ``maxmemory`` policy, so this tier has no pins and
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_KEY_PREFIX = "kvstash:"
+NUM_CLUSTER_RETRIES = 2
 _OWN_PARAMS = ("ttl", "timeout", "codec", "key_prefix")
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -76,11 +78,13 @@ class RedisBackend(StorageBackend):
         self._redis_errors = (redis.RedisError, OSError)
         self._counters = Counters()
         client_url = urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster")))
-        # One retry on a fresh connection covers a pooled socket that a Redis restart closed.
+        # Standalone: no retries, so a call never outlasts one timeout; a pooled socket that
+        # a Redis restart closed is noticed and replaced by the pool when it is handed out.
+        # Cluster: two retries let redis-py follow a topology change (a failover, moved slots).
         options: dict[str, Any] = {
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
-            "retry": Retry(NoBackoff(), 1),
+            "retry": Retry(NoBackoff(), NUM_CLUSTER_RETRIES if self.is_cluster else 0),
         }
         with self._guard("connect"):
             if self.is_cluster:

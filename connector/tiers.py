@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
@@ -61,15 +62,20 @@ class TierHealth:
 
 
 def backend_urls(config: OffloadConfig) -> list[str]:
-    """The ``create_backend`` URLs of the configured lower tiers (disk, then remote)."""
+    """The ``create_backend`` URLs of the configured lower tiers (disk, then remote);
+    ``config.codec`` is added unless the remote URL names its own."""
     urls = []
     if config.disk_path is not None:
         urls.append(
             f"file://{Path(config.disk_path).resolve()}?capacity={config.disk_bytes}&codec={config.codec}"
         )
     if config.remote_url is not None:
-        separator = "&" if "?" in config.remote_url else "?"
-        urls.append(f"{config.remote_url}{separator}codec={config.codec}")
+        query = parse_qs(urlsplit(config.remote_url).query)
+        if "codec" in query:
+            urls.append(config.remote_url)
+        else:
+            separator = "&" if "?" in config.remote_url else "?"
+            urls.append(f"{config.remote_url}{separator}codec={config.codec}")
     return urls
 
 

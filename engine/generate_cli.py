@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from engine.engine_flags import engine_args_from_options, engine_options
+from engine.offload_cli import offload_config_from_options, offload_options
 
 
 @click.command("generate")
@@ -18,6 +19,7 @@ from engine.engine_flags import engine_args_from_options, engine_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @engine_options
+@offload_options
 def generate(model: str, prompts: tuple[str, ...], **options) -> None:
     """Generate text for each --prompt with the model in folder MODEL."""
     from engine import LLM, SamplingParams
@@ -32,7 +34,8 @@ def generate(model: str, prompts: tuple[str, ...], **options) -> None:
             stop=list(options.pop("stop")) or None,
             ignore_eos=options.pop("ignore_eos"),
         )
-        llm = LLM(model, **engine_args_from_options(options))
+        kv_offload = offload_config_from_options(options)
+        llm = LLM(model, kv_offload=kv_offload, **engine_args_from_options(options))
         outputs = llm.generate(list(prompts), params)
     except ValueError as error:
         raise click.UsageError(str(error)) from error

@@ -86,11 +86,43 @@ def join_pieces(responses: Iterator[kvstash_pb2.GetResponse]) -> bytes:
 
 
 class GrpcBackend(StorageBackend):
-    """Remote tier backed by a kvstash cache server. Built by ``create_backend("grpc://…")``."""
+    """Remote tier backed by a kvstash cache server. Usually built by ``create_backend("grpc://…")``;
+    the token falls back to ``$KVSTASH_AUTH_TOKEN``."""
 
     name = "grpc"
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secure: bool = False,
+        token: str | None = None,
+        ca_path: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        codec: str = "none",
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        if ca_path is not None and not secure:
+            raise ValueError("a TLS CA only makes sense with TLS (grpcs://)")
+        if timeout_s <= 0 or concurrency <= 0:
+            raise ValueError(f"timeout and concurrency must be positive, got {timeout_s} and {concurrency}")
+        self.address = address
+        self.codec = codec
+        self.timeout_s = timeout_s
+        self._metadata = auth_metadata(token or os.environ.get(AUTH_TOKEN_ENV))
+        self._channel = make_channel(address, secure=secure, ca_path=ca_path)
+        self._kv = kvstash_pb2_grpc.KVCacheStub(self._channel)
+        self._admin = kvstash_pb2_grpc.AdminStub(self._channel)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvstash-grpc")
+        self._lock = threading.Lock()
+        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str) -> GrpcBackend:
+        """``grpc://host:port`` or ``grpcs://host:port`` with the parameters in the module docstring."""
         parts, params = split_backend_url(url, ("token", "ca", "timeout", "codec", "concurrency"))
         if parts.scheme not in ("grpc", "grpcs"):
             raise ValueError(f"not a grpc:// or grpcs:// URL: {url!r}")
@@ -98,27 +130,21 @@ class GrpcBackend(StorageBackend):
             raise ValueError(f"grpc URL needs host and port, e.g. grpc://127.0.0.1:50051; got {url!r}")
         if parts.path not in ("", "/"):
             raise ValueError(f"grpc URL takes no path, got {parts.path!r} in {url!r}")
-        self.codec = params.get("codec", "none")
-        if self.codec not in CODECS:
-            raise ValueError(f"unknown codec {self.codec!r} in {url!r}; expected one of {CODECS}")
-        if "ca" in params and parts.scheme != "grpcs":
-            raise ValueError(f"a TLS CA only makes sense with grpcs://, got {url!r}")
-        self.timeout_s = (
-            parse_float(params["timeout"], "grpc timeout") if "timeout" in params else DEFAULT_TIMEOUT_S
-        )
-        concurrency = int(
-            parse_float(params.get("concurrency", str(DEFAULT_CONCURRENCY)), "grpc concurrency")
-        )
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        self.address = f"{host}:{parts.port}"
-        self._metadata = auth_metadata(params.get("token") or os.environ.get(AUTH_TOKEN_ENV))
-        self._channel = make_channel(self.address, secure=parts.scheme == "grpcs", ca_path=params.get("ca"))
-        self._kv = kvstash_pb2_grpc.KVCacheStub(self._channel)
-        self._admin = kvstash_pb2_grpc.AdminStub(self._channel)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="kvstash-grpc")
-        self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
-        self._closed = False
+        concurrency = params.get("concurrency", str(DEFAULT_CONCURRENCY))
+        if not concurrency.isdigit():
+            raise ValueError(f"grpc concurrency must be a positive integer, got {concurrency!r}")
+        return cls(
+            f"{host}:{parts.port}",
+            secure=parts.scheme == "grpcs",
+            token=params.get("token"),
+            ca_path=params.get("ca"),
+            timeout_s=parse_float(params["timeout"], "grpc timeout")
+            if "timeout" in params
+            else DEFAULT_TIMEOUT_S,
+            codec=params.get("codec", "none"),
+            concurrency=int(concurrency),
+        )
 
     # ---- helpers -------------------------------------------------------------
     def _count(self, name: str) -> None:
@@ -210,7 +236,9 @@ class GrpcBackend(StorageBackend):
             self._kv.Put(put_requests(key, data), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(f"{self.address} refused the value for {key!r}: {error.details()}") from None
+                raise ChunkFormatError(
+                    f"{self.address} refused the value for {key!r}: {error.details()}"
+                ) from None
             raise self._error("put", error) from None
         self._count("puts")
 

@@ -20,6 +20,8 @@ SCHEME_TO_FACTORY = MappingProxyType(
         "rediss": "storage_backends.redis_backend:RedisBackend.from_url",
         "redis+cluster": "storage_backends.redis_backend:RedisBackend.from_url",
         "rediss+cluster": "storage_backends.redis_backend:RedisBackend.from_url",
+        "grpc": "storage_backends.grpc_backend:GrpcBackend.from_url",
+        "grpcs": "storage_backends.grpc_backend:GrpcBackend.from_url",
     }
 )
 

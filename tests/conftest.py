@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cache_server.server_process import cache_server, cache_server_url  # noqa: F401
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

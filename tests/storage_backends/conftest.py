@@ -30,6 +30,8 @@ def backend_factory(request: pytest.FixtureRequest, tmp_path) -> Iterator[Backen
             url = request.getfixturevalue("redis_url")
         elif kind == "redis-cluster":
             url = request.getfixturevalue("redis_cluster_url")
+        elif kind == "grpc":
+            url = request.getfixturevalue("cache_server_url")
         else:
             raise ValueError(f"unknown backend kind {kind!r}")
         if query:

@@ -11,7 +11,7 @@ from storage_backends import KVChunk, StorageBackend
 
 #: tiers with a byte cap that kvstash enforces (eviction order, pins, cap checks apply)
 CAPPED_KINDS = ("cpu", "disk", "disk-lz4")
-ALL_KINDS = (*CAPPED_KINDS, "redis", "redis-cluster")
+ALL_KINDS = (*CAPPED_KINDS, "redis", "redis-cluster", "grpc")
 
 BackendFactory = Callable[..., StorageBackend]
 

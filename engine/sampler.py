@@ -28,6 +28,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
 
 
+def sampling_probs(
+    logits: torch.Tensor,  # float32 [N, V]
+    params: Sequence[SamplingParams],  # N non-greedy params
+) -> torch.Tensor:  # float32 [N, V]
+    """The distribution each row samples from: softmax(logits / temperature) after
+    top-k/top-p. Also the target distribution of speculative verification."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,  # float32 [N, V]
     params: Sequence[SamplingParams],
@@ -40,14 +56,7 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        device = logits.device
-        temperature = torch.tensor([params[i].temperature for i in random_rows], device=device)
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=device, dtype=torch.int64)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=device, dtype=torch.float32)
-        scaled = logits[rows] / temperature[:, None]
-        if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
+        probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
         for row_index, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row_index], 1, generator=generators[i])[0]
     return token_ids.tolist()

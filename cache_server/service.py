@@ -341,6 +341,6 @@ def _decode_page_token(token: str) -> str | None:
     if not token:
         return None
     try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
+        return base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed page_token") from None

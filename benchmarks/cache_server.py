@@ -1,0 +1,307 @@
+"""Cache server vs redis-server: Put/Get throughput and latency for KV-chunk-sized values.
+
+Starts both servers itself on free loopback ports (``kvstash cache-server``
+memory-only, and ``redis-server`` without persistence), then for every value
+size and client count runs puts of distinct keys followed by gets of the same
+keys. Each client is a thread with its own connection (a gRPC channel, a
+redis-py connection), so 8 clients means 8 calls in flight.
+
+Both sides move the same serialized chunk bytes and skip client-side checksum
+verification, so the figures compare transports; the cache server still
+verifies every Put (the production path). Prints a table and writes JSON with
+``--out``.
+
+    .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from storage_backends.chunk import KVChunk, encode_chunk  # noqa: E402
+
+KIB, MIB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (256 * KIB, 2 * MIB, 8 * MIB, 32 * MIB)
+DEFAULT_CLIENTS = (1, 8)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_value(num_bytes: int, seed: int) -> bytes:
+    """A valid serialized chunk of about ``num_bytes`` (the server refuses anything else)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens = max(1, num_bytes // 2)  # layout [layers=1, K/V=2, tokens, heads=1, dim=1] of uint8
+    tensor = torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator)
+    return encode_chunk(KVChunk(tensor))
+
+
+def start_cache_server(memory_gb: float) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = process.stdout.readline()
+    if "listening on" not in line:
+        process.kill()
+        raise RuntimeError(f"cache server did not start: {line!r}")
+    return process, line.strip().rsplit("//", 1)[1]
+
+
+def start_redis(max_memory_bytes: int) -> tuple[subprocess.Popen, int, str]:
+    executable = shutil.which("redis-server")
+    if executable is None:
+        raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="kvstash-bench-redis-")
+    process = subprocess.Popen(
+        [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--dir", workdir, "--maxmemory", str(max_memory_bytes), "--proto-max-bulk-len", str(512 * MIB)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("redis-server did not answer PING") from None
+            time.sleep(0.05)
+    client.close()
+    return process, port, workdir
+
+
+class GrpcClient:
+    """Raw Put/Get through the generated stubs (no client-side checksum, like redis-py)."""
+
+    def __init__(self, address: str) -> None:
+        from protos import kvstash_pb2, kvstash_pb2_grpc
+        from storage_backends.grpc_backend import join_pieces, make_channel, put_requests
+
+        self._pb = kvstash_pb2
+        self._join_pieces = join_pieces
+        self._put_requests = put_requests
+        self._channel = make_channel(address, secure=False)
+        self._stub = kvstash_pb2_grpc.KVCacheStub(self._channel)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._stub.Put(self._put_requests(key, data), timeout=60)
+
+    def get(self, key: str) -> bytes:
+        return self._join_pieces(self._stub.Get(self._pb.GetRequest(key=key), timeout=60))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RedisClient:
+    def __init__(self, port: int) -> None:
+        import redis
+
+        self._client = redis.Redis(port=port, socket_timeout=60)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._client.set(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self._client.get(key)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def run_phase(
+    clients: list, call: Callable, keys_per_client: list[list[str]], value: bytes | None
+) -> list[float]:
+    """Every client runs its keys in order; returns all per-call latencies (seconds)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(clients))
+
+    def worker(client, keys: list[str]) -> None:
+        own = []
+        try:
+            barrier.wait()
+            for key in keys:
+                start = time.perf_counter()
+                result = call(client, key) if value is None else call(client, key, value)
+                own.append(time.perf_counter() - start)
+                if value is None and (result is None or len(result) == 0):
+                    raise RuntimeError(f"get of {key} returned nothing")
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+        with lock:
+            latencies.extend(own)
+
+    threads = [
+        threading.Thread(target=worker, args=(c, k)) for c, k in zip(clients, keys_per_client, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return latencies
+
+
+def measure(
+    system: str, make_client: Callable, value: bytes, num_clients: int, ops_per_client: int
+) -> list[dict]:
+    clients = [make_client() for _ in range(num_clients)]
+    keys = [
+        [f"bench/{system}/{len(value)}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
+    ]
+    rows = []
+    try:
+        for op in ("put", "get"):
+            call = (lambda cl, k, v: cl.put(k, v)) if op == "put" else (lambda cl, k: cl.get(k))
+            start = time.perf_counter()
+            latencies = run_phase(clients, call, keys, value if op == "put" else None)
+            elapsed = time.perf_counter() - start
+            num_bytes = len(value) * len(latencies)
+            rows.append(
+                {
+                    "system": system,
+                    "op": op,
+                    "value_bytes": len(value),
+                    "num_clients": num_clients,
+                    "num_ops": len(latencies),
+                    "mb_per_s": num_bytes / elapsed / 1e6,
+                    "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+                    "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+                }
+            )
+    finally:
+        for client in clients:
+            client.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="cache server vs redis-server Put/Get benchmark")
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[s // KIB for s in DEFAULT_SIZES])
+    parser.add_argument("--clients", type=int, nargs="+", default=list(DEFAULT_CLIENTS))
+    parser.add_argument(
+        "--mib-per-cell", type=int, default=128, help="bytes moved per op per cell (bounds the run)"
+    )
+    parser.add_argument("--min-ops", type=int, default=4, help="fewest ops per client per cell")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    cells = [(size * KIB, clients) for size in args.sizes_kib for clients in args.clients]
+    ops = {cell: max(args.min_ops, args.mib_per_cell * MIB // (cell[0] * cell[1])) for cell in cells}
+    most_bytes = max(size * clients * ops[(size, clients)] for size, clients in cells)
+    memory_gb = 2 * most_bytes / (1 << 30) + 0.25
+
+    server, address = start_cache_server(memory_gb)
+    redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
+    rows: list[dict] = []
+    try:
+        for size, num_clients in cells:
+            value = make_value(size, seed=size)
+            for system, factory in (
+                ("kvstash", lambda: GrpcClient(address)),
+                ("redis", lambda: RedisClient(redis_port)),
+            ):
+                rows.extend(measure(system, factory, value, num_clients, ops[(size, num_clients)]))
+                # Empty both stores between cells so memory stays bounded.
+                if system == "kvstash":
+                    subprocess.run(
+                        [sys.executable, "-m", "engine.cli", "admin", "--server", address, "clear", "--yes"],
+                        cwd=REPO_ROOT,
+                        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                        check=True,
+                        capture_output=True,
+                    )
+                else:
+                    import redis
+
+                    redis.Redis(port=redis_port).flushall()
+    finally:
+        server.terminate()
+        redis_process.terminate()
+        server.wait(30)
+        redis_process.wait(30)
+        shutil.rmtree(redis_dir, ignore_errors=True)
+
+    print_table(rows)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "benchmark": "cache_server",
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        "value",
+        "clients",
+        "op",
+        "kvstash MB/s",
+        "redis MB/s",
+        "ratio",
+        "kvstash p50/p99 ms",
+        "redis p50/p99 ms",
+    )
+    by_cell = {(r["value_bytes"], r["num_clients"], r["op"], r["system"]): r for r in rows}
+    for (size, clients, op, system), row in by_cell.items():
+        if system != "kvstash":
+            continue
+        other = by_cell[(size, clients, op, "redis")]
+        table.add_row(
+            f"{size / MIB:.2f} MiB",
+            str(clients),
+            op,
+            f"{row['mb_per_s']:.0f}",
+            f"{other['mb_per_s']:.0f}",
+            f"{row['mb_per_s'] / other['mb_per_s']:.2f}",
+            f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f}",
+            f"{other['p50_ms']:.1f} / {other['p99_ms']:.1f}",
+        )
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

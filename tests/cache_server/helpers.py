@@ -1,0 +1,78 @@
+"""Helpers for the cache server tests: valid values, raw stubs, CLI runs."""
+
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import torch
+
+from protos import kvstash_pb2, kvstash_pb2_grpc
+from storage_backends.chunk import KVChunk, encode_chunk
+from storage_backends.grpc_backend import join_pieces, make_channel, put_requests
+from tests.cache_server.server_process import REPO_ROOT, kvstash_command, repo_env
+
+
+def make_value(seed: int, num_bytes: int = 4096) -> bytes:
+    """A valid serialized chunk of about ``num_bytes`` random bytes (uint8 [1, 2, T, 1, 1])."""
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens = max(1, num_bytes // 2)
+    return encode_chunk(
+        KVChunk(torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator))
+    )
+
+
+class Stubs:
+    """Generated KVCache and Admin stubs on one channel, with optional call metadata."""
+
+    def __init__(self, address: str, *, metadata: tuple = (), tls_ca: str | None = None) -> None:
+        self.channel = make_channel(address, secure=tls_ca is not None, ca_path=tls_ca)
+        self.kv = kvstash_pb2_grpc.KVCacheStub(self.channel)
+        self.admin = kvstash_pb2_grpc.AdminStub(self.channel)
+        self.metadata = metadata
+
+    def put(self, key: str, data: bytes) -> kvstash_pb2.PutResponse:
+        return self.kv.Put(put_requests(key, data), timeout=60, metadata=self.metadata)
+
+    def get(self, key: str) -> bytes:
+        return join_pieces(self.kv.Get(kvstash_pb2.GetRequest(key=key), timeout=60, metadata=self.metadata))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Stubs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def status_of(call) -> grpc.StatusCode:
+    """Run ``call()`` expecting an RpcError; return its code."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error.code()
+    raise AssertionError("the call succeeded but was expected to fail")
+
+
+def rpc_error(call) -> grpc.RpcError:
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error
+    raise AssertionError("the call succeeded but was expected to fail")
+
+
+def run_kvstash(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    """Run the ``kvstash`` CLI as a subprocess from the repository root."""
+    return subprocess.run(
+        kvstash_command(*args),
+        cwd=REPO_ROOT,
+        env=env or repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -186,6 +186,7 @@ class CacheEngine:
         spans = [span for span in self.token_db.chunk_spans(tokens) if span.end > start]
         if not spans:
             return PendingStore([], 0)
+        self.tiers.expire_pins()  # stale pins must not keep slots from this store
         host_slots = slot_mapping[spans[0].start : spans[-1].end].cpu()
         num_slots = kv_caches.shape[2] * kv_caches.shape[3]
         if host_slots.numel() and (int(host_slots.min()) < 0 or int(host_slots.max()) >= num_slots):

@@ -33,7 +33,7 @@ from connector.config import OffloadConfig
 from connector.cpu_tier import PinnedChunkPool
 from connector.token_db import KV_LAYOUT
 from storage_backends import create_backend
-from storage_backends.base import StorageBackend
+from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,9 @@ class TierManager:
         if self.cpu is not None:
             try:
                 return self.cpu.reserve(key, shape)
-            except Exception as exc:
-                self.health[id(self.cpu)].failed("put", exc)
+            except CapacityError:
+                # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
+                # skip the CPU tier, still write through below.
                 self._counts["dropped_writes_cpu"] += 1
         if not self.lower:
             return None
@@ -364,6 +365,11 @@ class TierManager:
             return len(self._key_to_pins)
 
     # ---- stats, lifecycle ----------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """The manager's own counters (hits per tier, promotions, dropped writes, expired
+        pins); no tier I/O."""
+        return dict(self._counts)
+
     def stats(self) -> dict[str, Any]:
         """Manager counters (hits per tier, promotions, dropped writes...) and each
         tier's own ``stats()`` with its error count."""

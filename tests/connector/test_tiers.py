@@ -1,0 +1,138 @@
+"""Tier manager behaviour through the cache engine: pins, pin timeouts, promotion,
+write-through, a full write queue and failing tiers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import torch
+
+from tests.connector.conftest import make_cache_engine, new_kv_cache, random_slots
+
+CHUNK_BYTES = 2 * 2 * 8 * 2 * 4 * 4  # [layers, K/V, chunk_size, heads, head_dim] float32
+
+
+def seq(first: int, num_tokens: int = 8) -> list[int]:
+    return list(range(first, first + num_tokens))
+
+
+def store(engine, tokens, seed=0):
+    engine.store(tokens, kv_caches=new_kv_cache(seed), slot_mapping=random_slots(len(tokens), seed))
+
+
+def retrieve(engine, tokens):
+    return engine.retrieve(
+        tokens, kv_caches=new_kv_cache(fill=0.0), slot_mapping=random_slots(len(tokens), 9)
+    )
+
+
+def test_pinned_chunk_survives_eviction_pressure_until_retrieved():
+    engine = make_cache_engine(cpu_bytes=2 * CHUNK_BYTES)
+    store(engine, seq(0))
+    assert engine.lookup(seq(0), pin=True) == 8
+    for first in (100, 200, 300, 400):
+        store(engine, seq(first))
+    assert engine.lookup(seq(0)) == 8  # survived four stores into a two-slot tier
+    assert engine.lookup(seq(300)) == 0 and engine.lookup(seq(400)) == 8
+    assert bool(retrieve(engine, seq(0)).all())  # the retrieve releases the pin
+    store(engine, seq(500))
+    store(engine, seq(600))
+    assert engine.lookup(seq(0)) == 0
+    engine.tiers.close()
+
+
+def test_pins_expire_after_the_timeout():
+    clock = [0.0]
+    engine = make_cache_engine(cpu_bytes=2 * CHUNK_BYTES, pin_timeout_s=5.0)
+    engine.tiers._clock = lambda: clock[0]
+    store(engine, seq(0))
+    engine.lookup(seq(0), pin=True)
+    clock[0] = 4.0
+    store(engine, seq(100))
+    store(engine, seq(200))
+    assert engine.lookup(seq(0)) == 8 and engine.tiers.num_pinned() == 1
+    clock[0] = 5.5
+    store(engine, seq(300))
+    store(engine, seq(400))
+    assert engine.lookup(seq(0)) == 0
+    assert engine.tiers.num_pinned() == 0 and engine.tiers.stats()["expired_pins"] == 1
+    engine.tiers.close()
+
+
+def test_store_into_a_fully_pinned_cpu_tier_is_dropped_and_counted():
+    engine = make_cache_engine(cpu_bytes=CHUNK_BYTES)
+    store(engine, seq(0))
+    engine.lookup(seq(0), pin=True)
+    store(engine, seq(100))  # no room: dropped, no exception
+    assert engine.lookup(seq(100)) == 0 and engine.lookup(seq(0)) == 8
+    assert engine.tiers.stats()["dropped_writes_cpu"] == 1
+    engine.tiers.close()
+
+
+def test_lower_tier_hit_is_promoted_to_cpu(tmp_path):
+    engine = make_cache_engine(cpu_bytes=2 * CHUNK_BYTES, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    for first in (0, 100, 200):
+        store(engine, seq(first))
+        engine.tiers.flush()  # chunks being written through stay pinned until written
+    key = engine.token_db.chunk_spans(seq(0))[0].key
+    assert engine.tiers.cpu.contains([key]) == 0  # evicted from CPU, still on disk
+    assert engine.lookup(seq(0)) == 8
+    assert bool(retrieve(engine, seq(0)).all())
+    assert engine.tiers.cpu.contains([key]) == 1
+    assert engine.tiers.stats()["promotions"] == 1 and engine.tiers.stats()["hits_disk"] == 1
+    engine.tiers.close()
+
+
+def test_write_through_reaches_every_lower_tier(tmp_path, redis_url):
+    engine = make_cache_engine(disk_path=str(tmp_path), disk_bytes=1 << 20, remote_url=redis_url, codec="lz4")
+    tokens = seq(0, 30)
+    source = new_kv_cache(3)
+    engine.store(tokens, kv_caches=source, slot_mapping=random_slots(30, 3))
+    engine.tiers.flush()
+    keys = [span.key for span in engine.token_db.chunk_spans(tokens)]
+    disk, redis_tier = engine.tiers.lower
+    assert disk.contains(keys) == 4 and redis_tier.contains(keys) == 4
+    engine.tiers.close()
+
+    # A new engine that only has the remote tier gets every token back, byte-exact.
+    remote_only = make_cache_engine(cpu_bytes=0, remote_url=redis_url, codec="lz4")
+    target = new_kv_cache(fill=0.0)
+    slots = random_slots(30, 4)
+    assert bool(remote_only.retrieve(tokens, kv_caches=target, slot_mapping=slots).all())
+    expected = source.flatten(2, 3)[:, :, random_slots(30, 3)]
+    assert torch.equal(target.flatten(2, 3)[:, :, slots], expected)
+    remote_only.tiers.close()
+
+
+def test_full_write_queue_drops_lower_tier_writes_instead_of_stalling(restartable_redis):
+    engine = make_cache_engine(
+        cpu_bytes=64 * CHUNK_BYTES, remote_url=restartable_redis.url + "?timeout=10", save_queue_size=2
+    )
+    os.kill(restartable_redis.process.pid, signal.SIGSTOP)  # Redis hangs: writes block in the writer thread
+    try:
+        for index in range(10):
+            store(engine, seq(1000 * index))  # returns at once although Redis does not answer
+        assert engine.tiers.counters()["dropped_writes"] >= 10 - 3  # one in the writer's hands, two queued
+        assert all(engine.lookup(seq(1000 * index)) == 8 for index in range(10))  # the CPU tier has all
+    finally:
+        os.kill(restartable_redis.process.pid, signal.SIGCONT)
+    engine.tiers.close()
+
+
+def test_failing_tier_is_a_miss_counted_and_logged_once(caplog):
+    engine = make_cache_engine(remote_url="redis://127.0.0.1:1/0?timeout=0.5")
+    with caplog.at_level(logging.WARNING, logger="connector.tiers"):
+        store(engine, seq(0))
+        engine.tiers.flush()
+        for _ in range(3):
+            assert engine.lookup(seq(500)) == 0
+        assert engine.lookup(seq(0)) == 8  # the CPU tier still serves
+        assert bool(retrieve(engine, seq(0)).all())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "tier redis" in r.getMessage()]
+    assert len(warnings) == 1
+    stats = engine.tiers.stats()
+    assert stats["dropped_writes_redis"] == 1
+    assert stats["tiers"]["redis"]["connector_errors"] >= 4
+    engine.tiers.close()

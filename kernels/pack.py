@@ -57,7 +57,11 @@ def _move_kv_rows_kernel(
     packed_rows = packed_ptr + (plane * num_tokens + tokens[:, None]) * ROW
     for col in tl.static_range(0, ROW, BLOCK_ROW):
         cols = col + tl.arange(0, BLOCK_ROW)
-        mask = token_mask[:, None] & (cols[None, :] < ROW)
+        if ROW % BLOCK_ROW == 0:
+            # A mask that is constant along the row keeps the accesses 16-byte vectorized.
+            mask = token_mask[:, None]
+        else:
+            mask = token_mask[:, None] & (cols[None, :] < ROW)
         if PACK:
             tl.store(packed_rows + cols[None, :], tl.load(paged_rows + cols[None, :], mask=mask), mask=mask)
         else:

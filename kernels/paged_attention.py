@@ -144,12 +144,16 @@ def _paged_attention_kernel(
     )
 
 
-def launch_config(group: int, max_query_len: int) -> tuple[int, int, int]:
-    """-> (BLOCK_Q, BLOCK_M, BLOCK_N): about 64 tile rows for prefill, one token per tile for decode."""
+def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """-> (BLOCK_Q, BLOCK_M, BLOCK_N): about 64 tile rows for prefill, one token per tile for decode.
+
+    K and V tiles of BLOCK_N keys are staged in shared memory by the loop pipeliner
+    (2 stages); BLOCK_N is halved for float32 so that stays well under the limit.
+    """
     rows_target = 64
     block_q = max(1, min(next_power_of_2(max_query_len), max(1, rows_target // next_power_of_2(group))))
     block_m = max(16, next_power_of_2(block_q * group))
-    block_n = 64 if max_query_len > 1 else 128
+    block_n = 32 if dtype == torch.float32 else 64
     return block_q, block_m, block_n
 
 
@@ -191,7 +195,7 @@ def paged_attention(
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
-    block_q, block_m, block_n = launch_config(group, max_query_len)
+    block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,
@@ -219,5 +223,6 @@ def paged_attention(
         BLOCK_D=max(16, next_power_of_2(head_dim)),
         DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         num_warps=4,
+        num_stages=2,
     )
     return out

@@ -48,8 +48,7 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> int:
     """Every slot is -1 or in [0, num_slots). Reads the values (a sync on CUDA); returns the minimum."""
     if slot_mapping.numel() == 0:
         return 0
-    low, high = torch.aminmax(slot_mapping)
-    low, high = int(low), int(high)
+    low, high = torch.stack(torch.aminmax(slot_mapping)).tolist()  # one device-to-host read
     if low < -1 or high >= num_slots:
         raise ValueError(
             f"slot_mapping values must be -1 (skip) or in [0, {num_slots}) "

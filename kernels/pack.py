@@ -14,7 +14,8 @@ multiply per token.
 Pinned host chunks: Triton cannot address host memory, so when `out`/`chunk` is on
 the CPU (pinned) while the cache is on a GPU, the wrapper stages through a GPU
 buffer and copies with non_blocking=True on the current stream. The caller must
-synchronize that stream before reading a pinned `out` on the host.
+synchronize that stream before reading a pinned `out` on the host, and before
+overwriting a pinned `chunk` it passed to unpack.
 """
 
 from __future__ import annotations

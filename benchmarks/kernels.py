@@ -275,6 +275,14 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
             sdpa_query, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True
         )
 
+    # The same with KV heads repeated to the query heads, so SDPA may pick a backend without GQA support.
+    repeated = gathered.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=2)
+
+    def sdpa_repeated():
+        return torch.nn.functional.scaled_dot_product_attention(
+            sdpa_query, repeated[0], repeated[1], attn_mask=mask, scale=scale
+        )
+
     def gather_and_sdpa():
         return sdpa(gather())
 
@@ -287,6 +295,7 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
     for name, fn in (
         ("paged_attention", ours),
         ("SDPA on gathered KV", sdpa),
+        ("SDPA, KV heads repeated", sdpa_repeated),
         ("gather + SDPA", gather_and_sdpa),
     ):
         seconds = time_loop(fn, inner=5 if quick else 20, repeats=3 if quick else 10)

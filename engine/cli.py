@@ -40,11 +40,18 @@ def main(log_level: str) -> None:
     help="Model family whose config and weight names to produce.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the random weights.")
-def make_tiny_model_cmd(directory: str, arch: str, seed: int) -> None:
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "bench"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: ~0.2M parameters for tests; bench: ~4M parameters, 16k context.",
+)
+def make_tiny_model_cmd(directory: str, arch: str, seed: int, size: str) -> None:
     """Write a small random-weight Hugging Face checkpoint with a local tokenizer to DIRECTORY."""
     from engine.tiny_model import make_tiny_model
 
-    path = make_tiny_model(directory, arch=arch, seed=seed)
+    path = make_tiny_model(directory, arch=arch, seed=seed, size=size)
     click.echo(f"wrote a tiny {arch} model to {path}")
 
 

@@ -35,6 +35,21 @@ _TINY_SHAPES = dict(
     initializer_range=0.2,
 )
 
+# Larger shapes for `kvstash bench` on a CPU: prefill must cost enough that a
+# cache hit visibly beats recomputation, while a multi-round run stays minutes.
+_SIZE_PRESETS = {
+    "tiny": {},
+    "bench": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        initializer_range=0.05,
+    ),
+}
+
 _SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
 _CHAT_TEMPLATE = (
@@ -69,9 +84,12 @@ import torch; x = torch.zeros(4, 8); y = x + 1; for i in range(10): pass
 """
 
 
-def _arch_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
-    """Return a transformers config object for ``arch`` with the tiny shapes."""
-    common = dict(_TINY_SHAPES, vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id)
+def _arch_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, size: str = "tiny"):
+    """Return a transformers config object for ``arch`` with the shapes of preset ``size``."""
+    if size not in _SIZE_PRESETS:
+        raise ValueError(f"unknown tiny-model size {size!r}; choose one of {', '.join(_SIZE_PRESETS)}")
+    shapes = dict(_TINY_SHAPES, **_SIZE_PRESETS[size])
+    common = dict(shapes, vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id)
     common["pad_token_id"] = pad_id
     if arch == "llama":
         from transformers import LlamaConfig
@@ -126,10 +144,12 @@ def _build_tokenizer(vocab_size: int):
     return fast
 
 
-def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny") -> Path:
     """Write a tiny random-weight checkpoint of family ``arch`` into ``directory``.
 
-    Deterministic for a given ``(arch, seed)``. Creates the folder if needed and
+    ``size`` is ``"tiny"`` (tests: ~0.2M parameters) or ``"bench"`` (~4M
+    parameters, 16k context: the default model of ``kvstash bench``).
+    Deterministic for a given ``(arch, seed, size)``. Creates the folder if needed and
     overwrites the files it writes. Returns the folder's path.
     """
     if arch not in TINY_ARCHS:
@@ -147,6 +167,7 @@ def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0) -
         bos_id=vocab["<|bos|>"],
         eos_id=vocab["<|eos|>"],
         pad_id=vocab["<|pad|>"],
+        size=size,
     )
     generator_state = torch.random.get_rng_state()
     try:
@@ -158,5 +179,7 @@ def make_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0) -
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # A marker that says how the checkpoint was made (read by nothing that changes outputs).
-    (path / "kvstash_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
+    (path / "kvstash_tiny_model.json").write_text(
+        json.dumps({"arch": arch, "seed": seed, "size": size}) + "\n"
+    )
     return path

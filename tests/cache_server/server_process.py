@@ -171,3 +171,12 @@ def cache_server_url(cache_server: CacheServerProcess) -> str:
     """The session server's ``grpc://`` URL, with every key cleared before the test."""
     clear_server(cache_server.address)
     return cache_server.url
+
+
+def free_port_for_tests() -> int:
+    """A loopback port that nothing listens on (bound and released a moment ago)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from storage_backends.base import CapacityError, StorageBackend
@@ -103,7 +104,7 @@ class CPUBackend(StorageBackend):
             for position, slot_id in enumerate(record.slot_ids):
                 start = position * self.slot_bytes
                 length = min(self.slot_bytes, record.nbytes - start)
-                flat[start : start + length].copy_(self._slab[slot_id, :length])
+                _copy_bytes(flat[start : start + length], self._slab[slot_id, :length])
         self._counters.add("hits")
         return KVChunk(flat.view(record.dtype).reshape(record.shape), record.layout)
 
@@ -142,7 +143,7 @@ class CPUBackend(StorageBackend):
             for position, slot_id in enumerate(slot_ids):
                 start = position * self.slot_bytes
                 length = min(self.slot_bytes, chunk.nbytes - start)
-                self._slab[slot_id, :length].copy_(source[start : start + length])
+                _copy_bytes(self._slab[slot_id, :length], source[start : start + length])
             record = _SlotRecord(slot_ids, chunk.nbytes, chunk.dtype, tuple(chunk.tensor.shape), chunk.layout)
             self._index.add(key, num_slots_needed, record, num_pins)
         self._counters.add("puts")
@@ -184,3 +185,16 @@ class CPUBackend(StorageBackend):
                 "pinned_memory": self.pinned,
             }
         return {**gauges, **self._counters.snapshot()}
+
+
+def _copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy uint8 ``source`` into ``destination`` (same length).
+
+    Host-to-host copies go through numpy: one plain memcpy, while torch's
+    multi-threaded ``copy_`` runs many times slower on a busy machine (measured
+    0.1 vs 2.8 GB/s for 256 KiB with two cores under load). Device copies use torch.
+    """
+    if destination.device.type == "cpu" and source.device.type == "cpu":
+        np.copyto(destination.numpy(), source.numpy())
+    else:
+        destination.copy_(source)

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -45,21 +46,27 @@ NUM_BLOCKS = 8192  # 131072 token slots per layer: 17 GB of paged KV
 DEVICE = torch.device("cuda")
 
 
-def time_loop(fn: Callable[[], object], inner: int, repeats: int) -> float:
-    """Median over `repeats` of the per-call seconds of `inner` back-to-back calls."""
+def time_loop(fn: Callable[[], object], inner: int, repeats: int) -> tuple[float, float]:
+    """-> (GPU seconds per call, host seconds to issue one call), medians over `repeats` loops.
+
+    GPU time comes from CUDA events around `inner` back-to-back calls; when the host
+    needs longer to issue a call than the GPU to run it, the loop is launch-bound.
+    """
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    per_call = []
+    per_call, issue = [], []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        issue_start = time.perf_counter()
         for _ in range(inner):
             fn()
+        issue.append((time.perf_counter() - issue_start) / inner)
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(per_call)
+    return statistics.median(per_call), statistics.median(issue)
 
 
 def time_cold(fn: Callable[[], object], quick: bool) -> float:
@@ -200,7 +207,7 @@ def bench_transfer_size(kv_cache, peer, num_tokens, quick, rows):
                     )
     inner = max(1, min(50, (2 << 30) // payload * 4))
     for name, fn in cases.items():
-        loop_s = time_loop(fn, inner=inner, repeats=3 if quick else 10)
+        loop_s, issue_s = time_loop(fn, inner=inner, repeats=3 if quick else 10)
         cold_s = time_cold(fn, quick)
         rows.append(
             {
@@ -209,6 +216,7 @@ def bench_transfer_size(kv_cache, peer, num_tokens, quick, rows):
                 "tokens": num_tokens,
                 "payload_bytes": payload,
                 "loop_us": loop_s * 1e6,
+                "host_issue_us": issue_s * 1e6,
                 "cold_us": cold_s * 1e6,
                 "loop_GBps": payload / loop_s / 1e9,
                 "cold_GBps": payload / cold_s / 1e9,
@@ -217,7 +225,7 @@ def bench_transfer_size(kv_cache, peer, num_tokens, quick, rows):
         )
         print(
             f"tokens={num_tokens:6d} {name:38s} loop {rows[-1]['loop_GBps']:8.1f} GB/s  "
-            f"cold {rows[-1]['cold_GBps']:8.1f} GB/s",
+            f"cold {rows[-1]['cold_GBps']:8.1f} GB/s  ({loop_s * 1e6:8.1f} us GPU, {issue_s * 1e6:6.1f} us host issue)",
             flush=True,
         )
 
@@ -298,7 +306,7 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
         ("SDPA, KV heads repeated", sdpa_repeated),
         ("gather + SDPA", gather_and_sdpa),
     ):
-        seconds = time_loop(fn, inner=5 if quick else 20, repeats=3 if quick else 10)
+        seconds, issue_s = time_loop(fn, inner=5 if quick else 20, repeats=3 if quick else 10)
         rows.append(
             {
                 "group": "attention",
@@ -307,6 +315,7 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
                 "seq_len": seq_len,
                 "num_seqs": num_seqs,
                 "loop_us": seconds * 1e6,
+                "host_issue_us": issue_s * 1e6,
                 "TFLOPs": flops / seconds / 1e12,
                 "kv_read_GBps": kv_bytes / seconds / 1e9,
                 "max_abs_error_vs_sdpa": max_error,
@@ -314,7 +323,8 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
         )
         print(
             f"{scenario:8s} {name:22s} {seconds * 1e6:10.1f} us  {flops / seconds / 1e12:7.1f} TFLOP/s  "
-            f"KV read {kv_bytes / seconds / 1e9:7.1f} GB/s  (max |ours - sdpa| {max_error:.3g})",
+            f"KV read {kv_bytes / seconds / 1e9:7.1f} GB/s  host issue {issue_s * 1e6:6.1f} us  "
+            f"(max |ours - sdpa| {max_error:.3g})",
             flush=True,
         )
 

@@ -20,6 +20,8 @@ overwriting a pinned `chunk` it passed to unpack.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +71,7 @@ def _move_kv_rows_kernel(
             tl.store(paged_rows + cols[None, :], tl.load(packed_rows + cols[None, :], mask=mask), mask=mask)
 
 
+@functools.lru_cache(maxsize=64)
 def launch_config(row: int, element_size: int) -> tuple[int, int]:
     """-> (BLOCK_T, BLOCK_ROW) for rows of `row` elements of `element_size` bytes."""
     block_row = min(next_power_of_2(row), _MAX_BLOCK_ROW)

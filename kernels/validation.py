@@ -79,20 +79,19 @@ def check_token_rows_contiguous(name: str, tensor: torch.Tensor, block_dim: int)
     """The dims from `block_dim` (num_blocks) on, [num_blocks, block_size, heads, dim], are dense.
 
     The kernels address a slot as one flat token index over (num_blocks, block_size)
-    and read num_kv_heads * head_dim contiguous elements per token.
+    and read num_kv_heads * head_dim contiguous elements per token. Called on every
+    kernel launch, so it stays cheap.
     """
-    heads, dim = tensor.shape[-2], tensor.shape[-1]
-    row = heads * dim
-    block_size = tensor.shape[block_dim + 1]
-    expected = (block_size * row, row, dim, 1)
-    actual = tuple(tensor.stride()[block_dim:])
-    # Strides of size-1 dims do not matter.
-    for size, want, got in zip(tensor.shape[block_dim:], expected, actual, strict=True):
-        if size > 1 and want != got:
+    sizes, strides = tensor.shape, tensor.stride()
+    expected = 1
+    for dim in range(tensor.dim() - 1, block_dim - 1, -1):
+        # Strides of size-1 dims do not matter.
+        if sizes[dim] > 1 and strides[dim] != expected:
             raise ValueError(
-                f"{name} must be dense over [num_blocks, block_size, num_kv_heads, head_dim] "
-                f"(strides {expected}), got strides {actual}"
+                f"{name} must be dense over [num_blocks, block_size, num_kv_heads, head_dim], "
+                f"got shape {tuple(sizes)} strides {strides}"
             )
+        expected *= sizes[dim]
 
 
 def check_packed(name: str, packed: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:

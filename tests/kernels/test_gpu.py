@@ -44,8 +44,11 @@ def test_pack_unpack_match_reference(dtype, num_kv_heads, head_dim):
     kernels.unpack_kv(chunk, kv_cache, slots, check_values=False)
     assert torch.equal(kv_cache, expected_cache)
 
+    # kv_cache now holds `chunk` at the unmasked slots: per-layer packs must see that.
     for layer in (0, num_layers - 1):
-        assert torch.equal(kernels.pack_kv_layer(kv_cache[layer], slots, out[layer].clone()), out[layer])
+        expected_layer = out[layer].clone()
+        reference.pack_kv_layer_ref(kv_cache[layer], slots, expected_layer)
+        assert torch.equal(kernels.pack_kv_layer(kv_cache[layer], slots, out[layer].clone()), expected_layer)
 
 
 @pytest.mark.parametrize("check_values", [True, False])

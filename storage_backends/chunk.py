@@ -254,8 +254,15 @@ def decode_chunk(data: bytes | bytearray | memoryview) -> KVChunk:
     Raises :class:`ChunkFormatError` for anything but an intact chunk of this format version.
     """
     view = memoryview(data)
-    header = verify_chunk(view)
-    payload = view[header.header_len :]
+    return decode_verified_chunk(view, verify_chunk(view))
+
+
+def decode_verified_chunk(data: bytes | bytearray | memoryview, header: ChunkHeader) -> KVChunk:
+    """Deserialize bytes that :func:`verify_chunk` has already checked (it returned ``header``).
+
+    For tiers that verify once on read and decode later, so the checksum is not computed twice.
+    """
+    payload = memoryview(data)[header.header_len :]
     if header.codec == "lz4":
         import lz4.block
 

@@ -42,9 +42,10 @@ from storage_backends.base import BackendError, CapacityError, StorageBackend
 from storage_backends.chunk import (
     CODECS,
     ChunkFormatError,
+    ChunkHeader,
     ChunkVersionError,
     KVChunk,
-    decode_chunk,
+    decode_verified_chunk,
     encode_chunk,
     parse_header,
     verify_chunk,
@@ -164,8 +165,9 @@ class DiskBackend(StorageBackend):
                 num_present += 1
             return num_present
 
-    def _read_verified(self, key: str) -> memoryview | None:
-        """The verified serialized chunk of ``key`` (a view into the file's bytes), or None; counts hits and misses."""
+    def _read_verified(self, key: str) -> tuple[memoryview, ChunkHeader] | None:
+        """The verified serialized chunk of ``key`` (a view into the file's bytes) and its header,
+        or None; counts hits and misses."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None or not entry.record.ready:
@@ -185,7 +187,7 @@ class DiskBackend(StorageBackend):
             if stored_key != key:
                 raise ChunkFormatError(f"file holds key {stored_key!r}")
             chunk_bytes = memoryview(data)[chunk_offset:]
-            verify_chunk(chunk_bytes)
+            header = verify_chunk(chunk_bytes)
         except (ChunkFormatError, UnicodeDecodeError) as exc:
             logger.warning(
                 "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s",
@@ -198,15 +200,15 @@ class DiskBackend(StorageBackend):
             self._drop_entry(key, entry)
             return None
         self._counters.add("hits")
-        return chunk_bytes
+        return chunk_bytes, header
 
     def get(self, key: str) -> KVChunk | None:
-        chunk_bytes = self._read_verified(key)
-        return None if chunk_bytes is None else decode_chunk(chunk_bytes)
+        found = self._read_verified(key)
+        return None if found is None else decode_verified_chunk(*found)
 
     def get_encoded(self, key: str) -> bytes | None:
-        chunk_bytes = self._read_verified(key)
-        return None if chunk_bytes is None else bytes(chunk_bytes)
+        found = self._read_verified(key)
+        return None if found is None else bytes(found[0])
 
     # ---- writes --------------------------------------------------------------
     def put(self, key: str, chunk: KVChunk) -> None:

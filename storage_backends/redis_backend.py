@@ -29,7 +29,15 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from storage_backends.base import BackendError, StorageBackend
-from storage_backends.chunk import CODECS, ChunkFormatError, KVChunk, decode_chunk, encode_chunk, verify_chunk
+from storage_backends.chunk import (
+    CODECS,
+    ChunkFormatError,
+    ChunkHeader,
+    KVChunk,
+    decode_verified_chunk,
+    encode_chunk,
+    verify_chunk,
+)
 from storage_backends.counters import Counters
 from storage_backends.urls import parse_float
 
@@ -143,8 +151,8 @@ class RedisBackend(StorageBackend):
             num_present += 1
         return num_present
 
-    def _fetch_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Raw values in one pipelined round trip, checksums verified (corrupt ones become None)."""
+    def _fetch_many(self, keys: Sequence[str]) -> list[tuple[bytes, ChunkHeader] | None]:
+        """Values and their headers in one pipelined round trip, checksums verified (corrupt ones become None)."""
         if not keys:
             return []
         with self._guard("get"):
@@ -152,28 +160,29 @@ class RedisBackend(StorageBackend):
             for key in keys:
                 pipe.get(self._redis_key(key))
             values = pipe.execute()
-        verified: list[bytes | None] = []
+        verified: list[tuple[bytes, ChunkHeader] | None] = []
         for key, value in zip(keys, values, strict=True):
+            result = None
             if value is not None:
                 try:
-                    verify_chunk(value)
+                    result = (value, verify_chunk(value))
                 except ChunkFormatError as exc:
                     logger.warning("redis tier: corrupt value for key %r (treated as a miss): %s", key, exc)
                     self._counters.add("corrupt")
                     self.delete(key)
-                    value = None
-            self._counters.add("hits" if value is not None else "misses")
-            verified.append(value)
+            self._counters.add("hits" if result is not None else "misses")
+            verified.append(result)
         return verified
 
     def get(self, key: str) -> KVChunk | None:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[KVChunk | None]:
-        return [None if value is None else decode_chunk(value) for value in self._fetch_many(keys)]
+        return [None if found is None else decode_verified_chunk(*found) for found in self._fetch_many(keys)]
 
     def get_encoded(self, key: str) -> bytes | None:
-        return self._fetch_many([key])[0]
+        found = self._fetch_many([key])[0]
+        return None if found is None else found[0]
 
     # ---- writes --------------------------------------------------------------
     def put(self, key: str, chunk: KVChunk) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.cache_server.server_process import cache_server, cache_server_url  # noqa: F401
+from tests.redis_fixtures import redis_cluster, redis_cluster_url, redis_server, redis_url, restartable_redis  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,6 +11,7 @@ import click
 
 from cache_server.cli import admin, cache_server
 from engine.generate_cli import generate
+from engine.server.cli import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -60,6 +61,7 @@ main.add_command(admin)
 
 
 main.add_command(generate)
+main.add_command(serve)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,187 @@
+"""Prometheus metrics of one serving engine, in a registry of its own.
+
+Each `EngineMetrics` owns a `CollectorRegistry` (never the global default one),
+so two servers in one process keep separate figures. Two kinds of figures:
+
+- per-request events, recorded by the async front end's engine thread as outputs
+  arrive (`observe_output`, `observe_finished`): requests by finish reason,
+  prompt/generated tokens, GPU prefix hits, external hits, tokens and bytes
+  loaded and saved, TTFT, inter-token latency and load throughput;
+- engine state, read at scrape time by a collector (`_EngineStateCollector`):
+  KV block usage, speculative decoding counters and connector hits per tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from connector.base import RequestTransferStats
+    from engine.engine_core import EngineCore
+    from engine.request import RequestOutput
+
+#: Prometheus text format content type (what `/metrics` answers with)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
+
+
+class EngineMetrics:
+    """The figures of one engine. Created once per server; the engine thread calls the
+    `observe_*` methods (prometheus_client metrics are thread-safe) and `/metrics`
+    calls `render` from the event loop."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "kvstash_requests", "Finished requests by finish reason.", ["finish_reason"], registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "kvstash_prompt_tokens", "Prompt tokens of finished requests.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "kvstash_generation_tokens", "Tokens generated (counted as they stream).", registry=registry
+        )
+        self.gpu_prefix_hit_tokens = Counter(
+            "kvstash_gpu_prefix_hit_tokens",
+            "Prompt tokens found in the engine's GPU prefix cache.",
+            registry=registry,
+        )
+        self.external_hit_tokens = Counter(
+            "kvstash_external_hit_tokens", "Prompt tokens loaded from the offload tiers.", registry=registry
+        )
+        self.loaded_tokens = Counter(
+            "kvstash_kv_loaded_tokens",
+            "Tokens whose KV was loaded from the offload tiers.",
+            registry=registry,
+        )
+        self.loaded_bytes = Counter(
+            "kvstash_kv_loaded_bytes", "Bytes of KV loaded from the offload tiers.", registry=registry
+        )
+        self.saved_tokens = Counter(
+            "kvstash_kv_saved_tokens",
+            "Prompt tokens whose KV was saved to the offload tiers.",
+            registry=registry,
+        )
+        self.load_seconds = Counter(
+            "kvstash_kv_load_seconds", "Seconds spent loading KV from the offload tiers.", registry=registry
+        )
+        self.load_throughput = Histogram(
+            "kvstash_kv_load_throughput_gb_per_second",
+            "Load throughput per request that loaded KV (GB/s).",
+            buckets=_GBPS_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvstash_time_to_first_token_seconds",
+            "Seconds from arrival to the first output token.",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "kvstash_inter_token_latency_seconds",
+            "Seconds between consecutive output tokens of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_EngineStateCollector(engine))
+
+    def observe_output(self, num_new_tokens: int, ttft_s: float | None, inter_token_s: float | None) -> None:
+        """One request got `num_new_tokens` tokens in one engine step. `ttft_s` is given
+        for its first token, `inter_token_s` (seconds since its previous tokens, spread
+        over the new ones) for later ones."""
+        if num_new_tokens <= 0:
+            return
+        self.generation_tokens.inc(num_new_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if inter_token_s is not None:
+            for _ in range(num_new_tokens):
+                self.inter_token_latency.observe(inter_token_s)
+
+    def observe_finished(self, output: RequestOutput, transfer: RequestTransferStats | None) -> None:
+        """A request finished (any reason). `transfer` is the connector's figures for it
+        (None when offload is off)."""
+        self.requests.labels(finish_reason=output.finish_reason or "unknown").inc()
+        metrics = output.metrics
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.gpu_prefix_hit_tokens.inc(metrics.num_local_cached_tokens)
+        self.external_hit_tokens.inc(metrics.num_external_cached_tokens)
+        if transfer is None:
+            return
+        self.loaded_tokens.inc(transfer.num_loaded_tokens)
+        self.loaded_bytes.inc(transfer.num_loaded_bytes)
+        self.saved_tokens.inc(transfer.num_saved_tokens)
+        self.load_seconds.inc(transfer.load_seconds)
+        if transfer.num_loaded_bytes > 0 and transfer.load_seconds > 0:
+            self.load_throughput.observe(transfer.num_loaded_bytes / transfer.load_seconds / 1e9)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class _EngineStateCollector(Collector):
+    """Reads the engine's own counters at scrape time. Plain int reads from another
+    thread: a scrape may see a step half-recorded, never a torn value."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        engine = self.engine
+        block_manager = engine.block_manager
+        num_used = block_manager.num_blocks - block_manager.num_free_blocks
+        yield GaugeMetricFamily(
+            "kvstash_kv_blocks_total", "KV blocks in the engine's pool.", block_manager.num_blocks
+        )
+        yield GaugeMetricFamily("kvstash_kv_blocks_used", "KV blocks held by running requests.", num_used)
+        yield GaugeMetricFamily(
+            "kvstash_kv_cache_usage_ratio",
+            "Fraction of KV blocks in use (0..1).",
+            num_used / block_manager.num_blocks,
+        )
+        spec = engine.stats.spec_decode
+        yield CounterMetricFamily(
+            "kvstash_spec_decode_draft_tokens", "Speculative draft tokens proposed.", spec.num_draft_tokens
+        )
+        yield CounterMetricFamily(
+            "kvstash_spec_decode_accepted_tokens",
+            "Speculative draft tokens accepted.",
+            spec.num_accepted_tokens,
+        )
+        yield GaugeMetricFamily(
+            "kvstash_spec_decode_acceptance_ratio",
+            "Accepted / proposed draft tokens over the engine's life.",
+            spec.acceptance_rate,
+        )
+        yield CounterMetricFamily(
+            "kvstash_engine_computed_tokens",
+            "Tokens the model ran a forward pass on.",
+            engine.stats.num_computed_tokens_total,
+        )
+        tier_hits = CounterMetricFamily(
+            "kvstash_tier_hit_chunks", "Chunks read from each offload tier.", labels=["tier"]
+        )
+        for tier, count in _tier_hits(engine).items():
+            tier_hits.add_metric([tier], count)
+        yield tier_hits
+
+
+def _tier_hits(engine: EngineCore) -> dict[str, int]:
+    """Chunk hits per tier name from the connector's tier manager ({} without offload)."""
+    connector = engine.scheduler.connector
+    cache_engine = getattr(connector, "cache_engine", None)
+    if cache_engine is None:
+        return {}
+    tiers = cache_engine.tiers
+    counters = tiers.counters()
+    return {tier.name: counters.get(f"hits_{tier.name}", 0) for tier in tiers.tiers}

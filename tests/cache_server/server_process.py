@@ -1,8 +1,8 @@
 """The real cache server as a child process, for tests.
 
-``CacheServerProcess(args)`` runs ``python -m engine.cli cache-server --port 0
-ARGS`` (the ``kvstash cache-server`` command), reads the bound port from its
-first line of output and waits until the standard health service answers
+``CacheServerProcess(args)`` runs ``python -m cache_server --port 0 ARGS``
+(the same click command as ``kvstash cache-server``, without importing the
+engine, which keeps start-up short), reads the bound port from its first line of output and waits until the standard health service answers
 SERVING. ``stop()`` sends SIGTERM and returns the exit code.
 
 Fixtures (imported into ``tests/conftest.py`` so the storage conformance suite
@@ -73,7 +73,7 @@ class CacheServerProcess:
         """Start and wait for SERVING (over TLS with ``tls_ca`` when the server uses TLS)."""
         port = self.port if self.port is not None else self.requested_port
         self.process = subprocess.Popen(
-            kvstash_command("cache-server", "--host", "127.0.0.1", "--port", str(port), *self.args),
+            [sys.executable, "-m", "cache_server", "--host", "127.0.0.1", "--port", str(port), *self.args],
             cwd=REPO_ROOT,
             env=self.env,
             stdout=subprocess.PIPE,

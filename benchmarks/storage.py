@@ -62,22 +62,30 @@ def time_calls(calls: list[Callable[[], object]]) -> float:
 
 
 def measure_tier(
-    name: str, put: Callable, get: Callable, value: object, size: int, repeats: int, check: Callable
+    name: str,
+    put_many: Callable[[list[tuple[str, object]]], object],
+    get_many: Callable[[list[str]], list[object]],
+    value: object,
+    size: int,
+    repeats: int,
+    check: Callable[[object], bool],
+    batch: int = 1,
 ) -> dict:
-    """Median put and get MB/s over ``repeats`` runs of distinct keys (one call per value),
+    """Median put and get MB/s over ``repeats`` runs of distinct keys, ``batch`` values per call,
     after one warm-up run that is not counted (first-touch page faults, connection set-up)."""
-    num_values = max(4, BYTES_PER_SIZE_RUN // size)
+    num_values = max(4, BYTES_PER_SIZE_RUN // size) // batch * batch
     put_rates, get_rates = [], []
     for repeat in range(-1, repeats):
         keys = [f"bench:{size}:{repeat}:{i}" for i in range(num_values)]
+        key_batches = [keys[i : i + batch] for i in range(0, num_values, batch)]
         started = time.perf_counter()
-        for key in keys:
-            put(key, value)
+        for key_batch in key_batches:
+            put_many([(key, value) for key in key_batch])
         put_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        results = [get(key) for key in keys]
+        results = [result for key_batch in key_batches for result in get_many(key_batch)]
         get_seconds = time.perf_counter() - started
-        if not all(check(result) for result in results):
+        if len(results) != num_values or not all(check(result) for result in results):
             raise RuntimeError(f"{name}: a value read back differs from the one written")
         if repeat >= 0:
             put_rates.append(mb_per_s(size * num_values, put_seconds))
@@ -85,13 +93,34 @@ def measure_tier(
     return {
         "tier": name,
         "value_bytes": size,
+        "values_per_call": batch,
         "num_values": num_values,
         "put_MBps": round(statistics.median(put_rates), 1),
         "get_MBps": round(statistics.median(get_rates), 1),
     }
 
 
-def run_tiers(sizes: list[int], repeats: int, workdir: str) -> list[dict]:
+def raw_redis_calls(client: object, batch: int) -> tuple[Callable, Callable]:
+    """redis-py SET/GET of bytes: one command per call, or ``batch`` per pipelined round trip."""
+    if batch == 1:
+        return (lambda items: client.set(*items[0])), (lambda keys: [client.get(keys[0])])
+
+    def set_many(items: list[tuple[str, bytes]]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key, data in items:
+            pipe.set(key, data)
+        pipe.execute()
+
+    def get_many(keys: list[str]) -> list[bytes]:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return pipe.execute()
+
+    return set_many, get_many
+
+
+def run_tiers(sizes: list[int], repeats: int, batch: int, workdir: str) -> list[dict]:
     from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess
 
     rows: list[dict] = []
@@ -108,9 +137,11 @@ def run_tiers(sizes: list[int], repeats: int, workdir: str) -> list[dict]:
             def same_chunk(result: KVChunk | None, chunk: KVChunk = chunk) -> bool:
                 return result is not None and result.equal(chunk)
 
-            capacity = (
-                2 * BYTES_PER_SIZE_RUN
-            )  # later runs evict earlier ones: the steady state of a full tier
+            def same_bytes(result: bytes | None, encoded: bytes = encoded) -> bool:
+                return result == encoded
+
+            # Later runs evict earlier ones: the steady state of a full tier.
+            capacity = 2 * BYTES_PER_SIZE_RUN
             tier_urls = {
                 "cpu": f"cpu://?capacity={capacity}&slot_bytes={size}",
                 "disk": f"file://{workdir}/disk-{size}?capacity={capacity}",
@@ -120,23 +151,35 @@ def run_tiers(sizes: list[int], repeats: int, workdir: str) -> list[dict]:
                 tier_urls["redis-cluster"] = cluster.url
             for name, url in tier_urls.items():
                 backend = create_backend(url)
-                rows.append(measure_tier(name, backend.put, backend.get, chunk, size, repeats, same_chunk))
+                batches = (1, batch) if name.startswith("redis") and batch > 1 else (1,)
+                for values_per_call in batches:
+                    label = name if values_per_call == 1 else f"{name} x{values_per_call} pipelined"
+                    rows.append(
+                        measure_tier(
+                            label, backend.put_many, backend.get_many, chunk, size, repeats, same_chunk,
+                            values_per_call,
+                        )
+                    )  # fmt: skip
+                    if server is not None:
+                        server.flushall()
+                        cluster.flushall()
                 backend.close()
-                if server is not None:
-                    server.flushall()
-                    cluster.flushall()
             if server is not None:
                 import redis
 
                 client = redis.Redis(port=server.port)
-                rows.append(
-                    measure_tier(
-                        "raw redis-py SET/GET", client.set, client.get, encoded, size, repeats,
-                        lambda result, encoded=encoded: result == encoded,
+                for values_per_call in (1, batch) if batch > 1 else (1,):
+                    label = "raw redis-py SET/GET" + (
+                        "" if values_per_call == 1 else f" x{values_per_call} pipelined"
                     )
-                )  # fmt: skip
+                    set_many, get_many = raw_redis_calls(client, values_per_call)
+                    rows.append(
+                        measure_tier(
+                            label, set_many, get_many, encoded, size, repeats, same_bytes, values_per_call
+                        )
+                    )
+                    server.flushall()
                 client.close()
-                server.flushall()
             rows.append(measure_codec("encode/decode (codec none)", chunk, "none", repeats))
     finally:
         if server is not None:
@@ -228,6 +271,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs per measurement (the median is reported)"
     )
+    parser.add_argument(
+        "--batch", type=int, default=8, help="values per pipelined call in the Redis batch rows"
+    )
     parser.add_argument("--skip-lz4", action="store_true", help="skip the model run and lz4 section")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
@@ -238,9 +284,9 @@ def main() -> None:
             )
 
     with tempfile.TemporaryDirectory(prefix="kvstash-bench-storage-") as workdir:
-        tier_rows = run_tiers(args.sizes, args.repeats, workdir)
+        tier_rows = run_tiers(args.sizes, args.repeats, args.batch, workdir)
         print_table(
-            "Put/get throughput, one client, one value per call (MB/s of KV)",
+            "Put/get throughput, one client thread (MB/s of KV)",
             tier_rows,
             "put MB/s",
             "get MB/s",

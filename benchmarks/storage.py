@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -253,13 +254,13 @@ def run_lz4(repeats: int, workdir: str) -> tuple[list[dict], str]:
 
 def print_table(title: str, rows: list[dict], put_label: str, get_label: str) -> None:
     print(f"\n{title}")
-    print(f"{'tier':<30} {'value':>9} {put_label:>14} {get_label:>14} {'ratio':>7}")
+    print(f"{'tier':<36} {'value':>9} {put_label:>14} {get_label:>14} {'ratio':>7}")
     for row in rows:
         size = row["value_bytes"]
         size_text = f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
         ratio = f"{row['ratio']:.3f}" if "ratio" in row else ""
         print(
-            f"{row['tier']:<30} {size_text:>9} {row['put_MBps']:>14.1f} {row['get_MBps']:>14.1f} {ratio:>7}"
+            f"{row['tier']:<36} {size_text:>9} {row['put_MBps']:>14.1f} {row['get_MBps']:>14.1f} {ratio:>7}"
         )
 
 
@@ -301,6 +302,8 @@ def main() -> None:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),  # other work shares these cores
         },
         "kv_shape_per_token": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "tiers": tier_rows,

@@ -1,0 +1,114 @@
+"""A real `kvstash serve` child process on a free loopback port, for tests.
+
+`ServeProcess(model_dir, *flags).start()` runs `python -m engine.cli serve MODEL
+--host 127.0.0.1 --port 0 FLAGS`, reads the bound port from uvicorn's
+"Uvicorn running on http://127.0.0.1:PORT" line and waits for `/health`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: model loading is slow on a busy 2-core machine
+START_TIMEOUT_S = 180.0
+_RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def repo_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in [n for n in env if n.startswith("KVSTASH_KV_OFFLOAD")]:
+        del env[name]  # the test's flags alone configure offload
+    return env
+
+
+class ServeProcess:
+    """One `kvstash serve` process; `url` is its base URL once started."""
+
+    def __init__(self, model_dir: str | Path, *flags: str, served_model_name: str = "tiny") -> None:
+        self.model_dir = str(model_dir)
+        self.served_model_name = served_model_name
+        self.flags = tuple(flags)
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+        # Open for the child's whole life (its output), so not a with-block.
+        self._log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="kvstash-serve-", suffix=".log", delete=False
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServeProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "serve",
+            self.model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--served-model-name",
+            self.served_model_name,
+            *self.flags,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=repo_env(), stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.port is None:
+            match = _RUNNING.search(self.log())
+            if match:
+                self.port = int(match.group(1))
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log()
+                self.close()
+                raise RuntimeError(f"kvstash serve did not start\n{log}")
+            else:
+                time.sleep(0.2)
+        response = httpx.get(f"{self.url}/health", timeout=30)
+        if response.status_code != 200:
+            raise RuntimeError(f"/health answered {response.status_code}\n{self.log()}")
+        return self
+
+    def metrics_text(self) -> str:
+        response = httpx.get(f"{self.url}/metrics", timeout=30)
+        response.raise_for_status()
+        return response.text
+
+    def log(self) -> str:
+        path = Path(self._log_file.name)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (uvicorn's graceful shutdown) and wait; returns the exit code."""
+        if self.process is None:
+            raise RuntimeError("kvstash serve is not running")
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill the process if it still runs and delete its log. Idempotent."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+        self._log_file.close()
+        Path(self._log_file.name).unlink(missing_ok=True)

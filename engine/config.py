@@ -63,6 +63,9 @@ class EngineArgs:
     kv_offload: OffloadConfig | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 0
+    #: n-gram sizes the `ngram` proposer matches, longest first
+    ngram_min_n: int = 2
+    ngram_max_n: int = 4
     load_format: str = "auto"
     seed: int = 0
 
@@ -89,6 +92,12 @@ class EngineArgs:
             )
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative={self.speculative!r} needs num_speculative_tokens >= 1")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(
+                f"ngram sizes need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
+from engine.spec_decode import NgramProposer, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class EngineStats:
     num_computed_tokens_total: int = 0
     num_generated_tokens_total: int = 0
     num_requests_finished: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -44,10 +46,9 @@ class EngineCore:
     def __init__(self, model: str | Path | Any, engine_args: EngineArgs | None = None) -> None:
         args = engine_args or EngineArgs()
         args.validate()
-        if args.speculative is not None:
-            raise ValueError(
-                f"speculative decoding ({args.speculative!r}) is not available in this engine build"
-            )
+        proposer = None
+        if args.speculative == "ngram":
+            proposer = NgramProposer(args.num_speculative_tokens, args.ngram_min_n, args.ngram_max_n)
         if isinstance(model, str | Path):
             self.model_dir: Path | None = Path(model)
             if not self.model_dir.is_dir():
@@ -86,7 +87,11 @@ class EngineCore:
             )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, connector=scheduler_connector
+            self.block_manager,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            connector=scheduler_connector,
+            proposer=proposer,
         )
         self.runner = ModelRunner(
             self.model,
@@ -199,16 +204,25 @@ class EngineCore:
         """Schedule, run and update once. Returns the outputs of the requests that got
         a token this step (cumulative state; finished ones are then forgotten)."""
         plan = self.scheduler.schedule()
+        num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
         result = self.runner.execute(plan)
         updated = self.scheduler.update_from_output(
-            plan, result.request_id_to_token, result.load_failures, result.finished_sending_ids
+            plan,
+            result.request_id_to_token,
+            result.load_failures,
+            result.finished_sending_ids,
+            result.request_id_to_accepted_draft_ids,
         )
         self.stats.num_steps += 1
         self.stats.num_computed_tokens_total += result.num_computed_tokens
+        for request_id, accepted_draft_ids in result.request_id_to_accepted_draft_ids.items():
+            num_drafts = len(plan.request_id_to_spec_token_ids[request_id])
+            self.stats.spec_decode.record(num_drafts, len(accepted_draft_ids))
         outputs = []
         for request in updated:
-            self.stats.num_generated_tokens_total += 1
-            self._detokenize_and_check_stop(request)
+            num_outputs = num_outputs_before[request.request_id]
+            self._detokenize_and_check_stop(request, len(request.output_token_ids) - num_outputs)
+            self.stats.num_generated_tokens_total += len(request.output_token_ids) - num_outputs
             if request.is_finished:
                 self.stats.num_requests_finished += 1
                 self.requests.pop(request.request_id, None)
@@ -216,15 +230,24 @@ class EngineCore:
             outputs.append(request.to_output())
         return outputs
 
-    def _detokenize_and_check_stop(self, request: Request) -> None:
-        """Update `request.text`; a stop string ends the request, the text cut before it."""
+    def _detokenize_and_check_stop(self, request: Request, num_new_tokens: int) -> None:
+        """Update `request.text`; a stop string ends the request, the text cut before it.
+        When a step appended several tokens (speculative decoding), the output keeps only
+        the tokens up to the first one that completes a stop string."""
         if self.tokenizer is None:
             return
         stop_strings = request.sampling_params.stop_strings
         if not stop_strings and not request.is_finished:
             return  # decode once at the end unless stop strings need the text now
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+        num_outputs = len(request.output_token_ids)
+        first_kept = num_outputs - num_new_tokens + 1 if stop_strings else num_outputs
+        for num_kept in range(first_kept, num_outputs + 1):
+            text = self.tokenizer.decode(request.output_token_ids[:num_kept], skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
+            if cut >= 0:
+                del request.output_token_ids[num_kept:]
+                del request.all_token_ids[request.num_prompt_tokens + num_kept :]
+                break
         if cut >= 0:
             text = text[:cut]
             if not request.is_finished:

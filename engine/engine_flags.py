@@ -26,6 +26,8 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "enable_prefix_caching": (bool, "Reuse KV of shared prefixes on the GPU."),
     "speculative": (click.Choice(["ngram"]), "Speculative decoding method."),
     "num_speculative_tokens": (int, "Draft tokens per step."),
+    "ngram_min_n": (int, "Shortest n-gram the ngram proposer matches."),
+    "ngram_max_n": (int, "Longest n-gram the ngram proposer matches (tried first)."),
     "load_format": (click.Choice(["auto", "dummy"]), "'dummy' = random weights."),
     "seed": (int, "Engine seed."),
 }

@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import verify_drafts
 
 
 @dataclass
@@ -34,6 +35,8 @@ class AttentionMetadata:
 @dataclass
 class RunnerOutput:
     request_id_to_token: dict[str, int]
+    #: request id -> its drafts the rejection sampler accepted (requests that had drafts)
+    request_id_to_accepted_draft_ids: dict[str, list[int]]
     #: request id -> leading tokens truly in the paged cache (connector load failures)
     load_failures: dict[str, int]
     finished_sending_ids: set[str]
@@ -77,7 +80,7 @@ class ModelRunner:
 
     def _prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """-> input_ids int64 [T], positions int64 [T], logits row per sampling request
-        (or -1); sets `self._metadata`."""
+        (or -1; with drafts, the row of the last draft); sets `self._metadata`."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -90,7 +93,9 @@ class ModelRunner:
         for i, (request, num_new) in enumerate(zip(plan.requests, plan.num_scheduled_tokens, strict=True)):
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
+            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id, [])
+            input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
+            input_ids.extend(spec_token_ids)
             pos = np.arange(start, end, dtype=np.int64)
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -98,7 +103,8 @@ class ModelRunner:
             block_tables[i, : len(block_ids)] = block_ids
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
-            logits_rows.append(query_start_loc[-1] - 1 if end == request.num_tokens else -1)
+            samples = end == request.num_tokens + len(spec_token_ids)
+            logits_rows.append(query_start_loc[-1] - 1 if samples else -1)
         device = self.device
         self._metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True),
@@ -127,6 +133,37 @@ class ModelRunner:
             self.connector.save_kv_layer(layer_idx)
         return out
 
+    def _verify(
+        self,
+        plan: SchedulerOutput,
+        hidden: torch.Tensor,  # [T, hidden_size]
+        logits_rows: list[int],
+        request_id_to_token: dict[str, int],
+    ) -> dict[str, list[int]]:
+        """Check every request's drafts against the logits of the positions before them;
+        replace its sampled (bonus) token by the token that follows its accepted drafts.
+        Returns request id -> accepted drafts."""
+        requests, draft_token_ids, draft_rows = [], [], []
+        for request, last_row in zip(plan.requests, logits_rows, strict=True):
+            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
+            if spec_token_ids and last_row >= 0:
+                requests.append(request)
+                draft_token_ids.append(spec_token_ids)
+                draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
+        draft_logits = self.model.compute_logits(hidden[torch.tensor(draft_rows, device=self.device)])
+        emitted = verify_drafts(
+            draft_logits,
+            draft_token_ids,
+            [request_id_to_token[r.request_id] for r in requests],
+            [r.sampling_params for r in requests],
+            [r.generator for r in requests],
+        )
+        request_id_to_accepted_draft_ids = {}
+        for request, tokens in zip(requests, emitted, strict=True):
+            request_id_to_token[request.request_id] = tokens[-1]
+            request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
+        return request_id_to_accepted_draft_ids
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step: connector loads, forward, connector saves, sampling."""
@@ -135,6 +172,7 @@ class ModelRunner:
             connector.bind_connector_metadata(plan.connector_meta)
             connector.start_load_kv()
         request_id_to_token: dict[str, int] = {}
+        request_id_to_accepted_draft_ids: dict[str, list[int]] = {}
         if plan.requests:
             input_ids, positions, logits_rows = self._prepare(plan)
             hidden = self.model(input_ids, positions, self._attention)
@@ -147,6 +185,11 @@ class ModelRunner:
                     logits, [r.sampling_params for r in requests], [r.generator for r in requests]
                 )
                 request_id_to_token = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+                if plan.request_id_to_spec_token_ids:
+                    # The token sampled after the last draft is the bonus token.
+                    request_id_to_accepted_draft_ids = self._verify(
+                        plan, hidden, logits_rows, request_id_to_token
+                    )
         load_failures: dict[str, int] = {}
         finished_sending: set[str] = set()
         if connector is not None:
@@ -156,6 +199,7 @@ class ModelRunner:
         self._metadata = None
         return RunnerOutput(
             request_id_to_token=request_id_to_token,
+            request_id_to_accepted_draft_ids=request_id_to_accepted_draft_ids,
             load_failures=load_failures,
             finished_sending_ids=set(finished_sending),
             num_computed_tokens=plan.total_num_scheduled_tokens,

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.spec_decode import NgramProposer, propose_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SchedulerOutput:
     """One step's plan. `num_scheduled_tokens[i]` new tokens of `requests[i]` start at
-    `requests[i].num_computed_tokens` (already counting prefix hits and loads)."""
+    `requests[i].num_computed_tokens` (already counting prefix hits and loads); for a
+    request in `request_id_to_spec_token_ids` the last of them are its draft tokens."""
 
     requests: list[Request]
     num_scheduled_tokens: list[int]
@@ -35,6 +37,8 @@ class SchedulerOutput:
     #: requests finished since the previous step (for the connector worker's get_finished)
     finished_request_ids: set[str]
     connector_meta: ConnectorMetadata | None = None
+    #: speculative drafts to verify this step (requests without drafts are absent)
+    request_id_to_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,6 +59,8 @@ class Scheduler:
     max_num_seqs: int
     max_num_batched_tokens: int
     connector: KVConnectorScheduler | None = None
+    #: drafts speculative decoding verifies in decode steps (None: no speculation)
+    proposer: NgramProposer | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -73,12 +79,20 @@ class Scheduler:
         scheduled: list[Request] = []
         num_scheduled: list[int] = []
         preempted: list[Request] = []
+        request_id_to_spec_token_ids: dict[str, list[int]] = {}
 
         # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
+            # Drafts ride along only when their slots are free: never preempt for a draft.
+            if spec_token_ids and self.block_manager.allocate_slots(
+                request, request.num_computed_tokens + num_new + len(spec_token_ids)
+            ):
+                request_id_to_spec_token_ids[request.request_id] = spec_token_ids
+                num_new += len(spec_token_ids)
             while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -126,6 +140,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=self._finished_request_ids,
+            request_id_to_spec_token_ids=request_id_to_spec_token_ids,
         )
         self._finished_request_ids = set()
         if self.connector is not None:
@@ -160,13 +175,18 @@ class Scheduler:
         request_id_to_token: dict[str, int],
         load_failures: dict[str, int] | None = None,
         finished_sending_ids: Iterable[str] = (),
+        request_id_to_accepted_draft_ids: Mapping[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance every scheduled request; append sampled tokens of requests that
         reached the end of their known tokens; finish on EOS/max_tokens/context.
         `load_failures` maps a request id to the number of leading tokens truly in
         its paged cache: that request's output is dropped and it recomputes from there.
+        A request that verified drafts appends its accepted drafts before its sampled
+        token; its rejected drafts' slots fall out of `num_computed_tokens` (the next
+        step overwrites them; their blocks stay with the request).
         Returns the requests that got a new token (finished ones included)."""
         load_failures = load_failures or {}
+        request_id_to_accepted_draft_ids = request_id_to_accepted_draft_ids or {}
         updated: list[Request] = []
         for request, num_new in zip(output.requests, output.num_scheduled_tokens, strict=True):
             if request.is_finished:  # aborted during the step
@@ -181,13 +201,21 @@ class Scheduler:
                 self.stats.num_load_failures += 1
                 self.block_manager.cache_computed_blocks(request)
                 continue
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_computed_blocks(request)
+            num_drafts = len(output.request_id_to_spec_token_ids.get(request.request_id, ()))
+            accepted_draft_ids = request_id_to_accepted_draft_ids.get(request.request_id, [])
+            request.num_computed_tokens += num_new - (num_drafts - len(accepted_draft_ids))
             if request.num_computed_tokens < request.num_tokens:
+                self.block_manager.cache_computed_blocks(request)
                 continue  # a non-final prompt chunk: its logits are dropped
-            request.append_output_token(request_id_to_token[request.request_id])
+            reason = None
+            for token_id in (*accepted_draft_ids, request_id_to_token[request.request_id]):
+                request.append_output_token(token_id)
+                reason = request.check_token_stop()
+                if reason is not None:
+                    break  # tokens after a stop are dropped, as without speculation
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.block_manager.cache_computed_blocks(request)
             updated.append(request)
-            reason = request.check_token_stop()
             if reason is not None:
                 self.finish_request(request, reason)
         for request_id in finished_sending_ids:

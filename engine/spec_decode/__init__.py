@@ -1,5 +1,9 @@
-"""Speculative decoding: the n-gram draft proposer and the verification glue of the engine."""
+"""Speculative decoding: the n-gram draft proposer (scheduler side), the verification of
+drafts through the rejection sampler (runner side) and their counters."""
 
+from engine.spec_decode.drafts import propose_drafts
+from engine.spec_decode.metrics import SpecDecodeStats
 from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.verify import verify_drafts
 
-__all__ = ["NgramProposer"]
+__all__ = ["NgramProposer", "SpecDecodeStats", "propose_drafts", "verify_drafts"]

@@ -1,4 +1,4 @@
-"""Fixtures of the serving tests: one `kvstash serve` process per module and the
+"""Fixtures of the serving tests: one `kvstash serve` process for the session and the
 offline `LLM` over the same tiny model as the reference for outputs."""
 
 from __future__ import annotations
@@ -7,21 +7,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.serving.server_process import ServeProcess
-
-#: engine flags of the served model and of its offline reference (same KV pool)
-NUM_GPU_BLOCKS = 256
-MAX_NUM_SEQS = 16
+from tests.serving.server_process import MAX_NUM_SEQS, NUM_GPU_BLOCKS, ServeProcess
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def serving_model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(serving_model_dir) -> Iterator[ServeProcess]:
-    """A plain `kvstash serve` (no offload) for the whole module."""
+    """A plain `kvstash serve` (no offload) shared by the serving tests."""
     process = ServeProcess(
         serving_model_dir, "--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS)
     ).start()
@@ -29,7 +25,7 @@ def server(serving_model_dir) -> Iterator[ServeProcess]:
     process.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_llm(serving_model_dir):
     """`engine.LLM` over the served model: what the server must answer."""
     from engine import LLM

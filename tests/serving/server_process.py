@@ -21,6 +21,9 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: model loading is slow on a busy 2-core machine
 START_TIMEOUT_S = 180.0
+#: engine flags of the shared test server and of its offline reference (same KV pool)
+NUM_GPU_BLOCKS = 256
+MAX_NUM_SEQS = 16
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
@@ -112,3 +115,15 @@ class ServeProcess:
         self.process = None
         self._log_file.close()
         Path(self._log_file.name).unlink(missing_ok=True)
+
+
+def metric_value(text: str, sample_name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0.0 when absent), parsed with
+    prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -1,0 +1,68 @@
+"""The kernels compile for an H100 (sm_90), without a GPU, within its limits.
+
+Catches what the CPU interpreter cannot: code that does not compile for a real GPU,
+shared memory over the H100 limit, register spills, and pack/unpack accesses that are
+not 16-byte vectorized (which would cost bandwidth). The compiler runs in a subprocess
+(tests/kernels/sm90_compile.py) because the interpreter's patches break it in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+H100_SHARED_MEMORY_BYTES = 232_448
+
+pytestmark = pytest.mark.skipif(
+    not (NVIDIA_BIN / "ptxas").exists() or not (NVIDIA_BIN / "cuobjdump").exists(),
+    reason="Triton's bundled ptxas/cuobjdump are missing",
+)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    completed = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_compile"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    rows = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    return {row["name"]: row for row in rows}
+
+
+def test_every_configuration_compiled(results):
+    assert len(results) == 4 + 1 + 6
+
+
+@pytest.mark.parametrize("name", ["pack bf16", "unpack bf16", "pack fp32", "unpack fp32"])
+def test_pack_kernels_use_16_byte_vectors_without_spills(results, name):
+    row = results[name]
+    assert row["ld_v4"] == row["vectors_per_thread"] and row["st_v4"] == row["vectors_per_thread"], row
+    assert row["stack"] == 0 and row["local"] == 0, row
+
+
+def test_reshape_and_cache_is_vectorized(results):
+    row = results["reshape_and_cache bf16"]
+    assert row["st_v4"] > 0 and row["stack"] == 0, row
+
+
+def test_attention_fits_an_h100(results):
+    attention = [row for name, row in results.items() if name.startswith("attention")]
+    for row in attention:
+        assert row["shared"] <= H100_SHARED_MEMORY_BYTES, row
+        # A few bytes of stack are call bookkeeping; a spilled tile is kilobytes.
+        assert row["stack"] <= 64, row

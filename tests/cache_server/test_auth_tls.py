@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.cli import main
 from protos import kvstash_pb2
 from storage_backends import BackendError, create_backend
-from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
+from tests.cache_server.helpers import Stubs, make_value, rpc_error
 from tests.cache_server.server_process import CacheServerProcess, repo_env
 
 TOKEN = "s3cret-token"
@@ -78,8 +78,8 @@ def test_token_from_the_environment_guards_data_and_admin_rpcs_but_not_health(mo
         assert anonymous_backend.stats()["errors"] >= 1
         anonymous_backend.close()
 
-        refused = run_kvstash("admin", "--server", server.address, "stats")
-        assert refused.returncode == 1 and "unauthenticated" in refused.stderr
+        refused = CliRunner().invoke(main, ["admin", "--server", server.address, "stats"])
+        assert refused.exit_code == 1 and "unauthenticated" in refused.stderr
         accepted = CliRunner().invoke(
             main, ["admin", "--server", server.address, "--auth-token", TOKEN, "ls"]
         )

@@ -97,3 +97,13 @@ def test_bad_input_is_a_clear_error(change, message):
         kernels.paged_attention(*args, 0.25)
     with pytest.raises(ValueError, match=message):
         reference.paged_attention_ref(*args, 0.25)
+
+
+def test_strided_query_from_a_fused_projection():
+    tables, seq_lens, starts = attention_batch([5, 1], [9, 17], 8, 8, seed=7, device="cpu")
+    kv_layer = random_kv((2, 8, 8, 2, 16), torch.float32, "cpu", seed=8)
+    fused = random_kv((6, 4 + 2 + 2, 16), torch.float32, "cpu", seed=9)  # [tokens, q + k + v heads, head_dim]
+    query = fused[:, :4]
+    out = kernels.paged_attention(query, kv_layer, tables, seq_lens, starts, 0.25)
+    expected = reference.paged_attention_ref(query.contiguous(), kv_layer, tables, seq_lens, starts, 0.25)
+    torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.float32])

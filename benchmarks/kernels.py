@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import glob
+import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,7 +83,6 @@ def time_cold(fn: Callable[[], object], quick: bool) -> float:
 
 def load_peer() -> tuple[object | None, str]:
     """-> (LMCache's compiled op module or None, a note). Skips lmcache/__init__.py and its imports."""
-
     spec = importlib.util.find_spec("lmcache")
     if spec is None or not spec.submodule_search_locations:
         return (
@@ -90,9 +93,19 @@ def load_peer() -> tuple[object | None, str]:
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["lmcache"] = package
     try:
-        import lmcache.c_ops as ops  # type: ignore[import-not-found]
-    except Exception as error:  # a missing CUDA runtime or ABI mismatch: report and go on without it
-        return None, f"peer not available: importing lmcache.c_ops failed: {type(error).__name__}: {error}"
+        ops = importlib.import_module("lmcache.c_ops")
+    except ImportError:
+        # The extension links libcudart.so.13; pip's nvidia runtime wheel may hold it off the loader path.
+        for folder in sys.path:
+            for library in glob.glob(
+                os.path.join(folder, "nvidia", "**", "libcudart.so.13*"), recursive=True
+            ):
+                with contextlib.suppress(OSError):
+                    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        try:
+            ops = importlib.import_module("lmcache.c_ops")
+        except ImportError as error:  # a missing CUDA runtime or ABI mismatch: report and go on without it
+            return None, f"peer not available: importing lmcache.c_ops failed: {error}"
     version = "unknown"
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         version = importlib.metadata.version("lmcache")

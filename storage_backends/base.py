@@ -114,17 +114,20 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:
         """Release connections, threads and files. Idempotent; subclasses call ``super().close()``."""
-        executor = getattr(self, "_io_executor", None)
+        executor = self.__dict__.pop("_io_executor", None)
         if executor is not None:
             executor.shutdown(wait=True)
-            self._io_executor = None
 
     # ---- asynchronous helpers (I/O off the caller's thread) -----------------
     def _executor(self) -> ThreadPoolExecutor:
-        executor = getattr(self, "_io_executor", None)
+        """This backend's two I/O threads, made on first use (no base ``__init__`` to require)."""
+        executor = self.__dict__.get("_io_executor")
         if executor is None:
-            executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvstash-{self.name}")
-            self._io_executor = executor
+            created = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvstash-{self.name}")
+            # dict.setdefault is atomic: two threads racing here end up sharing one executor.
+            executor = self.__dict__.setdefault("_io_executor", created)
+            if executor is not created:
+                created.shutdown(wait=False)
         return executor
 
     def submit_put_many(self, items: Iterable[tuple[str, KVChunk]]) -> Future:

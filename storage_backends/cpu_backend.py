@@ -124,18 +124,20 @@ class CPUBackend(StorageBackend):
             )
         source = tensor_bytes(chunk.tensor)
         with self._lock:
-            old = self._index.remove(key)
+            old = self._index.remove(key)  # its slots count as free room for the new value
+            victim_keys = self._index.victims_for(num_slots_needed)
+            if victim_keys is None:
+                if old is not None:  # keep the old value: a refused put changes nothing
+                    self._index.add(key, old.size, old.record, old.num_pins)
+                self._counters.add("rejected")
+                raise CapacityError(
+                    f"cpu tier: no room for {key!r} ({num_slots_needed} slots): pinned chunks hold "
+                    f"{self._index.used} of {self.num_slots} slots"
+                )
             num_pins = 0
             if old is not None:
                 num_pins = old.num_pins
                 self._free_slot_ids.extend(old.record.slot_ids)
-            victim_keys = self._index.victims_for(num_slots_needed)
-            if victim_keys is None:
-                self._counters.add("rejected")
-                raise CapacityError(
-                    f"cpu tier: no room for {key!r} ({num_slots_needed} slots): "
-                    f"{self.num_slots - len(self._free_slot_ids)} of {self.num_slots} slots are pinned"
-                )
             for victim_key in victim_keys:
                 self._free_slot_ids.extend(self._index.remove(victim_key).record.slot_ids)
             self._counters.add("evictions", len(victim_keys))

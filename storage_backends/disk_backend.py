@@ -232,17 +232,19 @@ class DiskBackend(StorageBackend):
             )
         path = os.path.join(self.root, key_to_filename(key))
         with self._lock:
-            old = self._index.remove(key)
-            num_pins = 0 if old is None else old.num_pins
-            if old is not None:
-                self._remove_file(path)
+            old = self._index.remove(key)  # its bytes count as free room for the new value
             victim_keys = self._index.victims_for(size)
             if victim_keys is None:
+                if old is not None:  # keep the old value: a refused put changes nothing
+                    self._index.add(key, old.size, old.record, old.num_pins)
                 self._counters.add("rejected")
                 raise CapacityError(
                     f"disk tier: no room for {key!r} ({size} bytes): pinned or in-flight files fill "
                     f"{self._index.used} of {self._index.capacity} bytes"
                 )
+            num_pins = 0 if old is None else old.num_pins
+            if old is not None:
+                self._remove_file(path)
             for victim_key in victim_keys:
                 self._remove_file(self._index.remove(victim_key).record.path)
             self._counters.add("evictions", len(victim_keys))
@@ -263,7 +265,13 @@ class DiskBackend(StorageBackend):
             raise BackendError(f"disk tier: cannot write {path}: {exc}") from exc
         with self._lock:
             if self._index.get(key, touch=False) is entry:
-                os.replace(tmp_path, path)
+                try:
+                    os.replace(tmp_path, path)
+                except OSError as exc:
+                    self._index.remove(key)
+                    self._remove_file(tmp_path)
+                    self._counters.add("errors")
+                    raise BackendError(f"disk tier: cannot rename into {path}: {exc}") from exc
                 entry.record.ready = True
                 entry.num_pins -= 1
                 self._counters.add("puts")

@@ -169,7 +169,10 @@ class RedisBackend(StorageBackend):
                 except ChunkFormatError as exc:
                     logger.warning("redis tier: corrupt value for key %r (treated as a miss): %s", key, exc)
                     self._counters.add("corrupt")
-                    self.delete(key)
+                    with contextlib.suppress(
+                        BackendError
+                    ):  # the read already succeeded; cleanup is best effort
+                        self.delete(key)
             self._counters.add("hits" if result is not None else "misses")
             verified.append(result)
         return verified

@@ -261,3 +261,21 @@ def test_pinned_chunks_are_never_evicted(capped_kind: str, backend_factory: Back
     backend.unpin(["ns:a"])
     backend.put("ns:d", make_chunk(4, num_tokens=CHUNK_TOKENS))
     assert sorted(backend.keys("ns:")) == ["ns:c", "ns:d"]
+
+
+def test_a_refused_replacement_keeps_the_old_value_and_its_pins(
+    capped_kind: str, backend_factory: BackendFactory
+) -> None:
+    backend = backend_factory(capped_kind, capacity=_capacity_for(capped_kind, 3))
+    original = make_chunk(1, num_tokens=CHUNK_TOKENS)
+    backend.put("ns:a", original)
+    backend.put("ns:b", make_chunk(2, num_tokens=CHUNK_TOKENS))
+    assert backend.pin(["ns:a", "ns:b"]) == 2
+    # A value within the cap but larger than the room that the pinned b leaves.
+    num_big_tokens = 96 if capped_kind == "cpu" else 48  # 3 of 3 slots; 6 KiB of a 7.5 KiB cap
+    with pytest.raises(CapacityError):
+        backend.put("ns:a", make_chunk(3, num_tokens=num_big_tokens))
+    assert backend.get("ns:a").equal(original)
+    backend.unpin(["ns:b"])
+    backend.put("ns:a", make_chunk(3, num_tokens=num_big_tokens))  # now b can be evicted
+    assert backend.keys("ns:") == ["ns:a"] and backend.pin(["ns:a"]) == 1

@@ -140,7 +140,7 @@ class ChunkHeader(NamedTuple):
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bytes as a flat uint8 tensor (a view when contiguous; never a float conversion)."""
-    flat = tensor.contiguous().reshape(-1)
+    flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8)
 
 

@@ -116,6 +116,7 @@ class CacheEngine:
         if start == num_tokens:
             return ret_mask
         plan = self.plan_load(tokens, start, num_tokens, kv_caches=kv_caches, slot_mapping=slot_mapping)
+        self.mover(kv_caches).wait_for_compute()
         self.move_load(plan, kv_caches)
         self.finish_load(plan)
         ret_mask[start : plan.num_loaded_end] = True
@@ -157,7 +158,7 @@ class CacheEngine:
         slots = torch.full((loaded[-1].end - loaded[0].start,), -1, dtype=torch.int64)
         offset = loaded[0].start
         slots[start - offset : num_loaded_end - offset] = slot_mapping[start:num_loaded_end].cpu()
-        slots = slots.to(kv_caches.device, non_blocking=True)
+        slots = self.mover(kv_caches).to_device(slots)
         slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
         return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end)
 
@@ -197,7 +198,7 @@ class CacheEngine:
             )
         mover = self.mover(kv_caches)
         mover.wait_for_compute()
-        device_slots = host_slots.to(kv_caches.device, non_blocking=True)
+        device_slots = mover.to_device(host_slots)
         offset = spans[0].start
         key_buffers = []
         num_stored_tokens = 0

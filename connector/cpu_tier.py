@@ -124,7 +124,8 @@ class PinnedChunkPool(StorageBackend):
                 self._index.get(key)  # refresh recency
                 return None
             if not self._free_slot_ids:
-                victim_keys = self._index.victims_for(1)
+                # Reserved slots are outside the index but take capacity all the same.
+                victim_keys = self._index.victims_for(1 + len(self._key_to_reserved))
                 if victim_keys is None:
                     self._counters.add("rejected")
                     raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")

@@ -42,22 +42,33 @@ _STOP = object()
 
 
 class TierHealth:
-    """Error bookkeeping for one tier; logs once per incident, not per request."""
+    """Error bookkeeping for one tier; logs once per incident, not per request.
+
+    An incident starts at the first failed operation and ends when that same
+    operation succeeds again: other operations may keep working meanwhile (the
+    disk tier answers ``contains`` from its index while its folder is gone), and
+    their successes must not end the incident and restart it on every request.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.failing = False
+        #: the operation whose failure started the current incident (None: healthy)
+        self.failing_operation: str | None = None
         self.counts: Counter[str] = Counter()
+
+    @property
+    def failing(self) -> bool:
+        return self.failing_operation is not None
 
     def failed(self, operation: str, exc: BaseException) -> None:
         self.counts["errors"] += 1
-        if not self.failing:
-            self.failing = True
+        if self.failing_operation is None:
+            self.failing_operation = operation
             log.warning("tier %s failing (%s: %s); treating its reads as misses", self.name, operation, exc)
 
-    def succeeded(self) -> None:
-        if self.failing:
-            self.failing = False
+    def succeeded(self, operation: str) -> None:
+        if self.failing_operation == operation:
+            self.failing_operation = None
             log.info("tier %s recovered after %d errors", self.name, self.counts["errors"])
 
 
@@ -157,7 +168,7 @@ class TierManager:
                 except Exception as exc:
                     self.health[id(tier)].failed("contains", exc)
                     continue
-                self.health[id(tier)].succeeded()
+                self.health[id(tier)].succeeded("contains")
                 if num_more:
                     num_found += num_more
                     progressed = True
@@ -191,7 +202,7 @@ class TierManager:
             except Exception as exc:
                 self.health[id(tier)].failed("get", exc)
                 continue
-            self.health[id(tier)].succeeded()
+            self.health[id(tier)].succeeded("get")
             for key, chunk in key_chunk_pairs:
                 if chunk is not None:
                     key_to_found[key] = (chunk, tier)
@@ -262,7 +273,7 @@ class TierManager:
         """Copy a lower-tier hit into the CPU tier (no write-through: it came from below)."""
         try:
             self.cpu.put(key, chunk)
-            self.health[id(self.cpu)].succeeded()
+            self.health[id(self.cpu)].succeeded("promote")
         except Exception as exc:
             self.health[id(self.cpu)].failed("promote", exc)
 
@@ -291,7 +302,7 @@ class TierManager:
                     break
                 try:
                     tier.put_many(items)
-                    self.health[id(tier)].succeeded()
+                    self.health[id(tier)].succeeded("put")
                     self._counts[f"written_{tier.name}"] += len(items)
                 except Exception as exc:
                     self.health[id(tier)].failed("put", exc)
@@ -377,6 +388,7 @@ class TierManager:
         for tier in self.tiers:
             try:
                 backend = tier.stats()
+                self.health[id(tier)].succeeded("stats")
             except Exception as exc:
                 self.health[id(tier)].failed("stats", exc)
                 backend = {}

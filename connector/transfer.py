@@ -88,6 +88,14 @@ class KVMover:
             self._pack(kv_cache, slot_mapping, staged, **self._options)
             out.copy_(staged, non_blocking=True)
 
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy a small host tensor (slot maps) to the device on this mover's stream, so
+        the moves that read it are ordered after the copy and its memory belongs to this stream."""
+        if not self.on_cuda:
+            return tensor
+        with torch.cuda.stream(self.stream):
+            return tensor.to(self.device, non_blocking=True)
+
     def wait_for_compute(self) -> None:
         """Order this mover's next moves after everything the compute stream queued so
         far (KV written by the forward pass, earlier reads of reused blocks)."""

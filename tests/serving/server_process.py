@@ -97,15 +97,21 @@ class ServeProcess:
         path = Path(self._log_file.name)
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (uvicorn's graceful shutdown) and wait; returns the exit code."""
+    def stop(self, timeout_s: float = 60.0) -> str:
+        """SIGTERM and wait for uvicorn's graceful shutdown (the app's lifespan stops the
+        engine thread; uvicorn then re-raises the signal, so the exit code is 0 or
+        -SIGTERM). Returns the process's output; raises if it did not shut down cleanly."""
         if self.process is None:
             raise RuntimeError("kvstash serve is not running")
         self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            code = self.process.wait(timeout_s)
+            log = self.log()
         finally:
             self.close()
+        if code not in (0, -signal.SIGTERM) or "Application shutdown complete" not in log:
+            raise RuntimeError(f"kvstash serve did not shut down cleanly (exit code {code})\n{log}")
+        return log
 
     def close(self) -> None:
         """Kill the process if it still runs and delete its log. Idempotent."""

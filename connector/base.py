@@ -154,7 +154,8 @@ class KVConnectorWorker(abc.ABC):
         async loads completed) since the last call."""
 
     def load_failures(self) -> dict[str, int]:
-        """Request id → number of tokens that were promised by the scheduler side
-        but could not be loaded this step (corrupt/missing chunks). The engine
-        recomputes from that point; empty when every load succeeded."""
+        """Request id → number of leading tokens truly in the paged cache, for each
+        request whose load this step stopped early (a missing, corrupt or failed
+        chunk). The engine discards that request's output for the step and
+        recomputes from that length; empty when every load succeeded."""
         return {}

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage_backends.disk_backend import key_to_filename
-from tests.connector.conftest import (
+from tests.connector.kv_helpers import (
     NUM_SLOTS,
     make_cache_engine,
     new_kv_cache,

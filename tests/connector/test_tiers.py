@@ -9,7 +9,7 @@ import signal
 
 import torch
 
-from tests.connector.conftest import make_cache_engine, new_kv_cache, random_slots
+from tests.connector.kv_helpers import make_cache_engine, new_kv_cache, random_slots
 
 CHUNK_BYTES = 2 * 2 * 8 * 2 * 4 * 4  # [layers, K/V, chunk_size, heads, head_dim] float32
 

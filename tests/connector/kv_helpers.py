@@ -1,0 +1,42 @@
+"""Small synthetic paged KV caches and cache engines for the connector tests."""
+
+from __future__ import annotations
+
+import torch
+
+from connector import OffloadConfig, create_cache_engine
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+NUM_SLOTS = BLOCK_SIZE * NUM_BLOCKS
+
+
+def new_kv_cache(seed: int = 0, fill: float | None = None) -> torch.Tensor:
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] float32, random or constant."""
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if fill is not None:
+        return torch.full(shape, fill)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def random_slots(num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """int64 [num_tokens] distinct slots in shuffled block order."""
+    return torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))[:num_tokens]
+
+
+def token_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """[num_layers, 2, num_tokens, num_kv_heads, head_dim]: the KV rows at the slots."""
+    return kv_cache.flatten(2, 3)[:, :, slot_mapping]
+
+
+def make_cache_engine(**config_fields):
+    fields = {"chunk_size": 8, "cpu_bytes": 1 << 20, **config_fields}
+    return create_cache_engine(
+        OffloadConfig(**fields),
+        model_id="test-model",
+        dtype=torch.float32,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        device=torch.device("cpu"),
+    )

@@ -140,11 +140,12 @@ class CacheEngine:
     ) -> LoadPlan:
         """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
         come from all of ``tokens``, which may run past ``end``). Stops at the first
-        missing or corrupt chunk. Releases the lookup pins of these chunks."""
-        spans = [span for span in self.token_db.chunk_spans(tokens) if span.end > start and span.start < end]
-        keys = [span.key for span in spans]
-        chunks, held_keys = self.tiers.get_prefix(keys)
-        self.tiers.unpin(keys)
+        missing or corrupt chunk. Releases the lookup pins of the chunks up to ``end``."""
+        covering = [span for span in self.token_db.chunk_spans(tokens) if span.start < end]
+        # The lookup pinned every chunk up to its hit, also those before ``start``.
+        self.tiers.unpin([span.key for span in covering])
+        spans = [span for span in covering if span.end > start]
+        chunks, held_keys = self.tiers.get_prefix([span.key for span in spans])
         tensors = []
         for span, chunk in zip(spans, chunks, strict=False):
             if not self._chunk_fits(span, chunk):

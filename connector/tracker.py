@@ -54,12 +54,16 @@ class TransferTracker:
 
     # ---- scheduler side ------------------------------------------------------
     def admitted(self, request_id: str, num_prompt_tokens: int, num_gpu_hit: int, num_external: int) -> None:
-        """First admission of a request: what it found in the GPU cache and the tiers."""
+        """A request was admitted (again after a preemption): the GPU hit of its first
+        admission is kept, external hits add up like the loads that follow them."""
         with self._lock:
-            if request_id not in self._request_id_to_figures:
+            figures = self._request_id_to_figures.get(request_id)
+            if figures is None:
                 self._request_id_to_figures[request_id] = RequestFigures(
                     num_prompt_tokens, num_gpu_hit, num_external
                 )
+            else:
+                figures.num_external_hit_tokens += num_external
 
     def save_issued(self, request_id: str) -> None:
         with self._lock:
@@ -87,17 +91,19 @@ class TransferTracker:
             return None if figures is None else figures.to_stats()
 
     # ---- worker side ---------------------------------------------------------
-    def loaded(self, request_id: str, num_tokens: int, num_bytes: int, seconds: float, failed: bool) -> None:
-        """A load finished; on failure the external hit shrinks to what was loaded."""
+    def loaded(
+        self, request_id: str, num_loaded: int, num_promised: int, num_bytes: int, seconds: float
+    ) -> None:
+        """A load finished with ``num_loaded`` of ``num_promised`` tokens in the paged
+        cache; the tokens it could not load are no external hit."""
         with self._lock:
             figures = self._request_id_to_figures.get(request_id)
             if figures is None:
                 return
-            figures.num_loaded_tokens += num_tokens
+            figures.num_loaded_tokens += num_loaded
+            figures.num_external_hit_tokens -= num_promised - num_loaded
             figures.num_loaded_bytes += num_bytes
             figures.load_seconds += seconds
-            if failed:
-                figures.num_external_hit_tokens = figures.num_loaded_tokens
 
     def save_done(self, request_id: str, num_saved_tokens: int) -> None:
         """A save issued by the scheduler side has read its blocks (or was skipped)."""

@@ -144,9 +144,9 @@ class OffloadWorker(KVConnectorWorker):
             self.tracker.loaded(
                 load.spec.request_id,
                 num_tokens,
+                load.spec.num_load_end - load.spec.num_load_start,
                 num_tokens * engine.bytes_per_token,
                 load.read_seconds + move_seconds * share,
-                failed=load.plan.num_loaded_end < load.spec.num_load_end,
             )
         self._loads = []
 

@@ -190,7 +190,7 @@ def test_two_processes_share_one_cache_server(model_dir, cache_server_url):
     assert reader.stats.num_computed_tokens_total == len(prompts) * MAX_TOKENS
 
 
-def test_corrupt_chunk_is_recomputed_never_a_wrong_token(model_dir, baseline, tmp_path):
+def test_corrupt_chunk_is_recomputed_never_a_wrong_token(model_dir, baseline, tmp_path, caplog):
     config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 30)
     prompts = make_prompts()
     writer = new_llm(model_dir, config)
@@ -204,8 +204,11 @@ def test_corrupt_chunk_is_recomputed_never_a_wrong_token(model_dir, baseline, tm
     path.write_bytes(bytes(data))
 
     reader = new_llm(model_dir, config)
-    outputs = reader.generate(prompts, PARAMS)
+    with caplog.at_level(logging.INFO, logger="connector"):
+        outputs = reader.generate(prompts, PARAMS)
     assert token_ids(outputs) == baseline
+    line = [m for m in LOG_LINE.findall(caplog.text) if m[0] == outputs[0].request_id][0]
+    assert int(line[3]) == int(line[4]) == 2 * CHUNK_SIZE  # ext_hit == loaded == what was really loaded
     assert [o.metrics.num_external_cached_tokens for o in outputs] == [2 * CHUNK_SIZE] + [
         n - 1 for n in PROMPT_LENGTHS[1:]
     ]

@@ -216,9 +216,10 @@ def main() -> int:
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[s // KIB for s in DEFAULT_SIZES])
     parser.add_argument("--clients", type=int, nargs="+", default=list(DEFAULT_CLIENTS))
     parser.add_argument(
-        "--mib-per-cell", type=int, default=128, help="bytes moved per op per cell (bounds the run)"
+        "--mib-per-cell", type=int, default=64, help="MiB moved per op per cell (bounds the run)"
     )
-    parser.add_argument("--min-ops", type=int, default=4, help="fewest ops per client per cell")
+    parser.add_argument("--min-ops", type=int, default=3, help="fewest ops per client per cell")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per cell and system; the best is kept")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -229,46 +230,69 @@ def main() -> int:
 
     server, address = start_cache_server(memory_gb)
     redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
+    systems = {
+        "kvstash": (lambda: GrpcClient(address), lambda: clear_cache_server(address)),
+        "redis": (lambda: RedisClient(redis_port), lambda: clear_redis(redis_port)),
+    }
     rows: list[dict] = []
     try:
         for size, num_clients in cells:
             value = make_value(size, seed=size)
-            for system, factory in (
-                ("kvstash", lambda: GrpcClient(address)),
-                ("redis", lambda: RedisClient(redis_port)),
-            ):
-                rows.extend(measure(system, factory, value, num_clients, ops[(size, num_clients)]))
-                # Empty both stores between cells so memory stays bounded.
-                if system == "kvstash":
-                    subprocess.run(
-                        [sys.executable, "-m", "engine.cli", "admin", "--server", address, "clear", "--yes"],
-                        cwd=REPO_ROOT,
-                        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
-                        check=True,
-                        capture_output=True,
-                    )
-                else:
-                    import redis
-
-                    redis.Redis(port=redis_port).flushall()
+            # Rounds alternate the two systems so that a burst of load elsewhere on the
+            # machine hits both; the best round of each is reported.
+            for _ in range(args.rounds):
+                for system, (make_client, clear) in systems.items():
+                    rows.extend(measure(system, make_client, value, num_clients, ops[(size, num_clients)]))
+                    clear()  # keeps memory bounded: each measurement starts empty
     finally:
         server.terminate()
         redis_process.terminate()
         server.wait(30)
         redis_process.wait(30)
         shutil.rmtree(redis_dir, ignore_errors=True)
+    rows = best_rounds(rows)
 
     print_table(rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "benchmark": "cache_server",
-            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "machine": {
+                "platform": platform.platform(),
+                "cpu_count": os.cpu_count(),
+                "load_average_1m": os.getloadavg()[0],
+            },
+            "settings": {"rounds": args.rounds, "mib_per_cell": args.mib_per_cell},
             "rows": rows,
         }
         args.out.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.out}")
     return 0
+
+
+def clear_cache_server(address: str) -> None:
+    from protos import kvstash_pb2, kvstash_pb2_grpc
+    from storage_backends.grpc_backend import make_channel
+
+    with make_channel(address, secure=False) as channel:
+        kvstash_pb2_grpc.AdminStub(channel).Clear(kvstash_pb2.ClearRequest(), timeout=60)
+
+
+def clear_redis(port: int) -> None:
+    import redis
+
+    with redis.Redis(port=port) as client:
+        client.flushall()
+
+
+def best_rounds(rows: list[dict]) -> list[dict]:
+    """For each (system, op, size, clients), the round with the highest throughput."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        cell = (row["system"], row["op"], row["value_bytes"], row["num_clients"])
+        if cell not in best or row["mb_per_s"] > best[cell]["mb_per_s"]:
+            best[cell] = row
+    return list(best.values())
 
 
 def print_table(rows: list[dict]) -> None:

@@ -173,12 +173,14 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"value truncated: got {num_received} of {total_size} announced bytes",
                 )
-            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            del pieces
-            await asyncio.to_thread(self.store.put, key, data)
+            # Joining tens of MiB takes milliseconds: do it on the worker thread, not the event loop.
+            await asyncio.to_thread(self._join_and_store, key, pieces)
             self.counters.num_puts += 1
             self.counters.bytes_received += total_size
             return kvstash_pb2.PutResponse(num_bytes=total_size)
+
+    def _join_and_store(self, key: str, pieces: list[bytes]) -> None:
+        self.store.put(key, pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     def _check_size(self, total_size: int) -> int:
         if total_size == 0:

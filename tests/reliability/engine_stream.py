@@ -141,15 +141,24 @@ def warnings_other_than_incidents(caplog) -> list[str]:
 
 
 def run_until_full_hits(
-    tally: StreamTally, llm: LLM, prompts: Sequence[Sequence[int]], reference: Reference, max_rounds: int = 4
+    tally: StreamTally,
+    llm: LLM,
+    prompts: Sequence[Sequence[int]],
+    reference: Reference,
+    max_rounds: int = 4,
+    expected_hits: list[int] | None = None,
 ) -> int:
     """Serve ``prompts`` again and again (write-through flushed after each round) until
-    every request is a full external hit; returns the number of rounds that took.
-    Fails when hits have not resumed after ``max_rounds``."""
+    every request hits as much as a healthy store allows (``expected_hits``, default
+    :func:`full_hits`); returns the number of rounds that took. Fails when hits have
+    not resumed after ``max_rounds``."""
+    expected = full_hits(prompts) if expected_hits is None else expected_hits
     hits: list[int] = []
     for num_rounds in range(1, max_rounds + 1):
         hits = tally.run(llm, prompts, reference)
         tiers_of(llm).flush()
-        if hits == full_hits(prompts):
+        if hits == expected:
             return num_rounds
-    raise AssertionError(f"hits did not resume within {max_rounds} rounds: last external hits {hits}")
+    raise AssertionError(
+        f"hits did not resume within {max_rounds} rounds: last external hits {hits}, want {expected}"
+    )

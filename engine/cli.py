@@ -10,6 +10,7 @@ import logging
 import click
 
 from cache_server.cli import admin, cache_server
+from engine.bench import bench
 from engine.generate_cli import generate
 from engine.server.cli import serve
 
@@ -62,6 +63,7 @@ main.add_command(admin)
 
 main.add_command(generate)
 main.add_command(serve)
+main.add_command(bench)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens: torch.Tensor  # int32 [num_seqs], KV length after this step
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int  # largest number of new tokens of one sequence
 
 
 @dataclass
@@ -67,7 +68,8 @@ class ModelRunner:
         self.scale = config.head_dim**-0.5
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        if device.type == "cuda":
+        self._on_cuda = device.type == "cuda"
+        if self._on_cuda:
             from kernels import paged_attention, reshape_and_cache
         else:
             from kernels.reference import paged_attention_ref as paged_attention
@@ -111,6 +113,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+            max_query_len=max(plan.num_scheduled_tokens),
         )
         return (
             torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
@@ -125,10 +128,26 @@ class ModelRunner:
         kv_layer = self.kv_cache[layer_idx]
         if self.connector is not None:
             self.connector.wait_for_layer_load(layer_idx)
-        self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
-        out = self._paged_attention(
-            query.contiguous(), kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
-        )
+        key, value, query = key.contiguous(), value.contiguous(), query.contiguous()
+        if self._on_cuda:
+            # The metadata was built here from the scheduler's plan: skip the kernels'
+            # value checks, which would sync the stream once per layer.
+            self._reshape_and_cache(key, value, kv_layer, md.slot_mapping, check_values=False)
+            out = self._paged_attention(
+                query,
+                kv_layer,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                self.scale,
+                max_query_len=md.max_query_len,
+                check_values=False,
+            )
+        else:
+            self._reshape_and_cache(key, value, kv_layer, md.slot_mapping)
+            out = self._paged_attention(
+                query, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
+            )
         if self.connector is not None:
             self.connector.save_kv_layer(layer_idx)
         return out

@@ -1,7 +1,8 @@
 """One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (QKV bias, tied
 embeddings) and Qwen3 (per-head q/k RMSNorm).
 
-Parameter names equal the Hugging Face checkpoint names, so weights load by name.
+Parameter names equal the Hugging Face checkpoint names, so weights load by name;
+after loading, q/k/v and gate/up projections are fused into one GEMM each.
 The forward pass works on the flat token batch of one engine step; attention is
 delegated to a callable supplied by the model runner (paged KV cache, connector
 hooks), so this file knows nothing about blocks or devices.
@@ -60,14 +61,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
             self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
 
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one qkv_proj (one GEMM per layer); called once after loading."""
+        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -84,8 +92,32 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
 
+    def fuse_projections(self) -> None:
+        """Replace gate/up_proj by one gate_up_proj; called once after loading."""
+        self.intermediate_size = self.gate_proj.out_features
+        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs."""
+    first = linears[0]
+    fused = nn.Linear(
+        first.in_features,
+        sum(linear.out_features for linear in linears),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([linear.weight for linear in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([linear.bias for linear in linears]))
+    return fused.requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +161,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = (
             None if device.type == "meta" else RotaryEmbedding(config.hf_config, device)
         )
+
+    def fuse_projections(self) -> None:
+        """Called once by the loader after the weights are in place (names stay HF's until then)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def set_rope_device(self, device: torch.device) -> None:
         """Called by the loader once the weights live on `device`."""

@@ -31,6 +31,7 @@ def load_model(
         if model_dir is None:
             raise ValueError("a model folder is needed unless load_format='dummy'")
         _load_safetensors(model, Path(model_dir))
+    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 

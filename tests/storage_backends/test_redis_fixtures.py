@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess
+from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess, require_redis_server
 
 
 def test_redis_url_is_flushed_between_tests(redis_url: str) -> None:
@@ -41,3 +42,15 @@ def test_cluster_has_three_masters_and_is_ok(redis_cluster: RedisClusterProcess)
     assert len(masters) == 3
     assert client.cluster_info()["cluster_state"] == "ok"
     client.close()
+
+
+def test_missing_redis_server_skips_locally_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no redis-server on PATH
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="redis-server/redis-cli not found"):
+        require_redis_server()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must not skip"):
+        require_redis_server()

@@ -6,9 +6,9 @@ size and client count runs puts of distinct keys followed by gets of the same
 keys. Each client is a thread with its own connection (a gRPC channel, a
 redis-py connection), so 8 clients means 8 calls in flight.
 
-Both sides move the same serialized chunk bytes and skip client-side checksum
-verification, so the figures compare transports; the cache server still
-verifies every Put (the production path). Prints a table and writes JSON with
+Both sides move the same serialized chunk bytes. The kvstash side is the
+engine's own ``grpc://`` tier, so it verifies the checksum of every Get on the
+client (redis-py does not) and the server verifies every Put: the production path. Prints a table and writes JSON with
 ``--out``.
 
     .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
@@ -104,26 +104,21 @@ def start_redis(max_memory_bytes: int) -> tuple[subprocess.Popen, int, str]:
 
 
 class GrpcClient:
-    """Raw Put/Get through the generated stubs (no client-side checksum, like redis-py)."""
+    """The engine's grpc:// tier (its wire path; it verifies each Get's checksum, redis-py does not)."""
 
     def __init__(self, address: str) -> None:
-        from protos import kvstash_pb2, kvstash_pb2_grpc
-        from storage_backends.grpc_backend import join_pieces, make_channel, put_requests
+        from storage_backends.grpc_backend import GrpcBackend
 
-        self._pb = kvstash_pb2
-        self._join_pieces = join_pieces
-        self._put_requests = put_requests
-        self._channel = make_channel(address, secure=False)
-        self._stub = kvstash_pb2_grpc.KVCacheStub(self._channel)
+        self._backend = GrpcBackend(address, timeout_s=60)
 
     def put(self, key: str, data: bytes) -> None:
-        self._stub.Put(self._put_requests(key, data), timeout=60)
+        self._backend.put_encoded(key, data)
 
     def get(self, key: str) -> bytes:
-        return self._join_pieces(self._stub.Get(self._pb.GetRequest(key=key), timeout=60))
+        return self._backend.get_encoded(key)
 
     def close(self) -> None:
-        self._channel.close()
+        self._backend.close()
 
 
 class RedisClient:

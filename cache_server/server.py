@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cache_server.auth import BearerTokenInterceptor
 from cache_server.config import ServerConfig
-from cache_server.service import AdminService, Counters, KVCacheService
+from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.grpc_backend import CHANNEL_OPTIONS
@@ -52,8 +52,8 @@ class CacheServer:
             interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
             server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
             counters = Counters()
-            kvstash_pb2_grpc.add_KVCacheServicer_to_server(
-                KVCacheService(store, config.limits, counters), server
+            server.add_generic_rpc_handlers(
+                (kvcache_handler(KVCacheService(store, config.limits, counters)),)
             )
             kvstash_pb2_grpc.add_AdminServicer_to_server(AdminService(store, config.limits, counters), server)
             address = f"{config.host}:{config.port}"

@@ -26,12 +26,14 @@ from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError
 from storage_backends.chunk import verify_chunk
-from storage_backends.grpc_backend import PIECE_BYTES
+from storage_backends.grpc_backend import GET_DATA_FIELD, PUT_DATA_FIELD, parse_fields, piece_messages
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 1000
 VERSION = "kvstash.v1"
+PUT_KEY_FIELD = kvstash_pb2.PutRequest.DESCRIPTOR.fields_by_name["key"].number
+PUT_TOTAL_SIZE_FIELD = kvstash_pb2.PutRequest.DESCRIPTOR.fields_by_name["total_size"].number
 
 
 class RequestError(Exception):
@@ -151,21 +153,25 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
 
     @unary_handler
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
+        """Messages arrive serialized (see ``handler()``); pieces stay views until the one join."""
         async with self.stream_slot():
             key, pieces, num_received, total_size = None, [], 0, 0
-            async for request in request_iterator:
+            async for message in request_iterator:
+                fields = _parse(message)
+                message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
-                    key = self.check_key(request.key)
-                    total_size = self._check_size(request.total_size)
-                elif request.key and request.key != key:
+                    key = self.check_key(message_key)
+                    total_size = self._check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD))
+                elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
-                num_received += len(request.data)
+                piece = _bytes_field(fields, PUT_DATA_FIELD)
+                num_received += len(piece)
                 if num_received > total_size:
                     raise RequestError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"received more than the announced {total_size} bytes",
                     )
-                pieces.append(request.data)
+                pieces.append(piece)
             if key is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
             if num_received != total_size:
@@ -179,8 +185,8 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
             self.counters.bytes_received += total_size
             return kvstash_pb2.PutResponse(num_bytes=total_size)
 
-    def _join_and_store(self, key: str, pieces: list[bytes]) -> None:
-        self.store.put(key, pieces[0] if len(pieces) == 1 else b"".join(pieces))
+    def _join_and_store(self, key: str, pieces: list[memoryview]) -> None:
+        self.store.put(key, b"".join(pieces))
 
     def _check_size(self, total_size: int) -> int:
         if total_size == 0:
@@ -209,12 +215,10 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
             if stored is None:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
             self.counters.num_get_hits += 1
-            data = stored.data
-            total_size = len(data)
-            view = memoryview(data)
-            for start in range(0, total_size, PIECE_BYTES):
-                piece = bytes(view[start : start + PIECE_BYTES])
-                yield kvstash_pb2.GetResponse(total_size=total_size if start == 0 else 0, data=piece)
+            total_size = len(stored.data)
+            head = kvstash_pb2.GetResponse(total_size=total_size).SerializeToString()
+            for message in piece_messages(head, GET_DATA_FIELD, stored.data):
+                yield message
             self.counters.bytes_sent += total_size
 
     @unary_handler
@@ -346,3 +350,62 @@ def _decode_page_token(token: str) -> str | None:
         return base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed page_token") from None
+
+
+def _parse(message: bytes) -> dict:
+    try:
+        return parse_fields(message)
+    except ValueError as error:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
+
+def _bytes_field(fields: dict, number: int) -> memoryview | bytes:
+    value = fields.get(number, b"")
+    if isinstance(value, int):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"field {number} must be length-delimited")
+    return value
+
+
+def _text_field(fields: dict, number: int) -> str:
+    try:
+        return bytes(_bytes_field(fields, number)).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key is not valid UTF-8") from None
+
+
+def _int_field(fields: dict, number: int) -> int:
+    value = fields.get(number, 0)
+    if not isinstance(value, int):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"field {number} must be an integer")
+    return value
+
+
+def kvcache_handler(service: KVCacheService) -> grpc.GenericRpcHandler:
+    """The KVCache service for ``server.add_generic_rpc_handlers``.
+
+    Like the generated ``add_KVCacheServicer_to_server``, except that Put
+    receives and Get sends serialized messages (no protobuf copy of the pieces).
+    """
+    return grpc.method_handlers_generic_handler(
+        "kvstash.v1.KVCache",
+        {
+            "Put": grpc.stream_unary_rpc_method_handler(
+                service.Put,
+                request_deserializer=None,
+                response_serializer=kvstash_pb2.PutResponse.SerializeToString,
+            ),
+            "Get": grpc.unary_stream_rpc_method_handler(
+                service.Get, request_deserializer=kvstash_pb2.GetRequest.FromString, response_serializer=None
+            ),
+            "Contains": grpc.unary_unary_rpc_method_handler(
+                service.Contains,
+                request_deserializer=kvstash_pb2.ContainsRequest.FromString,
+                response_serializer=kvstash_pb2.ContainsResponse.SerializeToString,
+            ),
+            "Delete": grpc.unary_unary_rpc_method_handler(
+                service.Delete,
+                request_deserializer=kvstash_pb2.DeleteRequest.FromString,
+                response_serializer=kvstash_pb2.DeleteResponse.SerializeToString,
+            ),
+        },
+    )

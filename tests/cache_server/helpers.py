@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 
 import grpc
 import torch
 
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.chunk import KVChunk, encode_chunk
-from storage_backends.grpc_backend import join_pieces, make_channel, put_requests
+from storage_backends.grpc_backend import PIECE_BYTES, make_channel
 from tests.cache_server.server_process import REPO_ROOT, kvstash_command, repo_env
 
 
@@ -22,8 +23,23 @@ def make_value(seed: int, num_bytes: int = 4096) -> bytes:
     )
 
 
+def put_requests(key: str, data: bytes) -> Iterator[kvstash_pb2.PutRequest]:
+    """A Put stream built from generated message objects, as any generic client would."""
+    yield kvstash_pb2.PutRequest(key=key, total_size=len(data), data=data[:PIECE_BYTES])
+    for start in range(PIECE_BYTES, len(data), PIECE_BYTES):
+        yield kvstash_pb2.PutRequest(data=data[start : start + PIECE_BYTES])
+
+
+def join_pieces(responses: Iterator[kvstash_pb2.GetResponse]) -> bytes:
+    """The value of a Get stream read through generated message objects."""
+    responses = list(responses)
+    data = b"".join(response.data for response in responses)
+    assert responses[0].total_size == len(data), "total_size on the first message must be the value's length"
+    return data
+
+
 class Stubs:
-    """Generated KVCache and Admin stubs on one channel, with optional call metadata."""
+    """Generated KVCache and Admin stubs (the generic-client path, unlike the grpc backend's wire path)."""
 
     def __init__(self, address: str, *, metadata: tuple = (), tls_ca: str | None = None) -> None:
         self.channel = make_channel(address, secure=tls_ca is not None, ca_path=tls_ca)

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import kvstash_pb2
 from storage_backends import create_backend
-from storage_backends.grpc_backend import PIECE_BYTES, put_requests
-from tests.cache_server.helpers import Stubs, make_value
+from storage_backends.grpc_backend import PIECE_BYTES
+from tests.cache_server.helpers import Stubs, make_value, put_requests
 from tests.cache_server.server_process import CacheServerProcess
 
 

@@ -55,7 +55,7 @@ class EngineArgs:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 1 << 30
+    cpu_kv_cache_bytes: int = 128 << 20
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None

@@ -1,6 +1,5 @@
-"""On CUDA the engine runs the Triton kernels (reshape_and_cache, paged attention):
-float32 greedy tokens equal Hugging Face's, and bfloat16 picks tokens that Hugging
-Face rates within a stated log-probability tolerance of its own best."""
+"""On a CUDA device the engine runs attention through the Triton kernels; in float32
+its greedy tokens still equal Hugging Face `generate` (marker `gpu`)."""
 
 from __future__ import annotations
 
@@ -12,65 +11,52 @@ from tests.engine.hf_reference import random_prompt
 
 pytestmark = pytest.mark.gpu
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-NUM_NEW_TOKENS = 24
-_SHARED = random_prompt(500, seed=7)
-PROMPTS = [
-    random_prompt(1, seed=1),
-    random_prompt(17, seed=2),
-    random_prompt(250, seed=3),
-    _SHARED,
-    _SHARED[:300] + random_prompt(90, seed=4),
-    random_prompt(700, seed=5),
-]
-GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-#: bf16 tolerance: the engine's token may trail HF's argmax by at most this many nats
-BF16_LOGPROB_TOLERANCE = 0.15
+PROMPTS = [random_prompt(n, seed=200 + n) for n in (1, 15, 16, 17, 100, 333, 600, 64)]
 
 
-def _hf_model(model_dir, dtype):
+def hf_greedy_cuda(model_dir, prompts, max_new_tokens, dtype):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
     model.generation_config.eos_token_id = None
-    return model
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
-    model_dir = tiny_model_dir(arch)
-    model = _hf_model(model_dir, torch.float32)
-    expected = []
+    outputs = []
     with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = model.generate(
-                torch.tensor([prompt], device="cuda"),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64, device="cuda"),
-                max_new_tokens=NUM_NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            expected.append(ids[0, len(prompt) :].tolist())
-    for settings in ({}, {"max_num_batched_tokens": 64}):
-        llm = LLM(model_dir, dtype="float32", device="cuda", **settings)
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, settings
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_tokens_are_hf_top_choices(arch, tiny_model_dir):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 64}, {"num_gpu_blocks": 42}])
+def test_cuda_float32_greedy_matches_hf(tiny_model_dir, arch, engine_kwargs):
     model_dir = tiny_model_dir(arch)
-    llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_batched_tokens=128)
-    outputs = llm.generate(PROMPTS, GREEDY)
-    model = _hf_model(model_dir, torch.bfloat16)
-    worst_gap = 0.0
-    with torch.inference_mode():
-        for prompt, output in zip(PROMPTS, outputs, strict=True):
-            assert len(output.token_ids) == NUM_NEW_TOKENS
-            ids = torch.tensor([prompt + output.token_ids], device="cuda")
-            logprobs = model(ids).logits[0].float().log_softmax(-1)
-            # row t predicts token t + 1: rows of the prompt's last token and the outputs but the last
-            rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + NUM_NEW_TOKENS]
-            chosen = rows.gather(1, torch.tensor(output.token_ids, device="cuda")[:, None])[:, 0]
-            gap = (rows.max(dim=1).values - chosen).max().item()
-            worst_gap = max(worst_gap, gap)
-    assert worst_gap <= BF16_LOGPROB_TOLERANCE, f"engine token trails HF argmax by {worst_gap:.3f} nats"
+    expected = hf_greedy_cuda(model_dir, PROMPTS, 32, torch.float32)
+    llm = LLM(model_dir, dtype="float32", device="cuda", **engine_kwargs)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_half_precision_mostly_agrees_with_hf(tiny_model_dir, dtype):
+    """Half precision reorders roundings, so exact equality is not promised; the first
+    tokens of most prompts still agree with HF in the same dtype."""
+    model_dir = tiny_model_dir("qwen3")
+    expected = hf_greedy_cuda(model_dir, PROMPTS, 4, getattr(torch, dtype))
+    llm = LLM(model_dir, dtype=dtype, device="cuda")
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    num_first_equal = sum(o.token_ids[0] == e[0] for o, e in zip(outputs, expected, strict=True))
+    assert num_first_equal >= len(PROMPTS) - 1
+
+
+def test_dummy_8b_shaped_layer_runs_in_bf16():
+    """The benchmark's in-memory config path with random weights (2 layers only)."""
+    from benchmarks.engine_throughput import llama_config
+
+    config = llama_config(tiny=False)
+    config.num_hidden_layers = 2
+    llm = LLM(config, load_format="dummy", device="cuda", dtype="bfloat16", num_gpu_blocks=512)
+    prompts = [random_prompt(512, seed=i, vocab_size=config.vocab_size) for i in range(4)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outputs)

@@ -6,16 +6,19 @@ one run:
 
 - store: ``CacheEngine.store`` from the paged GPU cache into the CPU tier
   (chunk hashing, slot reservation, pack kernel, device→host copy into pinned
-  slots, publish) — fresh tokens every repeat, so every chunk is really written;
+  slots, publish) — fresh tokens every call, so every chunk is really written;
 - retrieve: ``CacheEngine.retrieve`` from the CPU tier into the paged GPU cache
   (hashing, pins, host→device copy, unpack kernel, ret_mask);
+- xfer (CUDA only): the device time of the same copies and kernels alone, from
+  the first queued operation to the last, between the paged cache and pinned
+  host chunks;
 - the baseline: a plain pinned ``copy_`` of the same bytes in each direction;
 - the per-request overhead: ``lookup(pin=True)`` + ``retrieve`` minus the pinned
   host→device copy of the same bytes.
 
 GB/s count the KV payload once (tokens × bytes per token). Each figure is the
 median over repeats, with the device synchronized around every call. The
-retrieved KV is checked bit-exact once per size. ``--quick`` runs small shapes
+retrieved KV is checked bit-exact for every size. ``--quick`` runs small shapes
 on CPU as a smoke test (its figures say nothing about a GPU).
 
     python benchmarks/offload.py --out offload.json          # on a CUDA machine
@@ -88,15 +91,62 @@ def copy_baseline(num_bytes: int, device: torch.device, warmup: int, repeats: in
     return h2d, d2h
 
 
-def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generator) -> dict:
-    num_blocks = kv_cache.shape[2]
-    num_bytes = num_tokens * engine.bytes_per_token
-    source_slots, target_slots = shuffled_slots(num_tokens, num_blocks, generator)
+class DeviceTimer:
+    """Device seconds from an event on ``first_stream`` to one on ``last_stream``, per use."""
 
+    def __init__(self, first_stream: torch.cuda.Stream, last_stream: torch.cuda.Stream) -> None:
+        self.first_stream, self.last_stream = first_stream, last_stream
+        self.seconds: list[float] = []
+
+    def __enter__(self) -> DeviceTimer:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record(self.first_stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.last_stream)
+        end.synchronize()
+        self.seconds.append(self.start.elapsed_time(end) / 1e3)
+
+
+def transfer_seconds(engine, kv_cache, source_slots, target_slots, *, warmup, repeats) -> tuple[float, float]:
+    """Median device seconds of the mover's copies and kernels alone for one store and
+    one load of every chunk, between the paged cache and pinned host chunks."""
+    mover = engine.mover(kv_cache)
+    num_tokens = source_slots.numel()
+    chunk_size = engine.token_db.chunk_size
+    bounds = [(start, min(start + chunk_size, num_tokens)) for start in range(0, num_tokens, chunk_size)]
+    layers, _, _, heads, head_dim = engine.chunk_shape
+    host_chunks = [
+        torch.empty((layers, 2, end - start, heads, head_dim), dtype=engine.dtype, pin_memory=True)
+        for start, end in bounds
+    ]
+    device_source, device_target = mover.to_device(source_slots), mover.to_device(target_slots)
+    store_timer = DeviceTimer(mover.kernel_stream, mover.copy_stream)
+    load_timer = DeviceTimer(mover.copy_stream, mover.kernel_stream)
+    mover.wait_for_compute()
+    for _ in range(warmup + repeats):
+        with store_timer:
+            for (start, end), chunk in zip(bounds, host_chunks, strict=True):
+                mover.store(kv_cache, device_source[start:end], chunk)
+        with load_timer:
+            for (start, end), chunk in zip(bounds, host_chunks, strict=True):
+                mover.load(chunk, kv_cache, device_target[start:end])
+    mover.synchronize()
+    flat = kv_cache.flatten(2, 3)
+    if not torch.equal(flat[:, :, device_source], flat[:, :, device_target]):
+        raise RuntimeError(f"mover round trip differs at {num_tokens} tokens")
+    return statistics.median(store_timer.seconds[warmup:]), statistics.median(load_timer.seconds[warmup:])
+
+
+def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generator) -> dict:
+    num_bytes = num_tokens * engine.bytes_per_token
+    source_slots, target_slots = shuffled_slots(num_tokens, kv_cache.shape[2], generator)
     h2d, d2h = copy_baseline(num_bytes, device, warmup, repeats)
 
     def tokens_for(index: int) -> list[int]:
-        # A distinct first token per repeat gives every chunk a new key.
+        # A distinct first token per call gives every chunk a new key.
         return [10_000 + index] + list(range(1, num_tokens))
 
     store = median_seconds(
@@ -105,7 +155,6 @@ def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generat
         warmup,
         repeats,
     )
-
     tokens = tokens_for(-1)
     engine.store(tokens, kv_caches=kv_cache, slot_mapping=source_slots)
     retrieve = median_seconds(
@@ -121,23 +170,64 @@ def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generat
         engine.retrieve(tokens, kv_caches=kv_cache, slot_mapping=target_slots)
 
     request_path = median_seconds(lookup_and_retrieve, device, warmup, repeats)
-
     flat = kv_cache.flatten(2, 3)
     if not torch.equal(flat[:, :, source_slots.to(device)], flat[:, :, target_slots.to(device)]):
         raise RuntimeError(f"retrieved KV differs from the stored KV at {num_tokens} tokens")
-    return {
+
+    row = {
         "tokens": num_tokens,
         "bytes": num_bytes,
         "store_gbps": num_bytes / store / 1e9,
+        "store_transfer_gbps": None,
         "d2h_copy_gbps": num_bytes / d2h / 1e9,
         "store_vs_copy": d2h / store,
+        "store_transfer_vs_copy": None,
         "retrieve_gbps": num_bytes / retrieve / 1e9,
+        "retrieve_transfer_gbps": None,
         "h2d_copy_gbps": num_bytes / h2d / 1e9,
         "retrieve_vs_copy": h2d / retrieve,
+        "retrieve_transfer_vs_copy": None,
         "lookup_retrieve_ms": request_path * 1e3,
         "h2d_copy_ms": h2d * 1e3,
         "overhead_ms": (request_path - h2d) * 1e3,
     }
+    if device.type == "cuda":
+        store_xfer, load_xfer = transfer_seconds(
+            engine, kv_cache, source_slots, target_slots, warmup=warmup, repeats=repeats
+        )
+        row["store_transfer_gbps"] = num_bytes / store_xfer / 1e9
+        row["store_transfer_vs_copy"] = d2h / store_xfer
+        row["retrieve_transfer_gbps"] = num_bytes / load_xfer / 1e9
+        row["retrieve_transfer_vs_copy"] = h2d / load_xfer
+    return row
+
+
+def figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(title)
+    header = (
+        f"{'tokens':>6} {'MiB':>7} | {'store':>6} {'xfer':>6} {'D2H cp':>6} {'ratio':>9} | "
+        f"{'retrieve':>8} {'xfer':>6} {'H2D cp':>6} {'ratio':>9} | {'lookup+ret':>10} {'H2D cp':>8} {'overhead':>8}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for row in rows:
+        store_ratios = f"{figure(row['store_vs_copy'])}/{figure(row['store_transfer_vs_copy'])}"
+        retrieve_ratios = f"{figure(row['retrieve_vs_copy'])}/{figure(row['retrieve_transfer_vs_copy'])}"
+        print(
+            f"{row['tokens']:>6} {row['bytes'] / 2**20:>7.1f} | {figure(row['store_gbps']):>6} "
+            f"{figure(row['store_transfer_gbps']):>6} {figure(row['d2h_copy_gbps']):>6} {store_ratios:>9} | "
+            f"{figure(row['retrieve_gbps']):>8} {figure(row['retrieve_transfer_gbps']):>6} "
+            f"{figure(row['h2d_copy_gbps']):>6} {retrieve_ratios:>9} | {row['lookup_retrieve_ms']:>8.3f}ms "
+            f"{row['h2d_copy_ms']:>6.3f}ms {row['overhead_ms']:>6.3f}ms"
+        )
+    print(
+        "GB/s of the payload. store/retrieve = the whole call; xfer = device time of its copies and kernels "
+        "(CUDA only);\nratio = call/xfer against the plain pinned copy; overhead = lookup(pin) + retrieve "
+        "- the pinned H2D copy of the same bytes"
+    )
 
 
 def main() -> None:
@@ -168,7 +258,6 @@ def main() -> None:
         device=device,
     ).to(shape["dtype"])
     generator = torch.Generator().manual_seed(0)
-
     rows = [
         bench_size(engine, kv_cache, n, device=device, warmup=3, repeats=repeats, generator=generator)
         for n in sizes
@@ -178,23 +267,11 @@ def main() -> None:
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     )
-    print(f"offload transfer on {device_name}: {shape['num_layers']} layers, {shape['num_kv_heads']} KV heads, "
-          f"head_dim {shape['head_dim']}, {shape['dtype']}, block {BLOCK_SIZE}, chunk {CHUNK_SIZE}")  # fmt: skip
-    header = (
-        f"{'tokens':>7} {'MiB':>7} | {'store':>7} {'D2H cp':>7} {'ratio':>5} | "
-        f"{'retrieve':>8} {'H2D cp':>7} {'ratio':>5} | {'lookup+ret':>10} {'H2D ms':>7} {'overhead':>8}"
+    title = (
+        f"offload transfer on {device_name}: {shape['num_layers']} layers, {shape['num_kv_heads']} KV heads, "
+        f"head_dim {shape['head_dim']}, {shape['dtype']}, block {BLOCK_SIZE}, chunk {CHUNK_SIZE}"
     )
-    print(header + "\n" + "-" * len(header))
-    for row in rows:
-        print(
-            f"{row['tokens']:>7} {row['bytes'] / 2**20:>7.1f} | {row['store_gbps']:>7.2f} "
-            f"{row['d2h_copy_gbps']:>7.2f} {row['store_vs_copy']:>5.2f} | {row['retrieve_gbps']:>8.2f} "
-            f"{row['h2d_copy_gbps']:>7.2f} {row['retrieve_vs_copy']:>5.2f} | {row['lookup_retrieve_ms']:>8.3f}ms "
-            f"{row['h2d_copy_ms']:>7.3f} {row['overhead_ms']:>6.3f}ms"
-        )
-    print(
-        "GB/s = payload bytes / median time; overhead = lookup(pin) + retrieve - pinned H2D copy of the same bytes"
-    )
+    print_table(title, rows)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {

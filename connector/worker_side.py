@@ -93,8 +93,7 @@ class OffloadWorker(KVConnectorWorker):
             return
         # Blocks being loaded may have been read by kernels still queued on the compute stream.
         mover.wait_for_compute()
-        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_event.record(mover.stream)
+        start_event = mover.record_start()
         if self.layerwise:
             for layer in range(engine.num_layers):
                 for load in self._loads:
@@ -104,8 +103,7 @@ class OffloadWorker(KVConnectorWorker):
             for load in self._loads:
                 engine.move_load(load.plan, self.kv_cache)
             self._layer_to_event = dict.fromkeys(range(engine.num_layers), mover.record())
-        end_event.record(mover.stream)
-        self._timing = (start_event, end_event)
+        self._timing = (start_event, mover.record(timing=True))
 
     def _move_on_cpu(self, layer: int | None) -> None:
         began = time.perf_counter()

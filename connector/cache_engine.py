@@ -191,12 +191,9 @@ class CacheEngine:
         self.tiers.expire_pins()  # stale pins must not keep slots from this store
         host_slots = slot_mapping[spans[0].start : spans[-1].end].cpu()
         num_slots = kv_caches.shape[2] * kv_caches.shape[3]
-        if host_slots.numel() and (int(host_slots.min()) < 0 or int(host_slots.max()) >= num_slots):
-            raise ValueError(
-                f"slot_mapping must hold a slot in [0, {num_slots}) for every token of the chunks to "
-                f"store (tokens {spans[0].start}..{spans[-1].end}), got min {int(host_slots.min())} "
-                f"max {int(host_slots.max())}"
-            )
+        check_slot_range(
+            host_slots, num_slots, f"every token of the chunks to store ({spans[0].start}..{spans[-1].end})"
+        )
         mover = self.mover(kv_caches)
         mover.wait_for_compute()
         device_slots = mover.to_device(host_slots)
@@ -266,14 +263,17 @@ class CacheEngine:
             raise ValueError(f"slot_mapping is on {slot_mapping.device}, kv_caches on {kv_caches.device}")
         start = mask_start(mask, num_tokens)
         if start < num_tokens:
-            needed = slot_mapping[start:].cpu()
-            num_slots = shape[2] * shape[3]
-            if int(needed.min()) < 0 or int(needed.max()) >= num_slots:
-                raise ValueError(
-                    f"slot_mapping of the masked-in tokens must lie in [0, {num_slots}), "
-                    f"got min {int(needed.min())} max {int(needed.max())}"
-                )
+            check_slot_range(slot_mapping[start:].cpu(), shape[2] * shape[3], "the masked-in tokens")
         return start
+
+
+def check_slot_range(slots: torch.Tensor, num_slots: int, what: str) -> None:
+    """ValueError unless every slot (a CPU int64 tensor) lies in [0, num_slots)."""
+    if slots.numel() == 0:
+        return
+    low, high = (int(value) for value in torch.aminmax(slots))
+    if low < 0 or high >= num_slots:
+        raise ValueError(f"slot_mapping of {what} must lie in [0, {num_slots}), got min {low} max {high}")
 
 
 def mask_start(mask: torch.Tensor | None, num_tokens: int) -> int:

@@ -29,7 +29,8 @@ def serve(model: str, host: str, port: int, served_model_name: str | None, **opt
 
     from engine.config import EngineArgs
     from engine.engine_core import EngineCore
-    from engine.server import AsyncEngine, create_app
+    from engine.server.app import create_app
+    from engine.server.async_engine import AsyncEngine
 
     try:
         kv_offload = offload_config_from_options(options)

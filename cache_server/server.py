@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cache_server.auth import BearerTokenInterceptor
 from cache_server.config import ServerConfig
+from cache_server.malformed import MalformedRequestInterceptor
 from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
@@ -50,6 +51,7 @@ class CacheServer:
         store = TieredStore(config)
         try:
             interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+            interceptors.append(MalformedRequestInterceptor())  # after auth: no token, no parsing
             server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
             counters = Counters()
             server.add_generic_rpc_handlers(

@@ -149,6 +149,7 @@ def run_tiers(sizes: list[int], repeats: int, batch: int, workdir: str) -> list[
             tier_urls = {
                 "cpu": f"cpu://?capacity={capacity}&slot_bytes={size}",
                 "disk": f"file://{workdir}/disk-{size}?capacity={capacity}",
+                "disk fsync=1": f"file://{workdir}/disk-fsync-{size}?capacity={capacity}&fsync=1",
             }
             if server is not None:
                 tier_urls["redis"] = server.url

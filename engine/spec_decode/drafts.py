@@ -10,7 +10,8 @@ def propose_drafts(proposer: NgramProposer, request: Request, token_budget: int)
     """Draft token ids to verify in the request's next step (no tensors).
 
     Called by the scheduler once per running request per step, before allocating its slots.
-    Only a decoding request (its one uncomputed token is its last sampled token) gets drafts.
+    Only a request whose one uncomputed token is its last known one gets drafts (a decode
+    step, or the last token of a prompt whose other tokens are computed or cached).
     The count is capped so that the step, whatever it accepts, stays within ``token_budget``
     (which must also pay for the last sampled token), ``max_tokens`` and ``max_model_len``:
     a step emits at most ``num_drafts + 1`` tokens."""

@@ -179,3 +179,25 @@ def test_sampled_tokens_keep_their_distribution(tiny_model_dir):
             torch.tensor([o[position] for o in spec_outputs]),
         )
         assert p_value > ALPHA, f"output position {position}: p = {p_value}"
+
+
+def test_stop_string_inside_accepted_drafts_ends_output_like_plain_decoding(plain_case):
+    """A step that accepts several drafts keeps only the tokens up to the one that completes
+    a stop string, so token ids and text equal decoding without speculation."""
+    model_dir, expected = plain_case("llama")
+    plain = LLM(model_dir, dtype="float32", device="cpu")
+    stop = plain.tokenizer.decode(expected[0][7:9])
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, stop=stop)
+    [want] = plain.generate(PROMPTS[:1], params)
+    assert want.finish_reason == "stop" and len(want.token_ids) < NUM_NEW_TOKENS
+    llm = spec_llm(model_dir)
+    llm.engine.scheduler.proposer = ReplayProposer(
+        NUM_SPECULATIVE_TOKENS,
+        {tuple(PROMPTS[0]): expected[0]},
+        vocab_size=llm.engine.model_config.vocab_size,
+    )
+    [got] = llm.generate(PROMPTS[:1], params)
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert llm.stats.spec_decode.num_accepted_tokens > 0
+    assert llm.stats.num_generated_tokens_total == len(want.token_ids)
+    assert_no_block_leak(llm)

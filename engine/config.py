@@ -48,7 +48,8 @@ class EngineArgs:
     `num_gpu_blocks` blocks when given, else it takes `gpu_memory_utilization`
     of the GPU memory (on CUDA) or `cpu_kv_cache_bytes` (on CPU).
     `load_format` "dummy" initialises random weights instead of reading
-    safetensors (benchmarks of full-size shapes)."""
+    safetensors (benchmarks of full-size shapes). `enforce_eager` turns off the
+    CUDA graphs that otherwise replay pure-decode steps."""
 
     dtype: str = "auto"
     device: str = "auto"
@@ -68,6 +69,8 @@ class EngineArgs:
     ngram_max_n: int = 4
     load_format: str = "auto"
     seed: int = 0
+    #: never use CUDA graphs (they replay pure-decode steps on CUDA)
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

@@ -101,6 +101,8 @@ class EngineCore:
             self.device,
             self.dtype,
             connector=worker_connector,
+            cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(worker_connector is not None),
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -113,6 +115,20 @@ class EngineCore:
             args.block_size,
             self.max_model_len,
         )
+
+    def _cuda_graph_max_batch_size(self, has_connector: bool) -> int:
+        """Decode CUDA graphs are captured on CUDA unless `enforce_eager`, a connector
+        (per-layer host hooks), speculative decoding or a length-dependent RoPE rules them out."""
+        args = self.args
+        if (
+            self.device.type != "cuda"
+            or args.enforce_eager
+            or has_connector
+            or args.speculative is not None
+            or self.model.rotary.depends_on_length
+        ):
+            return 0
+        return min(args.max_num_seqs, 256)
 
     def _num_kv_blocks(self) -> int:
         args = self.args

@@ -30,6 +30,7 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "ngram_max_n": (int, "Longest n-gram the ngram proposer matches (tried first)."),
     "load_format": (click.Choice(["auto", "dummy"]), "'dummy' = random weights."),
     "seed": (int, "Engine seed."),
+    "enforce_eager": (bool, "Never use CUDA graphs for decode steps."),
 }
 
 

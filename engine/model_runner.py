@@ -16,6 +16,7 @@ import torch
 
 from connector.base import KVConnectorWorker
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
@@ -31,6 +32,19 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_seqs], KV length after this step
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     max_query_len: int  # largest number of new tokens of one sequence
+
+
+@dataclass
+class HostInputs:
+    """One step's model inputs, built on the host before they go to the device."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
+    seq_lens: np.ndarray  # int32 [num_seqs]
+    query_start_loc: np.ndarray  # int32 [num_seqs + 1]
+    max_query_len: int
 
 
 @dataclass
@@ -59,7 +73,12 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         connector: KVConnectorWorker | None = None,
+        *,
+        cuda_graph_max_batch_size: int = 0,
+        max_model_len: int = 0,
     ) -> None:
+        """`cuda_graph_max_batch_size` > 0 (CUDA only) captures decode graphs for up to
+        that many sequences, with block tables wide enough for `max_model_len` tokens."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -79,10 +98,23 @@ class ModelRunner:
         self._metadata: AttentionMetadata | None = None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self._on_cuda and cuda_graph_max_batch_size > 0:
+            self.decode_graphs = DecodeGraphs(
+                self._forward_with_metadata,
+                AttentionMetadata,
+                device,
+                cuda_graph_max_batch_size,
+                max_blocks_per_seq=-(-max_model_len // block_size),
+            )
 
-    def _prepare(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """-> input_ids int64 [T], positions int64 [T], logits row per sampling request
-        (or -1; with drafts, the row of the last draft); sets `self._metadata`."""
+    def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        self._metadata = metadata
+        return self.model(input_ids, positions, self._attention)
+
+    def _prepare(self, plan: SchedulerOutput) -> tuple[HostInputs, list[int]]:
+        """-> the step's inputs on the host, and the logits row of each scheduled request
+        (-1 when it samples nothing; with drafts, the row of the last draft)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -107,19 +139,42 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + num_new)
             samples = end == request.num_tokens + len(spec_token_ids)
             logits_rows.append(query_start_loc[-1] - 1 if samples else -1)
-        device = self.device
-        self._metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+        host = HostInputs(
+            input_ids=np.asarray(input_ids, dtype=np.int64),
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots),
+            block_tables=block_tables,
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            query_start_loc=np.asarray(query_start_loc, dtype=np.int32),
             max_query_len=max(plan.num_scheduled_tokens),
         )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-            torch.from_numpy(np.concatenate(positions)).to(device, non_blocking=True),
-            logits_rows,
+        return host, logits_rows
+
+    def _run_model(self, plan: SchedulerOutput, host: HostInputs) -> torch.Tensor:
+        """Forward pass -> final hidden states [T, hidden]: a decode CUDA graph replay
+        when the step allows it, else eager."""
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and self.connector is None
+            and host.max_query_len == 1
+            and not plan.request_id_to_spec_token_ids
+            and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
+        ):
+            return graphs.run(
+                host.input_ids, host.positions, host.slot_mapping, host.block_tables, host.seq_lens
+            )
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(host.slot_mapping).to(device, non_blocking=True),
+            block_tables=torch.from_numpy(host.block_tables).to(device, non_blocking=True),
+            seq_lens=torch.from_numpy(host.seq_lens).to(device, non_blocking=True),
+            query_start_loc=torch.from_numpy(host.query_start_loc).to(device, non_blocking=True),
+            max_query_len=host.max_query_len,
         )
+        input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
+        positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
+        return self._forward_with_metadata(input_ids, positions, metadata)
 
     def _attention(self, layer_idx: int, query, key, value) -> torch.Tensor:
         """Write this step's K/V [T, KVH, D] into the layer's blocks, then attend
@@ -128,7 +183,6 @@ class ModelRunner:
         kv_layer = self.kv_cache[layer_idx]
         if self.connector is not None:
             self.connector.wait_for_layer_load(layer_idx)
-        key, value, query = key.contiguous(), value.contiguous(), query.contiguous()
         if self._on_cuda:
             # The metadata was built here from the scheduler's plan: skip the kernels'
             # value checks, which would sync the stream once per layer.
@@ -144,7 +198,7 @@ class ModelRunner:
                 check_values=False,
             )
         else:
-            self._reshape_and_cache(key, value, kv_layer, md.slot_mapping)
+            self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
             out = self._paged_attention(
                 query, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
             )
@@ -193,8 +247,8 @@ class ModelRunner:
         request_id_to_token: dict[str, int] = {}
         request_id_to_accepted_draft_ids: dict[str, list[int]] = {}
         if plan.requests:
-            input_ids, positions, logits_rows = self._prepare(plan)
-            hidden = self.model(input_ids, positions, self._attention)
+            host, logits_rows = self._prepare(plan)
+            hidden = self._run_model(plan, host)
             sampling = [(i, row) for i, row in enumerate(logits_rows) if row >= 0]
             if sampling:
                 rows = torch.tensor([row for _, row in sampling], device=self.device)

@@ -62,9 +62,12 @@ class RotaryEmbedding:
         self.inv_freq, self.attention_scaling = compute_inv_freq(hf_config, device)
         self._dynamic_seq_len: int | None = None
 
+    @property
+    def depends_on_length(self) -> bool:
+        """True for types whose frequencies change with the sequence length."""
+        return self.rope_type in ("dynamic", "longrope")
+
     def _update_for_length(self, seq_len: int) -> None:
-        if self.rope_type not in ("dynamic", "longrope"):
-            return
         # HF recomputes once the sequence outgrows the original length and resets below it.
         target = seq_len if seq_len > self.original_max_len else None
         if target != self._dynamic_seq_len:
@@ -75,7 +78,8 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [num_tokens] -> cos, sin [num_tokens, rotary_dim] in `dtype`."""
-        if positions.numel():
+        if self.depends_on_length and positions.numel():
+            # the only host read of the forward pass; other types never sync here
             self._update_for_length(int(positions.max()) + 1)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -1,5 +1,6 @@
-"""On a CUDA device the engine runs attention through the Triton kernels; in float32
-its greedy tokens still equal Hugging Face `generate` (marker `gpu`)."""
+"""On a CUDA device the engine runs attention through the Triton kernels and replays
+decode steps as CUDA graphs; in float32 its greedy tokens still equal Hugging Face
+`generate` (marker `gpu`)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ def hf_greedy_cuda(model_dir, prompts, max_new_tokens, dtype):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 64}, {"num_gpu_blocks": 42}])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{}, {"enforce_eager": True}, {"max_num_batched_tokens": 64}, {"num_gpu_blocks": 42}],
+)
 def test_cuda_float32_greedy_matches_hf(tiny_model_dir, arch, engine_kwargs):
     model_dir = tiny_model_dir(arch)
     expected = hf_greedy_cuda(model_dir, PROMPTS, 32, torch.float32)
     llm = LLM(model_dir, dtype="float32", device="cuda", **engine_kwargs)
+    assert (llm.engine.runner.decode_graphs is None) == bool(engine_kwargs.get("enforce_eager"))
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
 

@@ -1,0 +1,120 @@
+"""CUDA graphs for pure-decode steps: the whole forward pass (every layer's GEMMs,
+norms, RoPE, cache writes and paged attention) replayed as one graph, so a decode
+step costs one launch instead of ~40 per layer.
+
+Used by the model runner only on CUDA, without a connector (whose per-layer hooks
+run host code), without speculative drafts, and when every scheduled request has
+exactly one new token. Captured once at start-up for batch sizes up to
+`max_batch_size`; a step with n sequences replays the smallest captured size >= n,
+the extra rows padded (cache write skipped with slot -1, attention over one key).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch_size (and it)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    if max_batch_size not in sizes:
+        sizes.append(max_batch_size)
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """Static input buffers and one captured graph per batch size.
+
+    `forward(input_ids, positions, metadata)` is the model's forward pass with the
+    attention metadata passed in (the runner's closure); it must not sync the host."""
+
+    def __init__(
+        self,
+        forward: Callable,
+        metadata_type: type,
+        device: torch.device,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+    ) -> None:
+        self.device = device
+        self.sizes = capture_sizes(max_batch_size)
+        largest = self.sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((largest, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # one new token per sequence: query_start_loc is 0, 1, 2, ... for every size
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+        with torch.inference_mode():
+            self._capture_all(forward, metadata_type)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture_all(self, forward: Callable, metadata_type: type) -> None:
+        for size in reversed(self.sizes):  # largest first so smaller graphs reuse its memory
+            metadata = metadata_type(
+                slot_mapping=self.slot_mapping[:size],
+                block_tables=self.block_tables[:size],
+                seq_lens=self.seq_lens[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+                max_query_len=1,
+            )
+            self._capture(size, forward, (self.input_ids[:size], self.positions[:size], metadata))
+
+    def _capture(self, size: int, forward: Callable, args: tuple) -> None:
+        """Record `forward(*args)` reading the static buffers, for batch size `size`."""
+        forward(*args)  # warm-up: compiles kernels and settles allocator state outside the capture
+        torch.cuda.synchronize(self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[size] = forward(*args)
+        self.graphs[size] = graph
+
+    def _replay(self, size: int) -> torch.Tensor:
+        """Run the captured pass over the current buffer contents -> hidden [size, hidden]."""
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.sizes[-1] and max_blocks <= self.max_blocks_per_seq
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # int64 [n]
+        positions: np.ndarray,  # int64 [n]
+        slot_mapping: np.ndarray,  # int64 [n]
+        block_tables: np.ndarray,  # int32 [n, max_blocks]
+        seq_lens: np.ndarray,  # int32 [n]
+    ) -> torch.Tensor:
+        """Replay for n sequences of one new token each -> hidden [n, hidden_size]
+        (a view into the graph's output; read it before the next replay)."""
+        num_seqs = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= num_seqs)
+        self.input_ids[:num_seqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:num_seqs].copy_(torch.from_numpy(positions), non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
+        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(
+            torch.from_numpy(block_tables), non_blocking=True
+        )
+        self.seq_lens[:num_seqs].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        if size > num_seqs:
+            # padding rows: write nothing, attend to one key of block 0 (finite, discarded)
+            self.slot_mapping[num_seqs:size].fill_(-1)
+            self.seq_lens[num_seqs:size].fill_(1)
+            self.block_tables[num_seqs:size, 0].fill_(0)
+            self.positions[num_seqs:size].fill_(0)
+            self.input_ids[num_seqs:size].fill_(0)
+        return self._replay(size)[:num_seqs]

@@ -47,7 +47,7 @@ def main(log_level: str) -> None:
     type=click.Choice(["tiny", "bench"]),
     default="tiny",
     show_default=True,
-    help="tiny: ~0.2M parameters for tests; bench: ~4M parameters, 16k context.",
+    help="tiny: ~0.2M parameters for tests; bench: ~25M parameters, 16k context.",
 )
 def make_tiny_model_cmd(directory: str, arch: str, seed: int, size: str) -> None:
     """Write a small random-weight Hugging Face checkpoint with a local tokenizer to DIRECTORY."""

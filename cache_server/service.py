@@ -207,7 +207,8 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
         return total_size
 
     @streaming_handler
-    async def Get(self, request, context) -> AsyncIterator[kvstash_pb2.GetResponse]:
+    async def Get(self, request, context) -> AsyncIterator[bytes]:
+        """Streams serialized GetResponse messages (see ``kvcache_handler``) straight from the stored bytes."""
         key = self.check_key(request.key)
         async with self.stream_slot():
             self.counters.num_gets += 1

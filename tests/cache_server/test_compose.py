@@ -10,6 +10,7 @@ import subprocess
 import yaml
 
 from cache_server.cli import admin, cache_server
+from engine.cli import main
 from tests.cache_server.server_process import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
@@ -58,10 +59,17 @@ def test_compose_stack_services_commands_and_health_checks() -> None:
 
     engine = services["engine"]
     engine_command = " ".join(as_argv(engine["command"]))
-    assert "kvstash serve" in engine_command
     assert f"--kv-offload --kv-offload-remote grpc://cache-server:{port}" in engine_command
+    serve_argv = shlex.split(engine_command.split("exec kvstash serve", 1)[1])
+    # Parsed by the real `kvstash serve` (resilient: the model folder exists only in the container).
+    serve_params = main.commands["serve"].make_context("serve", serve_argv, resilient_parsing=True).params
+    assert (
+        serve_params["kv_offload"] is True
+        and serve_params["kv_offload_remote"] == f"grpc://cache-server:{port}"
+    )
+    assert serve_params["host"] == "0.0.0.0"
+    assert f"localhost:{serve_params['port']}/health" in " ".join(as_argv(engine["healthcheck"]["test"]))
     assert engine["depends_on"]["cache-server"]["condition"] == "service_healthy"
-    assert "/health" in " ".join(as_argv(engine["healthcheck"]["test"]))
 
 
 def test_dockerfile_installs_the_package_on_a_cpu_torch() -> None:

@@ -119,6 +119,7 @@ class TierManager:
         # tiers that evict on their own override StorageBackend.pin
         self._pinnable = [tier for tier in self.tiers if type(tier).pin is not StorageBackend.pin]
         self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()  # the writer thread counts too
         self._write_queue: queue.Queue = queue.Queue(maxsize=save_queue_size)
         self._writer: threading.Thread | None = None
         self._closed = False
@@ -212,10 +213,10 @@ class TierManager:
                 break
             chunk, tier = key_to_found[key]
             found.append(chunk)
-            self._counts[f"hits_{tier.name}"] += 1
+            self._count(f"hits_{tier.name}", 1)
             if self.cpu is not None and tier is not self.cpu:
                 self._put_cpu(key, chunk)
-                self._counts["promotions"] += 1
+                self._count("promotions", 1)
         return found, held_keys
 
     def release(self, held_keys: Sequence[str]) -> None:
@@ -235,7 +236,7 @@ class TierManager:
             except CapacityError:
                 # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
                 # skip the CPU tier, still write through below.
-                self._counts["dropped_writes_cpu"] += 1
+                self._count("dropped_writes_cpu", 1)
         if not self.lower:
             return None
         return torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory)
@@ -253,7 +254,7 @@ class TierManager:
         try:
             self._write_queue.put_nowait((key, KVChunk(buffer, KV_LAYOUT), in_cpu))
         except queue.Full:
-            self._counts["dropped_writes"] += 1
+            self._count("dropped_writes", 1)
             if in_cpu:
                 self.cpu.unpin([key])
 
@@ -303,10 +304,10 @@ class TierManager:
                 try:
                     tier.put_many(items)
                     self.health[id(tier)].succeeded("put")
-                    self._counts[f"written_{tier.name}"] += len(items)
+                    self._count(f"written_{tier.name}", len(items))
                 except Exception as exc:
                     self.health[id(tier)].failed("put", exc)
-                    self._counts[f"dropped_writes_{tier.name}"] += len(items)
+                    self._count(f"dropped_writes_{tier.name}", len(items))
             held_keys = [key for key, _, held in entries if held]
             if held_keys:
                 self.cpu.unpin(held_keys)
@@ -361,7 +362,7 @@ class TierManager:
                     num_expired += 1
                 if not pins:
                     del self._key_to_pins[key]
-        self._counts["expired_pins"] += num_expired
+        self._count("expired_pins", num_expired)
 
     def _release(self, key: str, pinned_tiers: list[StorageBackend]) -> None:
         for tier in pinned_tiers:
@@ -376,10 +377,15 @@ class TierManager:
             return len(self._key_to_pins)
 
     # ---- stats, lifecycle ----------------------------------------------------
+    def _count(self, name: str, amount: int) -> None:
+        with self._counts_lock:
+            self._counts[name] += amount
+
     def counters(self) -> dict[str, int]:
         """The manager's own counters (hits per tier, promotions, dropped writes, expired
         pins); no tier I/O."""
-        return dict(self._counts)
+        with self._counts_lock:
+            return dict(self._counts)
 
     def stats(self) -> dict[str, Any]:
         """Manager counters (hits per tier, promotions, dropped writes...) and each
@@ -393,7 +399,7 @@ class TierManager:
                 self.health[id(tier)].failed("stats", exc)
                 backend = {}
             tier_stats[tier.name] = {**backend, "connector_errors": self.health[id(tier)].counts["errors"]}
-        return {**self._counts, "pinned_keys": self.num_pinned(), "tiers": tier_stats}
+        return {**self.counters(), "pinned_keys": self.num_pinned(), "tiers": tier_stats}
 
     def close(self) -> None:
         """Finish queued writes, stop the writer thread, close every tier. Idempotent."""

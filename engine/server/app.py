@@ -75,7 +75,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         first = problems[0] if problems else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # field names only: a JSON syntax error's location is a character offset
+        location = [part for part in first.get("loc", ()) if isinstance(part, str) and part != "body"]
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
             for e in problems

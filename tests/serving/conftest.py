@@ -3,11 +3,20 @@ offline `LLM` over the same tiny model as the reference for outputs."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.serving.server_process import MAX_NUM_SEQS, NUM_GPU_BLOCKS, ServeProcess
+
+_SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "prometheus_client")
+_MISSING = [name for name in _SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+if _MISSING and os.environ.get("CI") != "true":
+    # Machines without the serving stack (the GPU test machine) do not collect this
+    # folder; CI installs it and must not skip.
+    collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: model loading is slow on a busy 2-core machine
 START_TIMEOUT_S = 180.0
@@ -83,12 +81,16 @@ class ServeProcess:
                 raise RuntimeError(f"kvstash serve did not start\n{log}")
             else:
                 time.sleep(0.2)
+        import httpx
+
         response = httpx.get(f"{self.url}/health", timeout=30)
         if response.status_code != 200:
             raise RuntimeError(f"/health answered {response.status_code}\n{self.log()}")
         return self
 
     def metrics_text(self) -> str:
+        import httpx
+
         response = httpx.get(f"{self.url}/metrics", timeout=30)
         response.raise_for_status()
         return response.text

@@ -113,6 +113,10 @@ class KVConnectorScheduler(abc.ABC):
         asynchronous save still reads the request's blocks: the engine must keep
         them until ``get_finished`` reports the request id as done sending."""
 
+    def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Block until every store queued for lower tiers was attempted (tests,
+        benchmarks, shutdown); the step loop never calls it."""
+
     def request_stats(self, request_id: str) -> RequestTransferStats | None:  # noqa: B027
         """Transfer figures for a finished request (None when unknown)."""
         return None

@@ -152,5 +152,8 @@ class OffloadScheduler(KVConnectorScheduler):
             )
         return sending
 
+    def flush(self) -> None:
+        self.cache_engine.tiers.flush()
+
     def request_stats(self, request_id: str) -> RequestTransferStats | None:
         return self.tracker.stats(request_id)

@@ -120,6 +120,16 @@ class BlockManager:
                 self.block_id_to_hash[block_id] = block_hash
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash, so later requests find no GPU prefix hit.
+        Refused (returns False) while any block is in use, since running requests
+        still read their registered blocks; the blocks themselves stay free."""
+        if any(self.ref_counts):
+            return False
+        self.hash_to_block_id.clear()
+        self.block_id_to_hash = [None] * self.num_blocks
+        return True
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (finish or preemption); tail blocks first so
         a shared prefix outlives the tails in the LRU order."""

@@ -213,6 +213,17 @@ class EngineCore:
         self.scheduler.finish_request(request, "abort")
         return request.to_output()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the GPU prefix cache (benchmarks, tests): the next request of a known
+        prompt must find its KV in the offload tiers or recompute it. False while
+        requests are running."""
+        return self.block_manager.reset_prefix_cache()
+
+    def flush_kv_offload(self) -> None:
+        """Block until every queued write-through to lower offload tiers was attempted."""
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.flush()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -28,6 +28,14 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the engine's GPU prefix cache (see `EngineCore.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
+    def flush_kv_offload(self) -> None:
+        """Wait for queued lower-tier offload writes (see `EngineCore.flush_kv_offload`)."""
+        self.engine.flush_kv_offload()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

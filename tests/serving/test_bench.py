@@ -1,13 +1,14 @@
-"""`kvstash bench` with small flags: both runs, the table, JSON, PNG and log; offload
+"""`kvstash bench` (its click command) with small flags: both runs, the table, JSON, PNG and log; offload
 saves recomputation in every round after the first, and outputs stay identical."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
-from engine.cli import main
+from engine.bench import bench
 
 SMALL_FLAGS = [
     "--model-size",
@@ -28,7 +29,7 @@ SMALL_FLAGS = [
 def test_bench_small_run_writes_table_json_and_plot(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["bench", *SMALL_FLAGS, "--out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(bench, [*SMALL_FLAGS, "--out", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "TTFT" in result.output and "outputs identical: yes" in result.output
 
@@ -60,7 +61,33 @@ def test_bench_small_run_writes_table_json_and_plot(tmp_path, monkeypatch) -> No
 
 def test_bench_rejects_bad_flags(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    result = CliRunner().invoke(main, ["bench", "--users", "0", "--out", str(tmp_path / "out")])
+    result = CliRunner().invoke(bench, ["--users", "0", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "num_users must be >= 1" in result.output
     assert not (tmp_path / "cache" / "kvstash" / "models").exists()  # nothing was made
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_float32_outputs_identical_and_less_computed(tmp_path, monkeypatch) -> None:
+    """The bench preset on a GPU, float32 (the exactness rule's dtype)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    flags = [
+        "--device",
+        "cuda",
+        "--dtype",
+        "float32",
+        "--users",
+        "4",
+        "--context-len",
+        "2048",
+        "--rounds",
+        "3",
+    ]
+    result = CliRunner().invoke(bench, [*flags, "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["outputs_identical"] is True
+    for row in report["rounds"][1:]:
+        assert row["gpu_hit_tokens_on"] + row["external_hit_tokens_on"] >= 2048
+        assert row["computed_tokens_on"] < row["computed_tokens_off"] / 4

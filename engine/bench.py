@@ -298,7 +298,14 @@ def _plain_token_ids(llm) -> list[int]:
     show_default=True,
     help="Preset of the generated model (ignored with --model).",
 )
-@click.option("--users", "num_users", type=int, default=Workload.num_users, show_default=True)
+@click.option(
+    "--users",
+    "num_users",
+    type=int,
+    default=Workload.num_users,
+    show_default=True,
+    help="Users, each with a context.",
+)
 @click.option(
     "--context-len",
     type=int,
@@ -306,7 +313,14 @@ def _plain_token_ids(llm) -> list[int]:
     show_default=True,
     help="Tokens of each user's context.",
 )
-@click.option("--rounds", "num_rounds", type=int, default=Workload.num_rounds, show_default=True)
+@click.option(
+    "--rounds",
+    "num_rounds",
+    type=int,
+    default=Workload.num_rounds,
+    show_default=True,
+    help="Questions per user.",
+)
 @click.option(
     "--question-len", type=int, default=Workload.question_len, show_default=True, help="Tokens per question."
 )
@@ -350,7 +364,8 @@ def bench(
     """Multi-round QA with KV offload off, then on: TTFT per round, table, JSON and plot.
 
     With no --kv-offload* flag the offload run uses 0.5 GiB of CPU memory and a disk
-    folder under ~/.cache/kvstash/bench (no external service)."""
+    folder under ~/.cache/kvstash/bench (no external service). Without
+    --num-gpu-blocks the engine's KV pool holds one user's longest conversation."""
     from engine.bench_report import print_table, write_json, write_plot
 
     workload = Workload(

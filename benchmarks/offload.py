@@ -190,6 +190,7 @@ def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generat
         "lookup_retrieve_ms": request_path * 1e3,
         "h2d_copy_ms": h2d * 1e3,
         "overhead_ms": (request_path - h2d) * 1e3,
+        "overhead_vs_xfer_ms": None,
     }
     if device.type == "cuda":
         store_xfer, load_xfer = transfer_seconds(
@@ -199,6 +200,7 @@ def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generat
         row["store_transfer_vs_copy"] = d2h / store_xfer
         row["retrieve_transfer_gbps"] = num_bytes / load_xfer / 1e9
         row["retrieve_transfer_vs_copy"] = h2d / load_xfer
+        row["overhead_vs_xfer_ms"] = (request_path - load_xfer) * 1e3
     return row
 
 
@@ -206,11 +208,15 @@ def figure(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def figure_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}ms"
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
     header = (
         f"{'tokens':>6} {'MiB':>7} | {'store':>6} {'xfer':>6} {'D2H cp':>6} {'ratio':>9} | "
-        f"{'retrieve':>8} {'xfer':>6} {'H2D cp':>6} {'ratio':>9} | {'lookup+ret':>10} {'H2D cp':>8} {'overhead':>8}"
+        f"{'retrieve':>8} {'xfer':>6} {'H2D cp':>6} {'ratio':>9} | {'lookup+ret':>10} {'H2D cp':>8} {'overhead':>8} {'vs xfer':>8}"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
@@ -221,12 +227,13 @@ def print_table(title: str, rows: list[dict]) -> None:
             f"{figure(row['store_transfer_gbps']):>6} {figure(row['d2h_copy_gbps']):>6} {store_ratios:>9} | "
             f"{figure(row['retrieve_gbps']):>8} {figure(row['retrieve_transfer_gbps']):>6} "
             f"{figure(row['h2d_copy_gbps']):>6} {retrieve_ratios:>9} | {row['lookup_retrieve_ms']:>8.3f}ms "
-            f"{row['h2d_copy_ms']:>6.3f}ms {row['overhead_ms']:>6.3f}ms"
+            f"{row['h2d_copy_ms']:>6.3f}ms {row['overhead_ms']:>6.3f}ms {figure_ms(row['overhead_vs_xfer_ms']):>8}"
         )
     print(
         "GB/s of the payload. store/retrieve = the whole call; xfer = device time of its copies and kernels "
         "(CUDA only);\nratio = call/xfer against the plain pinned copy; overhead = lookup(pin) + retrieve "
-        "- the pinned H2D copy of the same bytes"
+        "- the pinned H2D copy of the same bytes;\nvs xfer = lookup(pin) + retrieve - its own transfer (the "
+        "host-side path: hashing, tier reads, pins, bookkeeping)"
     )
 
 

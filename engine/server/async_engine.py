@@ -69,6 +69,9 @@ class AsyncEngine:
         self._request_id_to_tracking: dict[str, _Tracking] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # guards `_closed` against submissions racing the engine thread's exit
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def tokenizer(self):
@@ -76,7 +79,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._thread is not None and not self._closed
 
     def start(self) -> None:
         if self._thread is not None:
@@ -122,13 +125,17 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Queue one request for the engine thread and wait until it is admitted.
         Returns the queue its outputs arrive on; raises ValueError when rejected."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self._error!r})")
         loop = asyncio.get_running_loop()
         submission = _Submission(
             request_id, list(prompt_token_ids), params, loop, loop.create_future(), asyncio.Queue()
         )
-        self._inbox.put(submission)
+        with self._lock:
+            if self._thread is None or self._closed:
+                reason = (
+                    f"it failed: {self._error!r}" if self._error is not None else "not started or shut down"
+                )
+                raise EngineDeadError(f"the engine is not running ({reason})")
+            self._inbox.put(submission)
         error = await submission.admitted
         if error is not None:
             raise error
@@ -151,6 +158,8 @@ class AsyncEngine:
             logger.exception("engine thread stopped")
             self._error = error
         finally:
+            with self._lock:
+                self._closed = True
             self._fail_all(self._error or EngineDeadError("the engine was shut down"))
 
     def _drain_inbox(self, block: bool) -> bool:

@@ -126,8 +126,9 @@ def _sample_residual(
             q = tl.where(ids == draft_token_id, 1.0, 0.0)
         noise = tl.load(noise_row_ptr + ids, mask=in_vocab, other=1.0)
         # Masked lanes load p = q = 0 and score 0, so they never beat an earlier in-vocab lane.
-        residual_score = tl.maximum(p - q, 0.0) / noise
-        target_score = p / noise
+        # IEEE division (not the approximate default) so the GPU matches the torch reference.
+        residual_score = tl.div_rn(tl.maximum(p - q, 0.0), noise)
+        target_score = tl.div_rn(p, noise)
         block_best, block_best_id = tl.max(residual_score, axis=0, return_indices=True)
         if block_best > best_residual_score:
             best_residual_score = block_best

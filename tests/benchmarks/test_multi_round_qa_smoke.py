@@ -1,0 +1,28 @@
+"""benchmarks/multi_round_qa.py runs on CPU: later rounds load contexts from the CPU tier
+and the outputs equal the offload-off run (the script exits non-zero otherwise)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_multi_round_qa_tiny_run(tmp_path, repo_root, subprocess_env):
+    out = tmp_path / "mrqa.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/multi_round_qa.py", "--tiny", "--users", "3", "--rounds", "2"]
+        + ["--out", str(out), "--png", str(tmp_path / "m.png")],
+        cwd=repo_root,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] is True
+    # the GPU pool holds about one user's context: round 2 must come from the tier
+    assert report["off"]["external_hit_tokens"] == 0
+    assert report["on"]["external_hit_tokens"] >= 3 * 256
+    assert (tmp_path / "m.png").stat().st_size > 0

@@ -163,6 +163,11 @@ class _EngineStateCollector(Collector):
             "Accepted / proposed draft tokens over the engine's life.",
             spec.acceptance_rate,
         )
+        yield GaugeMetricFamily(
+            "kvstash_spec_decode_mean_accepted_length",
+            "Accepted draft tokens per request-step that carried drafts.",
+            spec.mean_accepted_length,
+        )
         yield CounterMetricFamily(
             "kvstash_engine_computed_tokens",
             "Tokens the model ran a forward pass on.",

@@ -101,6 +101,26 @@ class PinnedChunkPool(StorageBackend):
         self._counters.add("hits")
         return KVChunk(view, self.layout)
 
+    def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
+        """Pin every present key and return its zero-copy view, under one lock (the
+        read path of a retrieve). Each returned key holds one pin to release with :meth:`unpin`."""
+        key_to_chunk = {}
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    self._index.pin([key])
+                    slot_id, shape = entry.record
+                    key_to_chunk[key] = KVChunk(self._view(slot_id, shape), self.layout)
+        self._counters.add("hits", len(key_to_chunk))
+        self._counters.add("misses", len(keys) - len(key_to_chunk))
+        return key_to_chunk
+
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        """Pin each present key (absent ones are skipped, not a stop); one lock for all."""
+        with self._lock:
+            return [self._index.pin([key]) == 1 for key in keys]
+
     def get_encoded(self, key: str) -> bytes | None:
         if self.pin([key]) == 0:
             return None

@@ -188,12 +188,9 @@ class TierManager:
         key_to_found: dict[str, tuple[KVChunk, StorageBackend]] = {}
         held_keys: list[str] = []
         if self.cpu is not None:
-            for key in keys:
-                if self.cpu.pin([key]) == 1:
-                    chunk = self.cpu.get(key)
-                    held_keys.append(key)
-                    if chunk is not None:
-                        key_to_found[key] = (chunk, self.cpu)
+            for key, chunk in self.cpu.pin_and_get(keys).items():
+                key_to_found[key] = (chunk, self.cpu)
+                held_keys.append(key)
         for tier in self.lower:
             wanted = [key for key in keys if key not in key_to_found]
             if not wanted:
@@ -327,47 +324,66 @@ class TierManager:
         a chunk that vanishes there is a miss at retrieve time and gets recomputed."""
         self.expire_pins()
         deadline = self._clock() + self.pin_timeout_s
+        key_to_tiers: dict[str, list[StorageBackend]] = {key: [] for key in keys}
         with self._lock:
-            for key in keys:
-                pinned_tiers = [tier for tier in self._pinnable if self._pin_one(tier, key)]
+            for tier in self._pinnable:
+                for key, pinned in zip(keys, self._pin_each(tier, keys), strict=True):
+                    if pinned:
+                        key_to_tiers[key].append(tier)
+            for key, pinned_tiers in key_to_tiers.items():
                 if pinned_tiers:
                     self._key_to_pins.setdefault(key, []).append((deadline, pinned_tiers))
 
-    def _pin_one(self, tier: StorageBackend, key: str) -> bool:
-        try:
-            return tier.pin([key]) == 1
-        except Exception as exc:
-            self.health[id(tier)].failed("pin", exc)
-            return False
+    def _pin_each(self, tier: StorageBackend, keys: Sequence[str]) -> list[bool]:
+        if tier is self.cpu:
+            return self.cpu.pin_each(keys)
+        pinned = []
+        for key in keys:
+            try:
+                pinned.append(tier.pin([key]) == 1)
+            except Exception as exc:
+                self.health[id(tier)].failed("pin", exc)
+                pinned.append(False)
+        return pinned
 
     def unpin(self, keys: Sequence[str]) -> None:
         """Release the oldest pin of each of ``keys`` (keys without pins are ignored)."""
+        tier_to_keys: dict[int, list[str]] = {}
         with self._lock:
             for key in keys:
                 pins = self._key_to_pins.get(key)
                 if pins:
-                    self._release(key, pins.pop(0)[1])
+                    for tier in pins.pop(0)[1]:
+                        tier_to_keys.setdefault(id(tier), []).append(key)
                     if not pins:
                         del self._key_to_pins[key]
+        self._release(tier_to_keys)
 
     def expire_pins(self) -> None:
-        """Release every pin older than ``pin_timeout_s``; called on each pin and lookup."""
+        """Release every pin older than ``pin_timeout_s``; called on each pin, lookup and store."""
         now = self._clock()
         num_expired = 0
+        tier_to_keys: dict[int, list[str]] = {}
         with self._lock:
             for key in list(self._key_to_pins):
                 pins = self._key_to_pins[key]
                 while pins and pins[0][0] <= now:
-                    self._release(key, pins.pop(0)[1])
+                    for tier in pins.pop(0)[1]:
+                        tier_to_keys.setdefault(id(tier), []).append(key)
                     num_expired += 1
                 if not pins:
                     del self._key_to_pins[key]
-        self._count("expired_pins", num_expired)
+        self._release(tier_to_keys)
+        if num_expired:
+            self._count("expired_pins", num_expired)
 
-    def _release(self, key: str, pinned_tiers: list[StorageBackend]) -> None:
-        for tier in pinned_tiers:
+    def _release(self, tier_to_keys: dict[int, list[str]]) -> None:
+        for tier in self.tiers:
+            keys = tier_to_keys.get(id(tier))
+            if not keys:
+                continue
             try:
-                tier.unpin([key])
+                tier.unpin(keys)
             except Exception as exc:
                 self.health[id(tier)].failed("unpin", exc)
 

@@ -15,6 +15,8 @@ import array
 import hashlib
 import json
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -26,6 +28,8 @@ DIGEST_BYTES = 16
 #: layout of the tensors stored under our keys: [layers, K/V, tokens, kv heads, head dim]
 KV_LAYOUT = "LKTHD"
 _MAX_TOKEN_ID = (1 << 32) - 1
+#: token sequences whose spans ``TokenDatabase`` keeps (a few requests' prompts)
+NUM_RECENT_SEQUENCES = 64
 #: array typecode of a 4-byte unsigned int
 _UINT32 = next(code for code in ("I", "L") if array.array(code).itemsize == 4)
 
@@ -93,8 +97,10 @@ def token_ids_to_bytes(tokens: Sequence[int] | torch.Tensor) -> memoryview:
 
 
 class TokenDatabase:
-    """Maps token sequences to chunk spans and keys. Stateless and thread-safe;
-    called by the cache engine on every lookup, store and retrieve."""
+    """Maps token sequences to chunk spans and keys. Thread-safe; called by the cache
+    engine on every lookup, store and retrieve — one request hashes the same prompt
+    several times (match, pin, load, saves), so recent results are kept in a small
+    cache keyed by the token bytes."""
 
     def __init__(self, namespace: str, chunk_size: int, save_partial_chunks: bool) -> None:
         if chunk_size <= 0:
@@ -102,11 +108,26 @@ class TokenDatabase:
         self.namespace = namespace
         self.chunk_size = chunk_size
         self.save_partial_chunks = save_partial_chunks
+        self._recent: OrderedDict[bytes, tuple[ChunkSpan, ...]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def chunk_spans(self, tokens: Sequence[int] | torch.Tensor) -> list[ChunkSpan]:
         """Spans of every keyed chunk of ``tokens`` in order: all full chunks, then the
         trailing partial chunk when ``save_partial_chunks`` (else it is left out)."""
-        data = token_ids_to_bytes(tokens)
+        data = token_ids_to_bytes(tokens).tobytes()
+        with self._lock:
+            spans = self._recent.get(data)
+            if spans is not None:
+                self._recent.move_to_end(data)
+                return list(spans)
+        spans = self._hash_chunks(data)
+        with self._lock:
+            self._recent[data] = spans
+            if len(self._recent) > NUM_RECENT_SEQUENCES:
+                self._recent.popitem(last=False)
+        return list(spans)
+
+    def _hash_chunks(self, data: bytes) -> tuple[ChunkSpan, ...]:
         num_tokens = len(data) // 4
         spans = []
         previous = b""
@@ -118,4 +139,4 @@ class TokenDatabase:
             digest.update(data[4 * start : 4 * end])
             previous = digest.digest()
             spans.append(ChunkSpan(start, end, f"{self.namespace}:{previous.hex()}"))
-        return spans
+        return tuple(spans)

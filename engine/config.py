@@ -115,11 +115,16 @@ class EngineArgs:
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+#: temperatures below this sample greedily: dividing logits by a tinier one overflows
+#: float32 to inf, and the NaN probabilities that follow would fail the whole step
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters.
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k 0 and top_p 1.0 disable those filters.
     `seed` gives the request its own torch.Generator: the same seed, prompt and
     params give the same tokens. `stop` strings end generation; the returned text
     stops before the stop string. `ignore_eos` keeps generating past EOS."""
@@ -146,8 +151,8 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -159,7 +164,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ PROMPTS = _prompts()
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def spec_llm(model_dir, **engine_args) -> LLM:
+def spec_llm(model_dir, device: str = "cpu", **engine_args) -> LLM:
     return LLM(
         model_dir,
         dtype="float32",
-        device="cpu",
+        device=device,
         speculative="ngram",
         num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
         ngram_min_n=1,
@@ -148,21 +148,22 @@ def test_corrupted_drafts_are_rejected_and_rolled_back(plain_case):
     assert_no_block_leak(llm)
 
 
-def test_sampled_tokens_keep_their_distribution(tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampled_tokens_keep_their_distribution(tiny_model_dir, device):
     """Seeded sampled requests with and without speculation: the tokens at the output
     positions that went through verification follow the same distribution (chi-square
     homogeneity over 400 seeds per arm, ALPHA)."""
     model_dir = tiny_model_dir("llama")
     prompt = PROMPTS[1][:8]
     num_seeds = 400
-    greedy_continuation = token_ids(LLM(model_dir, dtype="float32", device="cpu"), [prompt])[0]
+    greedy_continuation = token_ids(LLM(model_dir, dtype="float32", device=device), [prompt])[0]
     params = [
         SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
         for s in range(num_seeds)
     ]
-    plain = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=num_seeds)
+    plain = LLM(model_dir, dtype="float32", device=device, max_num_seqs=num_seeds)
     plain_outputs = token_ids(plain, [prompt] * num_seeds, params)
-    spec = spec_llm(model_dir, max_num_seqs=num_seeds)
+    spec = spec_llm(model_dir, device, max_num_seqs=num_seeds)
     # Greedy tokens as drafts: likely under top-k sampling, so many are accepted.
     spec.engine.scheduler.proposer = ReplayProposer(
         NUM_SPECULATIVE_TOKENS,

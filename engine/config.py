@@ -208,6 +208,14 @@ class ModelConfig:
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = _DTYPE_NAMES.get(dtype)
+        max_model_len = hf_config.max_position_embeddings
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if family in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+            sliding_window = None
+        if sliding_window is not None and sliding_window < max_model_len:
+            # Attention here is full causal: within the window that equals sliding-window
+            # attention, so the context is capped at the window rather than drifting from HF.
+            max_model_len = sliding_window
         return ModelConfig(
             family=family,
             hf_config=hf_config,
@@ -217,7 +225,7 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=hf_config.vocab_size,
-            max_model_len=hf_config.max_position_embeddings,
+            max_model_len=max_model_len,
             eos_token_ids=eos_ids,
             checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
         )

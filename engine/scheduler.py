@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
-from engine.spec_decode import NgramProposer, propose_drafts
+from engine.spec_decode import NgramProposer, draft_slots_leave_room, propose_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,14 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
-            # Drafts ride along only when their slots are free: never preempt for a draft.
-            if spec_token_ids and self.block_manager.allocate_slots(
-                request, request.num_computed_tokens + num_new + len(spec_token_ids)
+            num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
+            # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
+            if (
+                spec_token_ids
+                and draft_slots_leave_room(
+                    self.block_manager, request, num_with_drafts, len(self.running) - index - 1
+                )
+                and self.block_manager.allocate_slots(request, num_with_drafts)
             ):
                 request_id_to_spec_token_ids[request.request_id] = spec_token_ids
                 num_new += len(spec_token_ids)

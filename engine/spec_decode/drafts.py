@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.spec_decode.ngram import NgramProposer
 
@@ -25,3 +26,14 @@ def propose_drafts(proposer: NgramProposer, request: Request, token_budget: int)
     if limit <= 0:
         return []
     return proposer.propose(request.all_token_ids, max_num_drafts=limit)
+
+
+def draft_slots_leave_room(
+    block_manager: BlockManager, request: Request, num_total_tokens: int, num_requests_behind: int
+) -> bool:
+    """Whether giving ``request`` blocks for ``num_total_tokens`` tokens (its drafts included)
+    still leaves one free block for each running request scheduled after it, which may need
+    one for its own next token. The scheduler drops the drafts otherwise: a draft never
+    causes a preemption. Side-effect free."""
+    num_new_blocks = -(-num_total_tokens // block_manager.block_size) - len(request.block_ids)
+    return block_manager.num_free_blocks - max(num_new_blocks, 0) >= num_requests_behind

@@ -125,3 +125,19 @@ def test_stop_inside_accepted_drafts_drops_the_rest():
     assert request.output_token_ids == [12, 13, EOS]
     assert request.finish_reason == "stop" and request.is_finished
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_drafts_leave_a_block_for_each_request_behind():
+    """6 blocks: a (11 tokens, 3 blocks) and b (9 tokens, 2 blocks, needs a 3rd for its next
+    token). a's drafts would take the last free block and force b out: a runs without them."""
+    scheduler = make_scheduler(num_blocks=6)
+    a = make_request("a", prompt=PROMPT[:-1])
+    b = make_request("b", prompt=list(range(50, 58)))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, {"a": 12, "b": 99})
+    plan = scheduler.schedule()
+    assert plan.request_id_to_spec_token_ids == {}
+    assert plan.num_scheduled_tokens == [1, 1] and plan.preempted_request_ids == []
+    assert scheduler.block_manager.num_free_blocks == 0

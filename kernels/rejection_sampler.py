@@ -34,12 +34,12 @@ PLACEHOLDER_TOKEN_ID = -1
 @triton.jit
 def _rejection_sample_kernel(
     out_ptr,  # [batch, max_spec_len + 1] int64
-    draft_token_ids_ptr,  # [num_draft_tokens_total] int64
+    draft_token_ids_ptr,  # [num_draft_tokens_total] int32 or int64
     cu_num_draft_tokens_ptr,  # [batch] int64, inclusive prefix sums
     draft_probs_ptr,  # [num_draft_tokens_total, vocab] float32 (unused without HAS_DRAFT_PROBS)
     target_probs_ptr,  # [num_draft_tokens_total, vocab] float32
-    target_argmax_ptr,  # [num_draft_tokens_total] int64
-    bonus_token_ids_ptr,  # [batch] int64
+    target_argmax_ptr,  # [num_draft_tokens_total] int32 or int64
+    bonus_token_ids_ptr,  # [batch] int32 or int64
     is_greedy_ptr,  # [batch] bool
     uniform_ptr,  # [num_draft_tokens_total] float32
     recovery_noise_ptr,  # [batch, vocab] float32, strictly positive Exp(1) samples

@@ -8,7 +8,7 @@ so two servers in one process keep separate figures. Two kinds of figures:
   prompt/generated tokens, GPU prefix hits, external hits, tokens and bytes
   loaded and saved, TTFT, inter-token latency and load throughput;
 - engine state, read at scrape time by a collector (`_EngineStateCollector`):
-  KV block usage, speculative decoding counters and connector hits per tier.
+  KV block usage, speculative decoding counters, connector hits and errors per tier.
 """
 
 from __future__ import annotations
@@ -179,6 +179,14 @@ class _EngineStateCollector(Collector):
         for tier, count in _tier_hits(engine).items():
             tier_hits.add_metric([tier], count)
         yield tier_hits
+        tier_errors = CounterMetricFamily(
+            "kvstash_tier_errors",
+            "Failed calls to each offload tier (a read that failed is a miss, a write is dropped).",
+            labels=["tier"],
+        )
+        for tier, count in _tier_errors(engine).items():
+            tier_errors.add_metric([tier], count)
+        yield tier_errors
 
 
 def _tier_hits(engine: EngineCore) -> dict[str, int]:
@@ -190,3 +198,11 @@ def _tier_hits(engine: EngineCore) -> dict[str, int]:
     tiers = cache_engine.tiers
     counters = tiers.counters()
     return {tier.name: counters.get(f"hits_{tier.name}", 0) for tier in tiers.tiers}
+
+
+def _tier_errors(engine: EngineCore) -> dict[str, int]:
+    """Failed calls per tier name, as the connector's tier manager counted them ({} without offload)."""
+    cache_engine = getattr(engine.scheduler.connector, "cache_engine", None)
+    if cache_engine is None:
+        return {}
+    return {health.name: health.counts["errors"] for health in cache_engine.tiers.health.values()}

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine import LLM, SamplingParams
+from engine.request import RequestOutput
 
 #: tokens per chunk in every reliability scenario (small, so a prompt spans several chunks)
 CHUNK_SIZE = 32
@@ -54,18 +55,21 @@ def tier_errors(llm: LLM, tier_name: str) -> int:
 
 
 class Reference:
-    """Token ids of a no-offload engine of the same model and dtype, computed once per prompt."""
+    """Outputs of a no-offload engine of the same model and dtype, computed once per prompt."""
 
     def __init__(self, model_dir, dtype: str = "float32") -> None:
         self.llm = new_llm(model_dir, dtype=dtype)
-        self._prompt_to_tokens: dict[tuple[int, ...], list[int]] = {}
+        self._prompt_to_output: dict[tuple[int, ...], RequestOutput] = {}
 
-    def tokens(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        missing = [list(p) for p in prompts if tuple(p) not in self._prompt_to_tokens]
+    def outputs(self, prompts: Sequence[Sequence[int]]) -> list[RequestOutput]:
+        missing = [list(p) for p in prompts if tuple(p) not in self._prompt_to_output]
         if missing:
             for prompt, output in zip(missing, self.llm.generate(missing, PARAMS), strict=True):
-                self._prompt_to_tokens[tuple(prompt)] = output.token_ids
-        return [self._prompt_to_tokens[tuple(p)] for p in prompts]
+                self._prompt_to_output[tuple(prompt)] = output
+        return [self._prompt_to_output[tuple(p)] for p in prompts]
+
+    def tokens(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [output.token_ids for output in self.outputs(prompts)]
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The engine server under a remote-tier outage: ``kvstash serve`` with offload to a real
+cache server, streaming clients in flight, the cache server SIGKILLed and restarted.
+
+Every streamed completion must succeed with the text of the offline no-offload
+reference; /metrics counts the tier's errors; the server logs the incident once
+(one "failing" and one "recovered" line); external hits come back after the
+restart with no server restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+
+from tests.cache_server.server_process import CacheServerProcess
+from tests.reliability.engine_stream import CHUNK_SIZE, PARAMS, full_hits, make_prompts
+from tests.serving.server_process import ServeProcess, metric_value
+
+NUM_PROMPTS = 6
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[int, str]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": PARAMS.max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    body["ignore_eos"] = True
+    pieces = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, ""
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    return 500, ""
+                pieces.append(event["choices"][0]["text"])
+    return 200, "".join(pieces)
+
+
+def stream_all(url: str, prompts: list[list[int]]) -> list[tuple[int, str]]:
+    """Stream every prompt at once; (status, text) per prompt."""
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(_stream_one(client, url, p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def external_hits(serve) -> float:
+    return metric_value(serve.metrics_text(), "kvstash_external_hit_tokens_total")
+
+
+def test_serve_survives_a_cache_server_kill(model_dir, reference, reliability_report):
+    prompts = make_prompts(NUM_PROMPTS, seed=51)
+    expected = [(200, output.text) for output in reference.outputs(prompts)]
+    cache = CacheServerProcess("--memory-gb", "0.1").start()
+    serve = None
+    try:
+        serve = ServeProcess(
+            model_dir,
+            *("--dtype", "float32", "--device", "cpu", "--no-enable-prefix-caching", "--max-num-seqs", "8"),
+            *("--kv-offload", "--kv-offload-cpu-gb", "0", "--kv-offload-chunk-size", str(CHUNK_SIZE)),
+            *("--kv-offload-remote", f"{cache.url}?timeout=5"),
+        ).start()
+        num_requests = 0
+
+        def round_trip() -> float:
+            """One round of every prompt; returns the external hit tokens it got."""
+            nonlocal num_requests
+            before = external_hits(serve)
+            assert stream_all(serve.url, prompts) == expected
+            num_requests += len(prompts)
+            return external_hits(serve) - before
+
+        def until_full_hits() -> int:
+            for num_rounds in range(1, 5):
+                if round_trip() == sum(full_hits(prompts)):
+                    return num_rounds
+            raise AssertionError("external hits did not come back")
+
+        until_full_hits()
+        cache.stop(signal.SIGKILL)
+        fault_start = num_requests
+        assert round_trip() == 0
+        assert round_trip() == 0
+        num_fault_requests = num_requests - fault_start
+        tier_errors = metric_value(serve.metrics_text(), "kvstash_tier_errors_total", tier="grpc")
+        assert tier_errors >= num_fault_requests
+        cache.start()  # same port
+        num_rounds = until_full_hits()
+        log = serve.log()
+        assert log.count("tier grpc failing") == 1 and log.count("tier grpc recovered") == 1, log[-3000:]
+        assert serve.process.poll() is None
+    finally:
+        if serve is not None:
+            serve.close()
+        cache.close()
+    reliability_report.record(
+        "engine server, cache server killed",
+        "kvstash serve streaming with offload to a cache server that is SIGKILLed and restarted",
+        num_requests=num_requests,
+        num_requests_during_fault=num_fault_requests,
+        num_failed=0,
+        num_texts_differing=0,
+        tier_errors_counted=int(tier_errors),
+        incident_warnings=1,
+        recovery_lines=1,
+        rounds_until_hits_resumed=num_rounds,
+    )

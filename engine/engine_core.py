@@ -67,6 +67,9 @@ class EngineCore:
         self.model = load_model(
             config, self.model_dir, self.device, self.dtype, dummy=args.load_format == "dummy"
         )
+        if self.device.type == "cuda" and not args.enforce_eager and self.dtype != torch.float32:
+            # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly
+            self.model.compile_glue()
         num_blocks = self._num_kv_blocks()
         self.block_size = args.block_size
         self.tokenizer = self._load_tokenizer()

@@ -9,6 +9,7 @@ Attention goes through `kernels` on CUDA and `kernels.reference` on CPU.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify_drafts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,13 +103,16 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache)
         self.decode_graphs: DecodeGraphs | None = None
         if self._on_cuda and cuda_graph_max_batch_size > 0:
-            self.decode_graphs = DecodeGraphs(
-                self._forward_with_metadata,
-                AttentionMetadata,
-                device,
-                cuda_graph_max_batch_size,
-                max_blocks_per_seq=-(-max_model_len // block_size),
-            )
+            try:
+                self.decode_graphs = DecodeGraphs(
+                    self._forward_with_metadata,
+                    AttentionMetadata,
+                    device,
+                    cuda_graph_max_batch_size,
+                    max_blocks_per_seq=-(-max_model_len // block_size),
+                )
+            except RuntimeError as error:
+                logger.warning("decode CUDA graphs could not be captured, running eagerly: %s", error)
 
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         self._metadata = metadata

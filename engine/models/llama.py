@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models import glue
+from engine.models.rope import RotaryEmbedding
 
 #: (layer_idx, query [T, H, D], key [T, KVH, D], value [T, KVH, D]) -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,12 +31,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
+        self.impl: Callable = glue.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return self.impl(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,6 +55,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias, **factory)
+        self.rotary_impl: Callable = glue.rotary_qk
         self.qk_norm = config.family == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary_impl(q, k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -91,6 +91,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, **factory)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **factory)
+        self.act_impl: Callable = glue.silu_and_mul
 
     def fuse_projections(self) -> None:
         """Replace gate/up_proj by one gate_up_proj; called once after loading."""
@@ -100,7 +101,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_impl(gate, up))
 
 
 def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -167,6 +168,19 @@ class LlamaFamilyForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def compile_glue(self) -> None:
+        """Use `torch.compile`d norms, RoPE and activation (CUDA); called once at start-up."""
+        norm = glue.CompiledOrEager(glue.rms_norm)
+        rotary = glue.CompiledOrEager(glue.rotary_qk)
+        act = glue.CompiledOrEager(glue.silu_and_mul)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.impl = norm
+            elif isinstance(module, Attention):
+                module.rotary_impl = rotary
+            elif isinstance(module, MLP):
+                module.act_impl = act
 
     def set_rope_device(self, device: torch.device) -> None:
         """Called by the loader once the weights live on `device`."""

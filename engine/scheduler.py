@@ -120,6 +120,8 @@ class Scheduler:
             num_external = 0
             if self.connector is not None:
                 num_external = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
+                # at least the last token runs, so this step's logits belong to this request
+                num_external = max(0, min(num_external, request.num_tokens - 1 - num_gpu_hit))
             num_computed = num_gpu_hit + num_external
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):

@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from connector.base import ConnectorMetadata, KVConnectorScheduler
 from engine.block_manager import BlockManager, hash_block
 from engine.config import SamplingParams
 from engine.request import Request, RequestStatus
@@ -171,3 +172,81 @@ def test_allocation_failure_changes_nothing():
 def test_block_manager_rejects_bad_sizes(num_blocks, block_size):
     with pytest.raises(ValueError, match="must be >= 1"):
         BlockManager(num_blocks, block_size, True)
+
+
+class RecordingConnector(KVConnectorScheduler):
+    """A scheduler-side connector that promises `num_promised` external tokens and
+    records the engine's calls (the call contract, without any tier)."""
+
+    def __init__(self, num_promised: int, delay_free: bool = False) -> None:
+        self.num_promised = num_promised
+        self.delay_free = delay_free
+        self.calls: list[tuple] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("match", request.request_id, num_computed_tokens))
+        return self.num_promised
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.calls.append(("alloc", request.request_id, len(block_ids), num_external_tokens))
+
+    def build_connector_meta(self, scheduled):
+        self.calls.append(
+            ("meta", [(s.request_id, s.num_computed_tokens, s.num_scheduled_tokens) for s in scheduled])
+        )
+        return ConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        self.calls.append(("finished", request.request_id, len(block_ids)))
+        return self.delay_free
+
+
+def test_connector_calls_follow_the_contract_and_external_tokens_count_as_computed():
+    connector = RecordingConnector(num_promised=8)
+    scheduler = Scheduler(BlockManager(16, BLOCK_SIZE, True), 8, 64, connector=connector)
+    request = make_request("a", 12, max_tokens=1)
+    scheduler.add_request(request)
+    output, updated = run_step(scheduler)
+    # 8 tokens come from the tiers: only the last 4 run; blocks cover all 12
+    assert connector.calls[:3] == [("match", "a", 0), ("alloc", "a", 3, 8), ("meta", [("a", 8, 4)])]
+    assert plan_of(output) == {"a": 4} and request.metrics.num_external_cached_tokens == 8
+    assert updated == [request] and request.is_finished
+    assert connector.calls[3] == ("finished", "a", 3)
+
+
+def test_an_over_promising_connector_still_leaves_the_last_token_to_compute():
+    scheduler = Scheduler(
+        BlockManager(16, BLOCK_SIZE, True), 8, 64, connector=RecordingConnector(num_promised=50)
+    )
+    request = make_request("a", 12)
+    scheduler.add_request(request)
+    output, updated = run_step(scheduler)
+    assert plan_of(output) == {"a": 1} and updated == [request]
+
+
+def test_load_failure_rolls_back_to_the_valid_length_and_drops_the_output():
+    scheduler = Scheduler(
+        BlockManager(16, BLOCK_SIZE, True), 8, 64, connector=RecordingConnector(num_promised=8)
+    )
+    request = make_request("a", 12)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    updated = scheduler.update_from_output(output, {"a": 7}, load_failures={"a": 4})
+    assert updated == [] and request.output_token_ids == []
+    assert request.num_computed_tokens == 4 and request.metrics.num_external_cached_tokens == 4
+    output, updated = run_step(scheduler)
+    assert plan_of(output) == {"a": 8} and updated == [request]  # recomputed from token 4
+
+
+def test_delayed_free_keeps_blocks_until_the_save_finishes():
+    manager = BlockManager(16, BLOCK_SIZE, True)
+    scheduler = Scheduler(manager, 8, 64, connector=RecordingConnector(num_promised=0, delay_free=True))
+    request = make_request("a", 12, max_tokens=1)
+    scheduler.add_request(request)
+    run_step(scheduler)
+    assert request.is_finished and manager.num_free_blocks == 16 - 3
+    assert scheduler.has_unfinished_requests()  # blocks still read by the save
+    output = scheduler.schedule()
+    assert output.finished_request_ids == {"a"}
+    scheduler.update_from_output(output, {}, finished_sending_ids={"a"})
+    assert manager.num_free_blocks == 16 and not scheduler.has_unfinished_requests()

@@ -39,17 +39,21 @@ def verify_drafts(
         rows = torch.tensor(sampled_rows, device=device)
         target_probs[rows] = sampling_probs(draft_logits[rows], [row_params[i] for i in sampled_rows])
 
-    uniform_samples = []
-    recovery_noise = []
-    for greedy, generator, num_drafts in zip(is_greedy, generators, num_draft_tokens, strict=True):
-        if greedy:  # greedy verification draws no random numbers
-            uniform_samples.append(torch.zeros(num_drafts, device=device))
-            recovery_noise.append(torch.ones(vocab_size, device=device))
-            continue
-        uniform_samples.append(torch.rand(num_drafts, generator=generator, device=device))
-        noise = torch.empty(vocab_size, device=device).exponential_(generator=generator)
-        # The residual sampler divides by the noise: keep it strictly positive.
-        recovery_noise.append(noise.clamp_min_(torch.finfo(torch.float32).tiny))
+    # Greedy verification draws no random numbers: its rows keep these neutral values.
+    uniform_samples = torch.zeros(len(row_is_greedy), device=device)
+    recovery_noise = torch.ones(len(params), vocab_size, device=device)
+    start = 0
+    for index, (greedy, generator, num_drafts) in enumerate(
+        zip(is_greedy, generators, num_draft_tokens, strict=True)
+    ):
+        if not greedy:
+            uniform_samples[start : start + num_drafts] = torch.rand(
+                num_drafts, generator=generator, device=device
+            )
+            recovery_noise[index].exponential_(generator=generator)
+        start += num_drafts
+    # The residual sampler divides by the noise: keep it strictly positive.
+    recovery_noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
     if device.type == "cuda":
         from kernels import rejection_sample
@@ -63,8 +67,8 @@ def verify_drafts(
         draft_logits.argmax(dim=-1),
         torch.tensor(list(bonus_token_ids), dtype=torch.int64, device=device),
         torch.tensor(is_greedy, dtype=torch.bool, device=device),
-        torch.cat(uniform_samples),
-        torch.stack(recovery_noise),
+        uniform_samples,
+        recovery_noise,
         max_spec_len=max(num_draft_tokens),
     )
     return [[t for t in row if t >= 0] for row in out.tolist()]

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from tests.serving.server_process import ServeProcess
 
 NUM_EXAMPLES = 60
+NUM_GARBAGE_EXAMPLES = 30
 RSS_MARGIN_BYTES = 200 << 20
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 FUZZ_SETTINGS = settings(
@@ -149,7 +150,8 @@ def http_codes(reliability_report):
     yield counts
     reliability_report.record(
         "HTTP fuzzing",
-        f"hypothesis JSON bodies and raw garbage to /v1/completions and /v1/chat/completions ({NUM_EXAMPLES} examples each)",
+        f"hypothesis JSON bodies ({NUM_EXAMPLES} per endpoint) to /v1/completions and /v1/chat/completions, "
+        f"raw garbage ({NUM_GARBAGE_EXAMPLES} per path) to every path",
         num_requests=sum(counts.values()),
         num_failed=sum(n for code, n in counts.items() if code >= 500),
         status_codes={str(code): n for code, n in sorted(counts.items())},
@@ -189,7 +191,7 @@ def test_generated_json_bodies(serve, http_codes, path):
 
 @pytest.mark.parametrize("path", [*ENDPOINTS, "/v1/models", "/health", "/metrics", "/v1/nothing-here"])
 def test_raw_garbage_bodies(serve, http_codes, path):
-    @FUZZ_SETTINGS
+    @settings(FUZZ_SETTINGS, max_examples=NUM_GARBAGE_EXAMPLES)
     @given(
         body=st.binary(max_size=2000),
         content_type=st.sampled_from(["application/json", "text/plain", "application/octet-stream", ""]),

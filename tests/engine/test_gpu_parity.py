@@ -65,3 +65,30 @@ def test_dummy_8b_shaped_layer_runs_in_bf16():
     prompts = [random_prompt(512, seed=i, vocab_size=config.vocab_size) for i in range(4)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outputs)
+
+
+#: bf16 tolerance: the engine's token may trail HF's argmax by at most this many nats
+BF16_LOGPROB_TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_cuda_bfloat16_tokens_are_hf_top_choices(tiny_model_dir, arch):
+    """bf16 log-probs: every token the engine picks greedily is, by HF's own bf16
+    log-probs on the same sequence, within BF16_LOGPROB_TOLERANCE of HF's best."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(arch)
+    num_new = 24
+    llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_num_batched_tokens=128)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+    worst_gap = 0.0
+    with torch.inference_mode():
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            ids = torch.tensor([prompt + output.token_ids], device="cuda")
+            logprobs = model(ids).logits[0].float().log_softmax(-1)
+            # row t predicts token t + 1
+            rows = logprobs[len(prompt) - 1 : len(prompt) - 1 + num_new]
+            chosen = rows.gather(1, torch.tensor(output.token_ids, device="cuda")[:, None])[:, 0]
+            worst_gap = max(worst_gap, (rows.max(dim=1).values - chosen).max().item())
+    assert worst_gap <= BF16_LOGPROB_TOLERANCE, f"engine token trails HF argmax by {worst_gap:.3f} nats"

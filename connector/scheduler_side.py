@@ -3,7 +3,6 @@ other than slot maps). Called only from the engine's scheduler thread."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +19,6 @@ from connector.base import (
 )
 from connector.cache_engine import CacheEngine
 from connector.tracker import TransferTracker
-
-log = logging.getLogger("connector")
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -134,22 +131,8 @@ class OffloadScheduler(KVConnectorScheduler):
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         self._request_id_to_save.pop(request.request_id, None)
         self._request_id_to_match.pop(request.request_id, None)
-        figures, sending = self.tracker.finish(request.request_id)
-        if figures is not None:
-            seconds = figures.load_seconds
-            rate = figures.num_loaded_bytes / seconds / 1e9 if seconds > 0 else 0.0
-            log.info(
-                "req=%s prompt=%d gpu_hit=%d ext_hit=%d loaded=%d bytes=%d ms=%.3f GB/s=%.2f saved=%d",
-                request.request_id,
-                figures.num_prompt_tokens,
-                figures.num_gpu_hit_tokens,
-                figures.num_external_hit_tokens,
-                figures.num_loaded_tokens,
-                figures.num_loaded_bytes,
-                seconds * 1e3,
-                rate,
-                figures.num_saved_tokens,
-            )
+        # The engine writes the request's one log line with these figures (request_stats).
+        _, sending = self.tracker.finish(request.request_id)
         return sending
 
     def flush(self) -> None:

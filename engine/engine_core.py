@@ -286,13 +286,27 @@ class EngineCore:
         request.text = text
 
     def _log_finished(self, request: Request) -> None:
+        """The one log line of a finished request. With offload on it carries the
+        connector's transfer figures, which agree with the metrics: `ext_hit` tokens
+        were `loaded` (`bytes` in `ms`) and `saved` tokens went to the tiers."""
         m = request.metrics
+        connector = self.scheduler.connector
+        transfer = connector.request_stats(request.request_id) if connector is not None else None
+        offload = ""
+        if transfer is not None:
+            seconds = transfer.load_seconds
+            rate = transfer.num_loaded_bytes / seconds / 1e9 if seconds > 0 else 0.0
+            offload = (
+                f" loaded={transfer.num_loaded_tokens} bytes={transfer.num_loaded_bytes}"
+                f" ms={seconds * 1e3:.3f} GB/s={rate:.2f} saved={transfer.num_saved_tokens}"
+            )
         logger.info(
-            "req=%s prompt=%d gpu_hit=%d ext_hit=%d output=%d ttft_ms=%.1f reason=%s",
+            "req=%s prompt=%d gpu_hit=%d ext_hit=%d%s output=%d ttft_ms=%.1f reason=%s",
             request.request_id,
             m.num_prompt_tokens,
             m.num_local_cached_tokens,
             m.num_external_cached_tokens,
+            offload,
             len(request.output_token_ids),
             1000 * (m.ttft_s or 0.0),
             request.finish_reason,

@@ -98,7 +98,7 @@ def test_cpu_tier_round_trip(model_dir, baseline, layerwise, caplog):
     assert token_ids(first) == baseline
     assert [o.metrics.num_external_cached_tokens for o in first] == [0] * len(prompts)
     computed_before = llm.stats.num_computed_tokens_total
-    with caplog.at_level(logging.INFO, logger="connector"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         second = llm.generate(prompts, PARAMS)
     assert_second_run_hits(first, second, llm.stats.num_computed_tokens_total - computed_before)
 
@@ -123,7 +123,7 @@ def test_partial_gpu_hit_loads_exactly_the_missing_tokens(model_dir, caplog):
     (first,) = llm.generate([prompt], PARAMS)
     llm.generate(make_prompts([150], seed=2), PARAMS)  # evicts the tail blocks of the first prompt
     computed_before = llm.stats.num_computed_tokens_total
-    with caplog.at_level(logging.INFO, logger="connector"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         (second,) = llm.generate([prompt], PARAMS)
     assert second.token_ids == first.token_ids
     num_gpu_hit = second.metrics.num_local_cached_tokens
@@ -204,7 +204,7 @@ def test_corrupt_chunk_is_recomputed_never_a_wrong_token(model_dir, baseline, tm
     path.write_bytes(bytes(data))
 
     reader = new_llm(model_dir, config)
-    with caplog.at_level(logging.INFO, logger="connector"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         outputs = reader.generate(prompts, PARAMS)
     assert token_ids(outputs) == baseline
     line = [m for m in LOG_LINE.findall(caplog.text) if m[0] == outputs[0].request_id][0]

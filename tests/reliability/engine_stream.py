@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ CHUNK_SIZE = 32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 #: requests handed to ``LLM.generate`` together (batched in the engine's steps)
 BATCH_SIZE = 3
+#: longest wait for hits to come back once a failed tier is healthy again
+RESUME_TIMEOUT_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -149,20 +152,24 @@ def run_until_full_hits(
     llm: LLM,
     prompts: Sequence[Sequence[int]],
     reference: Reference,
-    max_rounds: int = 4,
     expected_hits: list[int] | None = None,
 ) -> int:
-    """Serve ``prompts`` again and again (write-through flushed after each round) until
-    every request hits as much as a healthy store allows (``expected_hits``, default
+    """Serve ``prompts`` round after round (write-through flushed after each) until every
+    request hits as much as a healthy store allows (``expected_hits``, default
     :func:`full_hits`); returns the number of rounds that took. Fails when hits have
-    not resumed after ``max_rounds``."""
+    not resumed within ``RESUME_TIMEOUT_S`` (a client may wait out a reconnect backoff)."""
     expected = full_hits(prompts) if expected_hits is None else expected_hits
-    hits: list[int] = []
-    for num_rounds in range(1, max_rounds + 1):
+    deadline = time.monotonic() + RESUME_TIMEOUT_S
+    num_rounds = 0
+    while True:
+        num_rounds += 1
         hits = tally.run(llm, prompts, reference)
         tiers_of(llm).flush()
         if hits == expected:
             return num_rounds
-    raise AssertionError(
-        f"hits did not resume within {max_rounds} rounds: last external hits {hits}, want {expected}"
-    )
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"hits did not resume within {RESUME_TIMEOUT_S} s ({num_rounds} rounds): "
+                f"last external hits {hits}, want {expected}"
+            )
+        time.sleep(0.25)

@@ -65,7 +65,9 @@ def outage_scenario(llm, tier_name, prompts, reference, caplog, inject, heal) ->
     assert incident_logs(caplog, tier_name) == (1, 0), "one warning per incident, not one per request"
     assert warnings_other_than_incidents(caplog) == []
     heal()
+    healed_at = time.monotonic()
     num_rounds = run_until_full_hits(tally, llm, prompts, reference)
+    resume_seconds = time.monotonic() - healed_at
     assert incident_logs(caplog, tier_name) == (1, 1)
     tally.assert_clean()
     return {
@@ -78,6 +80,7 @@ def outage_scenario(llm, tier_name, prompts, reference, caplog, inject, heal) ->
         "incident_warnings": 1,
         "recovery_lines": 1,
         "rounds_until_hits_resumed": num_rounds,
+        "seconds_until_hits_resumed": round(resume_seconds, 2),
         "fault_seconds": round(fault_seconds, 2),
     }
 

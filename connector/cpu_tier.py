@@ -27,10 +27,10 @@ import torch
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
-from storage_backends.lru import LRUIndex
+from storage_backends.lru import IndexedTierMixin, LRUIndex
 
 
-class PinnedChunkPool(StorageBackend):
+class PinnedChunkPool(IndexedTierMixin, StorageBackend):
     """Byte-capped LRU pool of chunk slots; pinned host memory when ``pin_memory``."""
 
     name = "cpu"
@@ -199,19 +199,8 @@ class PinnedChunkPool(StorageBackend):
             self._free_slot_ids.append(self._index.remove(key).record[0])
             return True
 
-    # ---- pins ----------------------------------------------------------------
-    def pin(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            return self._index.pin(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            self._index.unpin(keys)
-
+    # pin, unpin (and keys) come from IndexedTierMixin
     # ---- listing, stats ------------------------------------------------------
-    def keys(self, prefix: str = "") -> list[str]:
-        with self._lock:
-            return [key for key, _ in self._index.items() if key.startswith(prefix)]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -34,7 +34,7 @@ import torch
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk, tensor_bytes
 from storage_backends.counters import Counters
-from storage_backends.lru import LRUIndex
+from storage_backends.lru import IndexedTierMixin, LRUIndex
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -49,7 +49,7 @@ class _SlotRecord:
     layout: str
 
 
-class CPUBackend(StorageBackend):
+class CPUBackend(IndexedTierMixin, StorageBackend):
     name = "cpu"
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = DEFAULT_SLOT_BYTES, pin_memory: bool = False):
@@ -161,19 +161,8 @@ class CPUBackend(StorageBackend):
             self._free_slot_ids.extend(entry.record.slot_ids)
             return True
 
-    # ---- pins ----------------------------------------------------------------
-    def pin(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            return self._index.pin(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            self._index.unpin(keys)
-
+    # pin, unpin (and keys) come from IndexedTierMixin
     # ---- listing, stats, lifecycle ------------------------------------------
-    def keys(self, prefix: str = "") -> list[str]:
-        with self._lock:
-            return [key for key, _ in self._index.items() if key.startswith(prefix)]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -51,7 +51,7 @@ from storage_backends.chunk import (
     verify_chunk,
 )
 from storage_backends.counters import Counters
-from storage_backends.lru import LRUEntry, LRUIndex
+from storage_backends.lru import IndexedTierMixin, LRUEntry, LRUIndex
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _FileRecord:
     ready: bool  # False while the file is being written
 
 
-class DiskBackend(StorageBackend):
+class DiskBackend(IndexedTierMixin, StorageBackend):
     name = "disk"
 
     def __init__(self, root: str, capacity_bytes: int, codec: str = "none", fsync: bool = False) -> None:
@@ -298,15 +298,7 @@ class DiskBackend(StorageBackend):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
-    # ---- pins ----------------------------------------------------------------
-    def pin(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            return self._index.pin(keys)
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            self._index.unpin(keys)
-
+    # pin, unpin (and keys) come from IndexedTierMixin
     # ---- listing, stats, lifecycle ------------------------------------------
     def keys(self, prefix: str = "") -> list[str]:
         with self._lock:

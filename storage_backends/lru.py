@@ -98,3 +98,26 @@ class LRUIndex:
             entry = self._key_to_entry.get(key)
             if entry is not None and entry.num_pins > 0:
                 entry.num_pins -= 1
+
+
+class IndexedTierMixin:
+    """Pin, unpin and key listing for a tier that keeps an :class:`LRUIndex` in
+    ``self._index`` guarded by ``self._lock`` (the CPU and disk backends, the
+    connector's CPU tier, the cache server's memory tier). Put it before the tier's
+    base class so these methods win over the base's defaults."""
+
+    _lock: Any
+    _index: LRUIndex
+
+    def pin(self, keys: Sequence[str]) -> int:
+        """Pin the leading present ``keys`` (stops at the first absent one); returns how many."""
+        with self._lock:
+            return self._index.pin(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._index.unpin(keys)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        with self._lock:
+            return [key for key, _ in self._index.items() if key.startswith(prefix)]

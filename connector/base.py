@@ -140,17 +140,26 @@ class KVConnectorWorker(abc.ABC):
 
     @abc.abstractmethod
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Block until layer ``layer_idx``'s KV of every load is in the paged cache."""
+        """Block until layer ``layer_idx``'s KV of every load is in the paged cache.
+        Called per layer only in steps whose metadata has loads (the others may run as
+        a captured CUDA graph, with no host code between layers)."""
 
     @abc.abstractmethod
     def save_kv_layer(self, layer_idx: int) -> None:
-        """Called after layer ``layer_idx`` wrote its new KV; may start saving it."""
+        """Called after layer ``layer_idx`` wrote its new KV, in steps with loads only
+        (as ``wait_for_layer_load``); saves must not depend on it."""
 
     @abc.abstractmethod
     def wait_for_save(self) -> None:
-        """Called once at the end of the forward pass: every save of this step has
-        read what it needs from the paged cache (the data may still be in flight
-        to lower tiers)."""
+        """Called once at the end of the forward pass: every save of this step is
+        queued, ordered after the step's writes to the paged cache. A save may still
+        read its blocks afterwards (its request is then reported as sending, see
+        ``get_finished``, and ``finish_saves`` waits for it)."""
+
+    def finish_saves(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Block until every save issued so far has read its blocks. The model runner
+        calls it before a step whose plan freed blocks by preemption, since that step
+        may rewrite them; connectors whose saves end within ``wait_for_save`` need nothing."""
 
     @abc.abstractmethod
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:

@@ -18,7 +18,7 @@ same phases run back to back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -71,6 +71,9 @@ class CacheEngine:
         )
         self._mover: KVMover | None = None
         self.num_corrupt_chunks = 0
+        # Stores whose device→host copies are queued but maybe not done, oldest first:
+        # (event after their copies or None on CPU, the store, called with its token count).
+        self._stores_in_flight: list[tuple[torch.cuda.Event | None, PendingStore, Callable[[int], None]]] = []
 
     # ---- public API ----------------------------------------------------------
     def lookup(self, tokens: Tokens, pin: bool = False) -> int:
@@ -78,6 +81,7 @@ class CacheEngine:
         chunk). ``pin=True`` keeps those chunks from eviction until the next retrieve of
         these tokens or the pin timeout. Otherwise side-effect free."""
         spans = self.token_db.chunk_spans(tokens)
+        self.publish_finished_stores()
         self.tiers.expire_pins()
         keys = [span.key for span in spans]
         num_chunks = self.tiers.contains_prefix(keys)
@@ -172,7 +176,7 @@ class CacheEngine:
     def finish_load(self, plan: LoadPlan) -> None:
         """Wait for the plan's moves and drop its CPU-tier read pins."""
         if self._mover is not None:
-            self._mover.synchronize()
+            self._mover.synchronize_loads()
         self.tiers.release(plan.held_keys)
 
     def begin_store(
@@ -196,7 +200,7 @@ class CacheEngine:
         )
         mover = self.mover(kv_caches)
         mover.wait_for_compute()
-        device_slots = mover.to_device(host_slots)
+        device_slots = mover.to_device(host_slots, for_store=True)
         offset = spans[0].start
         key_buffers = []
         num_stored_tokens = 0
@@ -219,6 +223,27 @@ class CacheEngine:
         for key, buffer in pending.key_buffers:
             self.tiers.end_put(key, buffer)
         return pending.num_stored_tokens
+
+    def finish_store_later(self, pending: PendingStore, on_published: Callable[[int], None]) -> None:
+        """Publish ``pending`` once its queued copies are done, without blocking now; then
+        call ``on_published(num_stored_tokens)``. Stores publish in the order given, from
+        :meth:`publish_finished_stores` (each lookup and step polls it)."""
+        mover = self._mover
+        event = mover.record_stores() if mover is not None and mover.on_cuda else None
+        self._stores_in_flight.append((event, pending, on_published))
+        self.publish_finished_stores()
+
+    def publish_finished_stores(self, wait: bool = False) -> None:
+        """Publish the stores whose copies finished (all of them with ``wait``, blocking
+        until their copies are done). Called once per step, by ``lookup`` and by a flush."""
+        while self._stores_in_flight:
+            event, pending, on_published = self._stores_in_flight[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self._stores_in_flight.pop(0)
+            on_published(self.finish_store(pending))
 
     # ---- checks --------------------------------------------------------------
     def _chunk_fits(self, span: ChunkSpan, chunk) -> bool:

@@ -136,6 +136,7 @@ class OffloadScheduler(KVConnectorScheduler):
         return sending
 
     def flush(self) -> None:
+        self.cache_engine.publish_finished_stores(wait=True)
         self.cache_engine.tiers.flush()
 
     def request_stats(self, request_id: str) -> RequestTransferStats | None:

@@ -1,15 +1,18 @@
 """Moves KV between the engine's paged KV tensor and host chunks.
 
-One :class:`KVMover` per connector (per KV tensor). On CUDA it owns two
-streams and two device staging buffers of half a chunk each (a chunk's layers
-split in two pieces, contiguous in the ``[layers, 2, tokens, heads, head_dim]``
-layout). A load copies piece i host→device on the copy stream while the
-kernel stream unpacks piece i-1 into the paged cache; a store packs piece i
-on the kernel stream while the copy stream moves piece i-1 device→host into
-its pinned destination. Events order each buffer's reuse after its previous
-use, so the PCIe copies run back to back and the kernels hide behind them.
-Slot values are validated once on the host by the caller (the cache engine),
-so the kernels run without their per-call device sync.
+One :class:`KVMover` per connector (per KV tensor). On CUDA it owns two lanes,
+one for loads and one for stores, so a step's loads never queue behind earlier
+steps' saves still draining to the host (PCIe moves both directions at once).
+Each lane has a kernel stream, a copy stream and two device staging buffers of
+half a chunk each (a chunk's layers split in two pieces, contiguous in the
+``[layers, 2, tokens, heads, head_dim]`` layout). A load copies piece i
+host→device on its copy stream while its kernel stream unpacks piece i-1 into
+the paged cache; a store packs piece i on its kernel stream while its copy
+stream moves piece i-1 device→host into its pinned destination. Events order
+each buffer's reuse after its previous use, so the PCIe copies run back to back
+and the kernels hide behind them. Slot values are validated once on the host
+by the caller (the cache engine), so the kernels run without their per-call
+device sync.
 
 On CPU the pure-torch references do the same moves synchronously.
 """
@@ -19,6 +22,31 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+class _Lane:
+    """Streams and staging buffers of one direction (CUDA only)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, piece_numel: int) -> None:
+        self.kernel_stream = torch.cuda.Stream(device)  # pack/unpack kernels, slot maps
+        self.copy_stream = torch.cuda.Stream(device)  # host <-> device copies
+        self._buffers = [torch.empty(piece_numel, dtype=dtype, device=device) for _ in range(2)]
+        # event after which buffer i may be overwritten (its last reader or writer is done)
+        self.buffer_free: list[torch.cuda.Event | None] = [None, None]
+        self._next_buffer = 0
+
+    def take_buffer(self, stream: torch.cuda.Stream, shape: torch.Size) -> tuple[int, torch.Tensor]:
+        """The next staging buffer as a tensor of ``shape``, with ``stream`` ordered after its last use."""
+        index = self._next_buffer
+        self._next_buffer ^= 1
+        free = self.buffer_free[index]
+        if free is not None:
+            stream.wait_event(free)
+        return index, self._buffers[index][: math.prod(shape)].view(shape)
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+        self.kernel_stream.synchronize()
 
 
 class KVMover:
@@ -38,28 +66,15 @@ class KVMover:
 
             self._pack, self._unpack = kernels.pack_kv, kernels.unpack_kv
             self._unpack_layer = kernels.unpack_kv_layer
-            self.kernel_stream = torch.cuda.Stream(self.device)  # pack/unpack kernels, slot maps
-            self.copy_stream = torch.cuda.Stream(self.device)  # host <-> device copies
             self.layers_per_piece = (chunk_shape[0] + 1) // 2
             piece_numel = self.layers_per_piece * math.prod(chunk_shape[1:])
-            self._buffers = [torch.empty(piece_numel, dtype=dtype, device=self.device) for _ in range(2)]
-            # event after which buffer i may be overwritten (its last reader or writer is done)
-            self._buffer_free: list[torch.cuda.Event | None] = [None, None]
-            self._next_buffer = 0
+            self.load_lane = _Lane(self.device, dtype, piece_numel)
+            self.store_lane = _Lane(self.device, dtype, piece_numel)
         else:
             from kernels import reference
 
             self._pack, self._unpack = reference.pack_kv_ref, reference.unpack_kv_ref
             self._unpack_layer = reference.unpack_kv_layer_ref
-
-    def _take_buffer(self, stream: torch.cuda.Stream, shape: torch.Size) -> tuple[int, torch.Tensor]:
-        """The next staging buffer as a tensor of ``shape``, with ``stream`` ordered after its last use."""
-        index = self._next_buffer
-        self._next_buffer ^= 1
-        free = self._buffer_free[index]
-        if free is not None:
-            stream.wait_event(free)
-        return index, self._buffers[index][: math.prod(shape)].view(shape)
 
     def _layer_pieces(self, num_layers: int) -> list[tuple[int, int]]:
         step = self.layers_per_piece
@@ -80,23 +95,24 @@ class KVMover:
             else:
                 self._unpack_layer(chunk[layer], kv_cache[layer], slot_mapping)
             return
+        lane = self.load_lane
         pieces = [(layer, layer + 1)] if layer is not None else self._layer_pieces(chunk.shape[0])
         for first, last in pieces:
             source = chunk[first] if layer is not None else chunk[first:last]
-            index, staged = self._take_buffer(self.copy_stream, source.shape)
-            with torch.cuda.stream(self.copy_stream):
+            index, staged = lane.take_buffer(lane.copy_stream, source.shape)
+            with torch.cuda.stream(lane.copy_stream):
                 staged.copy_(source, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-            self.kernel_stream.wait_event(copied)
-            with torch.cuda.stream(self.kernel_stream):
+            copied.record(lane.copy_stream)
+            lane.kernel_stream.wait_event(copied)
+            with torch.cuda.stream(lane.kernel_stream):
                 if layer is None:
                     self._unpack(staged, kv_cache[first:last], slot_mapping, check_values=False)
                 else:
                     self._unpack_layer(staged, kv_cache[layer], slot_mapping, check_values=False)
             unpacked = torch.cuda.Event()
-            unpacked.record(self.kernel_stream)
-            self._buffer_free[index] = unpacked
+            unpacked.record(lane.kernel_stream)
+            lane.buffer_free[index] = unpacked
 
     def store(
         self,
@@ -108,50 +124,66 @@ class KVMover:
         if not self.on_cuda:
             self._pack(kv_cache, slot_mapping, out)
             return
+        lane = self.store_lane
         for first, last in self._layer_pieces(out.shape[0]):
             target = out[first:last]
-            index, staged = self._take_buffer(self.kernel_stream, target.shape)
-            with torch.cuda.stream(self.kernel_stream):
+            index, staged = lane.take_buffer(lane.kernel_stream, target.shape)
+            with torch.cuda.stream(lane.kernel_stream):
                 self._pack(kv_cache[first:last], slot_mapping, staged, check_values=False)
             packed = torch.cuda.Event()
-            packed.record(self.kernel_stream)
-            self.copy_stream.wait_event(packed)
-            with torch.cuda.stream(self.copy_stream):
+            packed.record(lane.kernel_stream)
+            lane.copy_stream.wait_event(packed)
+            with torch.cuda.stream(lane.copy_stream):
                 target.copy_(staged, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-            self._buffer_free[index] = copied
+            copied.record(lane.copy_stream)
+            lane.buffer_free[index] = copied
 
-    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy a small host tensor (slot maps) to the device on the kernel stream, so
-        the kernels that read it are ordered after the copy and its memory belongs to that stream."""
+    def to_device(self, tensor: torch.Tensor, *, for_store: bool = False) -> torch.Tensor:
+        """Copy a small host tensor (slot maps) to the device on the kernel stream of the
+        loads (or of the stores), so the kernels that read it are ordered after the copy
+        and its memory belongs to that stream."""
         if not self.on_cuda:
             return tensor
-        with torch.cuda.stream(self.kernel_stream):
+        lane = self.store_lane if for_store else self.load_lane
+        with torch.cuda.stream(lane.kernel_stream):
             return tensor.to(self.device, non_blocking=True)
 
     def wait_for_compute(self) -> None:
         """Order the next kernels after everything the compute stream queued so far
         (KV written by the forward pass, earlier reads of reused blocks)."""
         if self.on_cuda:
-            self.kernel_stream.wait_stream(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            self.load_lane.kernel_stream.wait_stream(compute)
+            self.store_lane.kernel_stream.wait_stream(compute)
 
     def record(self, timing: bool = False) -> torch.cuda.Event | None:
         """An event marking the loads queued so far (None on CPU, where moves are done)."""
         if not self.on_cuda:
             return None
         event = torch.cuda.Event(enable_timing=timing)
-        event.record(self.kernel_stream)
+        event.record(self.load_lane.kernel_stream)
+        return event
+
+    def record_stores(self) -> torch.cuda.Event:
+        """An event after every store queued so far (a store ends with its copy; CUDA only)."""
+        event = torch.cuda.Event()
+        event.record(self.store_lane.copy_stream)
         return event
 
     def record_start(self) -> torch.cuda.Event:
         """A timing event before the next load's first copy (CUDA only)."""
         event = torch.cuda.Event(enable_timing=True)
-        event.record(self.copy_stream)
+        event.record(self.load_lane.copy_stream)
         return event
+
+    def synchronize_loads(self) -> None:
+        """Block the host until every queued load has finished."""
+        if self.on_cuda:
+            self.load_lane.synchronize()
 
     def synchronize(self) -> None:
         """Block the host until every queued move has finished."""
         if self.on_cuda:
-            self.copy_stream.synchronize()
-            self.kernel_stream.synchronize()
+            self.load_lane.synchronize()
+            self.store_lane.synchronize()

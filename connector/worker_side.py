@@ -5,9 +5,15 @@ chunks of every load from the tiers (misses and corrupt chunks are found here)
 and queues their moves; ``wait_for_layer_load(l)`` makes layer l's KV ready —
 with ``layerwise`` on CUDA every layer's moves are queued at once on the
 mover's stream with one event per layer, so loading layer l+1 overlaps
-computing layer l. ``wait_for_save`` copies this step's saves from the paged
-cache into CPU-tier slots (one pack + one device→host copy per chunk) and
-publishes them; lower-tier writes then happen on the tier manager's thread.
+computing layer l. ``wait_for_save`` queues this step's saves from the paged
+cache into CPU-tier slots (one pack + one device→host copy per chunk, on the
+mover's store streams, ordered after the step's compute) and returns without
+waiting for them: the cache engine publishes each store once its copies are
+done (polled every step and by every lookup), so a miss costs the step loop no
+PCIe time. Blocks a save still reads stay allocated: a finished request is
+reported as sending until its saves are published, and a step that freed
+blocks by preemption first waits for the saves in flight (``finish_saves``).
+Lower-tier writes then happen on the tier manager's thread.
 """
 
 from __future__ import annotations
@@ -156,7 +162,6 @@ class OffloadWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         self._finish_loads()
         engine = self.cache_engine
-        pending = []
         for spec in self._metadata.saves:
             if spec.request_id in self._request_id_to_valid:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
@@ -168,15 +173,19 @@ class OffloadWorker(KVConnectorWorker):
                 kv_caches=self.kv_cache,
                 slot_mapping=spec.slot_mapping,
             )
-            pending.append((spec.request_id, store))
-        if not pending:
-            return
-        engine.mover(self.kv_cache).synchronize()
-        for request_id, store in pending:
-            self.tracker.save_done(request_id, engine.finish_store(store))
+            engine.finish_store_later(store, self._on_saved(spec.request_id))
+        engine.publish_finished_stores()
+
+    def _on_saved(self, request_id: str):
+        return lambda num_saved_tokens: self.tracker.save_done(request_id, num_saved_tokens)
+
+    def finish_saves(self) -> None:
+        """Block until every save issued so far has read its blocks and is published."""
+        self.cache_engine.publish_finished_stores(wait=True)
 
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
         # Loads finish within their step, so only saves are ever reported.
+        self.cache_engine.publish_finished_stores()
         return self.tracker.take_finished_sending(), set()
 
     def load_failures(self) -> dict[str, int]:
@@ -185,5 +194,6 @@ class OffloadWorker(KVConnectorWorker):
         return dict(self._request_id_to_valid)
 
     def close(self) -> None:
-        """Finish queued lower-tier writes and close the tiers (idempotent)."""
+        """Finish saves in flight and queued lower-tier writes, close the tiers (idempotent)."""
+        self.finish_saves()
         self.cache_engine.tiers.close()

@@ -2,9 +2,9 @@
 norms, RoPE, cache writes and paged attention) replayed as one graph, so a decode
 step costs one launch instead of ~40 per layer.
 
-Used by the model runner only on CUDA, without a connector (whose per-layer hooks
-run host code), without speculative drafts, and when every scheduled request has
-exactly one new token. Captured once at start-up for batch sizes up to
+Used by the model runner only on CUDA, in steps without connector loads (whose
+per-layer hooks run host code; saves are queued after the pass), without
+speculative drafts, and when every scheduled request has exactly one new token. Captured once at start-up for batch sizes up to
 `max_batch_size`; a step with n sequences replays the smallest captured size >= n,
 the extra rows padded (cache write skipped with slot -1, attention over one key).
 """

@@ -104,7 +104,7 @@ class EngineCore:
             self.device,
             self.dtype,
             connector=worker_connector,
-            cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(worker_connector is not None),
+            cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
             max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
@@ -119,14 +119,14 @@ class EngineCore:
             self.max_model_len,
         )
 
-    def _cuda_graph_max_batch_size(self, has_connector: bool) -> int:
-        """Decode CUDA graphs are captured on CUDA unless `enforce_eager`, a connector
-        (per-layer host hooks), speculative decoding or a length-dependent RoPE rules them out."""
+    def _cuda_graph_max_batch_size(self) -> int:
+        """Decode CUDA graphs are captured on CUDA unless `enforce_eager`, speculative
+        decoding or a length-dependent RoPE rules them out. With a connector they replay
+        in the steps without loads (a load needs its per-layer host hooks)."""
         args = self.args
         if (
             self.device.type != "cuda"
             or args.enforce_eager
-            or has_connector
             or args.speculative is not None
             or self.model.rotary.depends_on_length
         ):

@@ -115,8 +115,15 @@ class ModelRunner:
                 logger.warning("decode CUDA graphs could not be captured, running eagerly: %s", error)
 
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """The forward pass without the connector's per-layer hooks: what a decode graph
+        records, and what a step without loads needs (saves are packed after the pass)."""
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention)
+
+    def _forward_with_loads(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """The forward pass with the connector's per-layer hooks (a step with loads)."""
+        self._metadata = metadata
+        return self.model(input_ids, positions, self._attention_with_loads)
 
     def _prepare(self, plan: SchedulerOutput) -> tuple[HostInputs, list[int]]:
         """-> the step's inputs on the host, and the logits row of each scheduled request
@@ -162,7 +169,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (
             graphs is not None
-            and self.connector is None
+            and not (self.connector is not None and plan.connector_meta.loads)
             and host.max_query_len == 1
             and not plan.request_id_to_spec_token_ids
             and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
@@ -180,15 +187,22 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
         positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
+        if self.connector is not None and plan.connector_meta.loads:
+            return self._forward_with_loads(input_ids, positions, metadata)
         return self._forward_with_metadata(input_ids, positions, metadata)
+
+    def _attention_with_loads(self, layer_idx: int, query, key, value) -> torch.Tensor:
+        """`_attention` once the connector made layer `layer_idx`'s loaded KV ready."""
+        self.connector.wait_for_layer_load(layer_idx)
+        out = self._attention(layer_idx, query, key, value)
+        self.connector.save_kv_layer(layer_idx)
+        return out
 
     def _attention(self, layer_idx: int, query, key, value) -> torch.Tensor:
         """Write this step's K/V [T, KVH, D] into the layer's blocks, then attend
         with query [T, H, D] over each sequence's whole paged KV."""
         md = self._metadata
         kv_layer = self.kv_cache[layer_idx]
-        if self.connector is not None:
-            self.connector.wait_for_layer_load(layer_idx)
         if self._on_cuda:
             # The metadata was built here from the scheduler's plan: skip the kernels'
             # value checks, which would sync the stream once per layer.
@@ -208,8 +222,6 @@ class ModelRunner:
             out = self._paged_attention(
                 query, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, self.scale
             )
-        if self.connector is not None:
-            self.connector.save_kv_layer(layer_idx)
         return out
 
     def _verify(
@@ -248,6 +260,9 @@ class ModelRunner:
         """Run one step: connector loads, forward, connector saves, sampling."""
         connector = self.connector
         if connector is not None:
+            if plan.preempted_request_ids:
+                # Preemption freed blocks that this step may rewrite: earlier saves must have read them.
+                connector.finish_saves()
             connector.bind_connector_metadata(plan.connector_meta)
             connector.start_load_kv()
         request_id_to_token: dict[str, int] = {}

@@ -122,9 +122,10 @@ def transfer_seconds(engine, kv_cache, source_slots, target_slots, *, warmup, re
         torch.empty((layers, 2, end - start, heads, head_dim), dtype=engine.dtype, pin_memory=True)
         for start, end in bounds
     ]
-    device_source, device_target = mover.to_device(source_slots), mover.to_device(target_slots)
-    store_timer = DeviceTimer(mover.kernel_stream, mover.copy_stream)
-    load_timer = DeviceTimer(mover.copy_stream, mover.kernel_stream)
+    device_source = mover.to_device(source_slots, for_store=True)
+    device_target = mover.to_device(target_slots)
+    store_timer = DeviceTimer(mover.store_lane.kernel_stream, mover.store_lane.copy_stream)
+    load_timer = DeviceTimer(mover.load_lane.copy_stream, mover.load_lane.kernel_stream)
     mover.wait_for_compute()
     for _ in range(warmup + repeats):
         with store_timer:
@@ -146,8 +147,11 @@ def bench_size(engine, kv_cache, num_tokens, *, device, warmup, repeats, generat
     h2d, d2h = copy_baseline(num_bytes, device, warmup, repeats)
 
     def tokens_for(index: int) -> list[int]:
-        # A distinct first token per call gives every chunk a new key.
-        return [10_000 + index] + list(range(1, num_tokens))
+        # A first token distinct per call *and per size* gives every chunk a new key: the
+        # KV here is random, not a function of the tokens, so a key stored by an earlier
+        # size (same leading tokens, other slots) would be skipped by the store and hold
+        # other KV than this size's source slots.
+        return [1_000_000 + 1_000 * num_tokens + index + 1] + list(range(1, num_tokens))
 
     store_tokens = [tokens_for(index) for index in range(warmup + repeats)]  # built outside the timing
     store = median_seconds(

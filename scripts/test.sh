@@ -9,6 +9,8 @@ scripts/setup_env.sh dev
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
 command -v docker-compose >/dev/null 2>&1 || missing="$missing docker-compose"
+# openssl makes the self-signed certificates of the TLS tests.
+command -v openssl >/dev/null 2>&1 || missing="$missing openssl"
 if [ -n "$missing" ]; then
   echo "installing with apt-get:$missing" >&2
   SUDO=""

@@ -46,8 +46,8 @@ class EncodedMemoryTier(StorageBackend):
                 num_present += 1
             return num_present
 
-    def get_encoded(self, key: str) -> bytes | None:
-        """The stored bytes (verified when they were put; bytes are immutable, so no copy)."""
+    def get_encoded(self, key: str) -> bytes | memoryview | None:
+        """The stored bytes (verified when they were put and never changed since, so no copy)."""
         with self._lock:
             entry = self._index.get(key)
         self._counters.add("misses" if entry is None else "hits")
@@ -60,12 +60,19 @@ class EncodedMemoryTier(StorageBackend):
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
         """Verify then store; ValueError for a corrupt value or one larger than the whole tier."""
+        verify_chunk(data)
+        self.put_verified(key, bytes(data))
+
+    def put_verified(self, key: str, data: bytes | memoryview) -> None:
+        """Store a value the caller has verified and hands over (it must never change again).
+
+        The cache server's Put verifies while the pieces arrive, so a second pass would only cost time.
+        ValueError for a value larger than the whole tier; CapacityError when pins leave no room.
+        """
         if len(data) > self.capacity_bytes:
             raise ValueError(
                 f"value of {len(data)} bytes exceeds the memory tier's {self.capacity_bytes} bytes"
             )
-        verify_chunk(data)
-        data = bytes(data)
         with self._lock:
             old = self._index.remove(key)
             victim_keys = self._index.victims_for(len(data))

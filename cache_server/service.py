@@ -23,6 +23,7 @@ import grpc
 
 from cache_server.config import Limits
 from cache_server.store import TieredStore
+from cache_server.value_assembly import ValueAssembler
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError
 from storage_backends.chunk import verify_chunk
@@ -153,40 +154,26 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
 
     @unary_handler
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
-        """Messages arrive serialized (see ``handler()``); pieces stay views until the one join."""
+        """Messages arrive serialized (see ``handler()``); each piece is copied into place and
+        checksummed as it arrives, so the value is verified when the stream ends."""
         async with self.stream_slot():
-            key, pieces, num_received, total_size = None, [], 0, 0
+            key, value = None, None
             async for message in request_iterator:
                 fields = _parse(message)
                 message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
                     key = self.check_key(message_key)
-                    total_size = self._check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD))
+                    value = ValueAssembler(self._check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)))
                 elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
-                piece = _bytes_field(fields, PUT_DATA_FIELD)
-                num_received += len(piece)
-                if num_received > total_size:
-                    raise RequestError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"received more than the announced {total_size} bytes",
-                    )
-                pieces.append(piece)
+                value.add(_bytes_field(fields, PUT_DATA_FIELD))
             if key is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
-            if num_received != total_size:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"value truncated: got {num_received} of {total_size} announced bytes",
-                )
-            # Joining tens of MiB takes milliseconds: do it on the worker thread, not the event loop.
-            await asyncio.to_thread(self._join_and_store, key, pieces)
+            data = value.finish()
+            await asyncio.to_thread(self.store.put_verified, key, data)
             self.counters.num_puts += 1
-            self.counters.bytes_received += total_size
-            return kvstash_pb2.PutResponse(num_bytes=total_size)
-
-    def _join_and_store(self, key: str, pieces: list[memoryview]) -> None:
-        self.store.put(key, b"".join(pieces))
+            self.counters.bytes_received += len(data)
+            return kvstash_pb2.PutResponse(num_bytes=len(data))
 
     def _check_size(self, total_size: int) -> int:
         if total_size == 0:

@@ -1,9 +1,9 @@
 """The server's storage: a byte-capped memory tier, then optional disk, then optional Redis.
 
 Values stay serialized end to end (``put_encoded`` / ``get_encoded``): the server
-never turns them into tensors. Each tier
-verifies a value's header and checksum before storing it, so a corrupt upload is
-refused with ``ValueError`` and stores nothing.
+never turns them into tensors. The Put handler verifies a value's header and
+checksum as it arrives (``value_assembly``), so a corrupt upload is refused with
+``ValueError`` and stores nothing; lower tiers verify again on their own.
 
 Writes go to every tier (write-through), so a restart with a disk tier keeps its
 data; reads take the highest tier that holds the key and copy a lower-tier hit
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class StoredValue(NamedTuple):
-    data: bytes
+    data: bytes | memoryview
     #: name of the tier it was read from ("memory", "disk", "redis")
     tier: str
 
@@ -65,10 +65,11 @@ class TieredStore:
         self.memory = tiers[0]
         self.memory_capacity_bytes = config.memory_bytes
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store ``data`` in every tier. ``ValueError`` (corrupt or oversized value) stores nothing."""
-        # The memory tier verifies first; a bad value never reaches a lower tier.
-        self.memory.put_encoded(key, data)
+    def put_verified(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` in every tier. The caller (the Put handler, which checks header and
+        checksum while the pieces arrive) has verified it and never changes it again, so the
+        memory tier keeps it without a copy. ``ValueError`` (oversized value) stores nothing."""
+        self.memory.put_verified(key, data)
         for tier in self.tiers[1:]:
             try:
                 tier.put_encoded(key, data)

@@ -228,6 +228,17 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     )
 
 
+def header_checksum(data: bytes | bytearray | memoryview, header: ChunkHeader) -> int:
+    """The running CRC-32 over the header bytes the checksum covers (all but the checksum field).
+
+    Continuing it over the payload (``zlib.crc32(payload, start)``, piece by piece if need be)
+    gives ``header.checksum`` for an intact chunk: receivers that get a value in pieces (the
+    cache server's Put) verify it as it arrives instead of in a second pass.
+    """
+    view = memoryview(data)
+    return zlib.crc32(view[_PREFIX_BYTES : header.header_len], zlib.crc32(view[: _FIXED.size]))
+
+
 def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
     """Check header, length and checksum of a whole serialized chunk without decoding tensors.
 
@@ -238,9 +249,7 @@ def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
     if len(view) != header.total_len:
         what = "truncated" if len(view) < header.total_len else "oversized"
         raise ChunkFormatError(f"{what} chunk: {len(view)} bytes, header says {header.total_len}")
-    checksum = zlib.crc32(view[: _FIXED.size])
-    checksum = zlib.crc32(view[_PREFIX_BYTES : header.header_len], checksum)
-    checksum = zlib.crc32(view[header.header_len :], checksum)
+    checksum = zlib.crc32(view[header.header_len :], header_checksum(view, header))
     if checksum != header.checksum:
         raise ChunkFormatError(
             f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"

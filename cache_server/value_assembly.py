@@ -1,0 +1,75 @@
+"""One Put's value, copied into place and checksummed piece by piece as the pieces arrive.
+
+The Put handler makes one :class:`ValueAssembler` per call, calls :meth:`~ValueAssembler.add`
+once per received piece (on the event loop) and :meth:`~ValueAssembler.finish` once at the
+end. Each piece is copied once, into a buffer of the announced size, and its share of the
+chunk's CRC-32 is computed while it is in cache, so the checks that ``verify_chunk`` makes
+(header, length, checksum) are done when the last piece lands: no join and no second pass
+over tens of MiB.
+
+Measured on the Put path (docs/benchmarks.md): the buffer is ``numpy.empty`` because a
+``bytearray`` is zero-filled first (one more pass, and every page faulted in one by one,
+where numpy asks for huge pages); the CRC-32 is zlib-ng's (the same CRC as ``zlib.crc32``,
+about 6x faster with its SIMD code). Memory is committed only as pieces arrive, so one Put
+holds at most its announced size (a list of pieces joined at the end held twice that).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from zlib_ng import zlib_ng
+
+from storage_backends.chunk import ChunkFormatError, ChunkHeader, header_checksum, parse_header
+
+#: a chunk header is never longer (its length field is a u16), so once this many bytes
+#: (or the whole value) have arrived the header can be parsed
+MAX_HEADER_BYTES = 1 << 16
+
+
+class ValueAssembler:
+    """Buffer and running checksum of one value of ``total_size`` bytes (> 0)."""
+
+    def __init__(self, total_size: int) -> None:
+        self._buffer = np.empty(total_size, dtype=np.uint8)  # [total_size]
+        self._view = memoryview(self._buffer)
+        self.num_received = 0
+        self._header: ChunkHeader | None = None
+        # CRC-32 of the header and of buffer[header_len:num_checked]; valid once _header is set
+        self._checksum = 0
+        self._num_checked = 0
+
+    def add(self, piece: bytes | memoryview) -> None:
+        """Append the next piece. ChunkFormatError (a ValueError) for too many bytes or a bad header."""
+        end = self.num_received + len(piece)
+        if end > len(self._buffer):
+            raise ChunkFormatError(f"received more than the announced {len(self._buffer)} bytes")
+        self._view[self.num_received : end] = piece
+        self.num_received = end
+        if self._header is None and end >= min(len(self._buffer), MAX_HEADER_BYTES):
+            self._start_checksum()
+        if self._header is not None:
+            self._checksum = zlib_ng.crc32(self._view[self._num_checked : end], self._checksum)
+            self._num_checked = end
+
+    def _start_checksum(self) -> None:
+        header = parse_header(self._view[: self.num_received])
+        if header.total_len != len(self._buffer):
+            raise ChunkFormatError(
+                f"announced {len(self._buffer)} bytes, but the chunk header says {header.total_len}"
+            )
+        self._header = header
+        self._checksum = header_checksum(self._view, header)
+        self._num_checked = header.header_len
+
+    def finish(self) -> memoryview:
+        """The verified value (read-only, owns the buffer); ChunkFormatError when it is incomplete or corrupt."""
+        if self.num_received != len(self._buffer):
+            raise ChunkFormatError(f"value truncated: got {self.num_received} of {len(self._buffer)} bytes")
+        if self._header is None:
+            self._start_checksum()
+            self._checksum = zlib_ng.crc32(self._view[self._num_checked :], self._checksum)
+        if self._checksum != self._header.checksum:
+            raise ChunkFormatError(
+                f"chunk checksum mismatch: stored {self._header.checksum:#010x}, computed {self._checksum:#010x}"
+            )
+        return self._view.toreadonly()

@@ -1,0 +1,78 @@
+"""ValueAssembler makes exactly the checks of verify_chunk, piece by piece, whatever the piece sizes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_server.value_assembly import MAX_HEADER_BYTES, ValueAssembler
+from storage_backends.chunk import ChunkFormatError, verify_chunk
+from tests.cache_server.helpers import make_value
+
+# Both sides of MAX_HEADER_BYTES: small values are checked at the end, large ones as they arrive.
+SIZES = (40, 3000, 3 * MAX_HEADER_BYTES)
+
+
+def assemble(data: bytes, cuts: list[int]) -> memoryview:
+    """Feed ``data`` cut at the (sorted, deduplicated) offsets ``cuts``; return what finish() gives."""
+    value = ValueAssembler(len(data))
+    bounds = [0, *sorted({cut % len(data) for cut in cuts} - {0}), len(data)]
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        value.add(memoryview(data)[start:end])
+    return value.finish()
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.sampled_from(SIZES), cuts=st.lists(st.integers(0, 1 << 20), max_size=6))
+def test_an_intact_value_comes_back_unchanged_and_read_only(size: int, cuts: list[int]) -> None:
+    data = make_value(size, num_bytes=size)
+    value = assemble(data, cuts)
+    assert bytes(value) == data
+    assert value.readonly
+    verify_chunk(value)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.sampled_from(SIZES),
+    position=st.integers(0, 1 << 20),
+    flip=st.integers(1, 255),
+    cuts=st.lists(st.integers(0, 1 << 20), max_size=4),
+)
+def test_any_changed_byte_is_refused(size: int, position: int, flip: int, cuts: list[int]) -> None:
+    damaged = bytearray(make_value(size, num_bytes=size))
+    damaged[position % len(damaged)] ^= flip
+    # verify_chunk is the reference: the assembler refuses exactly what it refuses.
+    with pytest.raises(ChunkFormatError):
+        verify_chunk(damaged)
+    with pytest.raises(ChunkFormatError):
+        assemble(bytes(damaged), cuts)
+
+
+def test_a_size_that_disagrees_with_the_header_is_refused_at_the_first_large_piece() -> None:
+    data = make_value(1, num_bytes=3 * MAX_HEADER_BYTES)
+    value = ValueAssembler(len(data) + 10)
+    with pytest.raises(ChunkFormatError, match="header says"):
+        value.add(data[:MAX_HEADER_BYTES])
+
+
+def test_more_bytes_than_announced_and_truncated_values_are_refused() -> None:
+    data = make_value(2, num_bytes=1000)
+    value = ValueAssembler(len(data))
+    value.add(data)
+    with pytest.raises(ChunkFormatError, match="more than the announced"):
+        value.add(b"x")
+
+    truncated = ValueAssembler(len(data))
+    truncated.add(data[:-1])
+    with pytest.raises(ChunkFormatError, match="truncated"):
+        truncated.finish()
+
+
+def test_bytes_that_are_not_a_chunk_are_refused_as_soon_as_the_header_has_arrived() -> None:
+    garbage = b"not a chunk at all" * 10_000
+    value = ValueAssembler(len(garbage))
+    value.add(garbage[:1000])  # the header might still be incomplete: no verdict yet
+    with pytest.raises(ChunkFormatError, match="not a kvstash chunk"):
+        value.add(garbage[1000:MAX_HEADER_BYTES])

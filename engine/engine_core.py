@@ -219,13 +219,27 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Drop the GPU prefix cache (benchmarks, tests): the next request of a known
         prompt must find its KV in the offload tiers or recompute it. False while
-        requests are running."""
+        requests are running. Waits for the saves of finished requests first (they
+        hold their blocks until then)."""
+        self._free_sent_blocks()
         return self.block_manager.reset_prefix_cache()
 
     def flush_kv_offload(self) -> None:
-        """Block until every queued write-through to lower offload tiers was attempted."""
+        """Block until every save is in the CPU tier and every queued write-through to
+        lower offload tiers was attempted."""
         if self.scheduler.connector is not None:
             self.scheduler.connector.flush()
+            self._free_sent_blocks()
+
+    def _free_sent_blocks(self) -> None:
+        """Wait for the connector's saves in flight, then free the blocks of the finished
+        requests that they were reading (normally a later step does this)."""
+        connector = self.runner.connector
+        if connector is None:
+            return
+        connector.finish_saves()
+        finished_sending_ids, _ = connector.get_finished(set())
+        self.scheduler.free_sent(finished_sending_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -225,11 +225,15 @@ class Scheduler:
             updated.append(request)
             if reason is not None:
                 self.finish_request(request, reason)
+        self.free_sent(finished_sending_ids)
+        return updated
+
+    def free_sent(self, finished_sending_ids: Iterable[str]) -> None:
+        """Free the blocks of finished requests whose connector saves are done."""
         for request_id in finished_sending_ids:
             sending = self.request_id_to_sending.pop(request_id, None)
             if sending is not None:
                 self.block_manager.free(sending)
-        return updated
 
     def finish_request(self, request: Request, reason: str) -> None:
         """End a request (stop condition or abort). Safe to call from outside a step."""

@@ -11,7 +11,8 @@ import numpy as np
 class NgramProposer:
     """Finds the longest suffix n-gram (``max_n`` down to ``min_n`` tokens) that occurred earlier
     in a request's tokens (prompt and output) and proposes the tokens that followed its most
-    recent occurrence, at most ``num_speculative_tokens`` of them.
+    recent occurrence, ``num_speculative_tokens`` of them (continuing the copy into the drafts
+    when the occurrence is closer to the end than that).
 
     Stateless: the scheduler calls :meth:`propose` once per running decode request per step.
     Cost is one vectorized pass over the tokens per tried ``n`` (a few hundred microseconds at
@@ -30,8 +31,8 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, max_num_drafts: int | None = None) -> list[int]:
-        """Return up to ``min(num_speculative_tokens, max_num_drafts)`` draft token ids for a
-        sequence whose next token is unknown; an empty list when no suffix n-gram recurs.
+        """Return ``min(num_speculative_tokens, max_num_drafts)`` draft token ids for a sequence
+        whose next token is unknown; an empty list when no suffix n-gram recurs.
         Does not modify ``token_ids``."""
         limit = (
             self.num_speculative_tokens
@@ -55,6 +56,10 @@ class NgramProposer:
                     break
                 ends = ends[tokens[ends - offset] == tokens[num_tokens - offset]]
             if len(ends):
+                # Copy what followed the match; when the match is so recent that fewer than
+                # `limit` tokens follow it, keep copying into the drafts themselves (a repeating
+                # sequence is predicted to go on repeating).
                 follow_start = int(ends[-1])
-                return tokens[follow_start : follow_start + limit].tolist()
+                period = num_tokens - follow_start
+                return tokens[follow_start + np.arange(limit) % period].tolist()
         return []

@@ -12,14 +12,18 @@ from engine.spec_decode import NgramProposer
 
 def brute_force_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The definition: longest suffix n-gram first; among its earlier occurrences (each followed
-    by at least one token), the one that starts last; the tokens after it, at most k."""
+    by at least one token), the one that starts last; then copy k tokens from right after it,
+    appending each copied token so the copy can run on into the drafts."""
     for n in range(max_n, min_n - 1, -1):
         if n > len(tokens) - 1:
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens) :]
     return []
 
 
@@ -29,8 +33,9 @@ def test_proposes_what_followed_the_suffix() -> None:
     # Capped by the caller (e.g. tokens left before max_tokens).
     assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3], max_num_drafts=2) == [4, 5]
     assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 3], max_num_drafts=0) == []
-    # Fewer than k tokens follow the match.
-    assert proposer.propose([7, 8, 9, 7, 8]) == [9, 7, 8]
+    # Fewer than k tokens follow the match: the copy runs on into the drafts.
+    assert proposer.propose([7, 8, 9, 7, 8]) == [9, 7, 8, 9]
+    assert proposer.propose([5, 5, 5]) == [5, 5, 5, 5]
 
 
 def test_prefers_longest_n_then_most_recent_match() -> None:

@@ -8,8 +8,14 @@ redis-py connection), so 8 clients means 8 calls in flight.
 
 Both sides move the same serialized chunk bytes. The kvstash side is the
 engine's own ``grpc://`` tier, so it verifies the checksum of every Get on the
-client (redis-py does not) and the server verifies every Put: the production path. Prints a table and writes JSON with
-``--out``.
+client (redis-py does not) and the server verifies every Put: the production path.
+
+The machine is shared, so each cell runs ``--rounds`` times, alternating the two
+systems, and the table shows medians: MB/s of each system and the median of the
+per-round ratios (kvstash ÷ redis; a burst of load elsewhere hits both halves of
+a round). It also shows each server process's CPU time per MB moved, which
+load elsewhere changes far less than throughput. Prints a table and writes JSON
+with ``--out`` (every round's rows and the medians).
 
     .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
 """
@@ -173,9 +179,22 @@ def run_phase(
     return latencies
 
 
+def server_cpu_s(process) -> float:
+    """User plus system CPU seconds of a server process (``psutil.Process``) so far."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def measure(
-    system: str, make_client: Callable, value: bytes, num_clients: int, ops_per_client: int
+    system: str,
+    make_client: Callable,
+    server_process,
+    value: bytes,
+    num_clients: int,
+    ops_per_client: int,
+    round_index: int,
 ) -> list[dict]:
+    """Puts then Gets of distinct keys by ``num_clients`` threads; one row per op."""
     clients = [make_client() for _ in range(num_clients)]
     keys = [
         [f"bench/{system}/{len(value)}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
@@ -184,13 +203,15 @@ def measure(
     try:
         for op in ("put", "get"):
             call = (lambda cl, k, v: cl.put(k, v)) if op == "put" else (lambda cl, k: cl.get(k))
-            start = time.perf_counter()
+            cpu_start, start = server_cpu_s(server_process), time.perf_counter()
             latencies = run_phase(clients, call, keys, value if op == "put" else None)
             elapsed = time.perf_counter() - start
+            cpu_s = server_cpu_s(server_process) - cpu_start
             num_bytes = len(value) * len(latencies)
             rows.append(
                 {
                     "system": system,
+                    "round": round_index,
                     "op": op,
                     "value_bytes": len(value),
                     "num_clients": num_clients,
@@ -198,6 +219,7 @@ def measure(
                     "mb_per_s": num_bytes / elapsed / 1e6,
                     "p50_ms": float(np.percentile(latencies, 50) * 1e3),
                     "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+                    "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
                 }
             )
     finally:
@@ -214,7 +236,9 @@ def main() -> int:
         "--mib-per-cell", type=int, default=64, help="MiB moved per op per cell (bounds the run)"
     )
     parser.add_argument("--min-ops", type=int, default=3, help="fewest ops per client per cell")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per cell and system; the best is kept")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs per cell and system; the table shows medians"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -225,19 +249,39 @@ def main() -> int:
 
     server, address = start_cache_server(memory_gb)
     redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
+    import psutil
+
     systems = {
-        "kvstash": (lambda: GrpcClient(address), lambda: clear_cache_server(address)),
-        "redis": (lambda: RedisClient(redis_port), lambda: clear_redis(redis_port)),
+        "kvstash": (
+            lambda: GrpcClient(address),
+            psutil.Process(server.pid),
+            lambda: clear_cache_server(address),
+        ),
+        "redis": (
+            lambda: RedisClient(redis_port),
+            psutil.Process(redis_process.pid),
+            lambda: clear_redis(redis_port),
+        ),
     }
     rows: list[dict] = []
     try:
         for size, num_clients in cells:
             value = make_value(size, seed=size)
             # Rounds alternate the two systems so that a burst of load elsewhere on the
-            # machine hits both; the best round of each is reported.
-            for _ in range(args.rounds):
-                for system, (make_client, clear) in systems.items():
-                    rows.extend(measure(system, make_client, value, num_clients, ops[(size, num_clients)]))
+            # machine hits both; the table reports medians over rounds.
+            for round_index in range(args.rounds):
+                for system, (make_client, process, clear) in systems.items():
+                    rows.extend(
+                        measure(
+                            system,
+                            make_client,
+                            process,
+                            value,
+                            num_clients,
+                            ops[(size, num_clients)],
+                            round_index,
+                        )
+                    )
                     clear()  # keeps memory bounded: each measurement starts empty
     finally:
         server.terminate()
@@ -245,9 +289,9 @@ def main() -> int:
         server.wait(30)
         redis_process.wait(30)
         shutil.rmtree(redis_dir, ignore_errors=True)
-    rows = best_rounds(rows)
+    cells_summary = summarize(rows)
 
-    print_table(rows)
+    print_table(cells_summary)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -258,6 +302,7 @@ def main() -> int:
                 "load_average_1m": os.getloadavg()[0],
             },
             "settings": {"rounds": args.rounds, "mib_per_cell": args.mib_per_cell},
+            "cells": cells_summary,
             "rows": rows,
         }
         args.out.write_text(json.dumps(payload, indent=2))
@@ -280,17 +325,27 @@ def clear_redis(port: int) -> None:
         client.flushall()
 
 
-def best_rounds(rows: list[dict]) -> list[dict]:
-    """For each (system, op, size, clients), the round with the highest throughput."""
-    best: dict[tuple, dict] = {}
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (size, clients, op): medians over rounds of each system's MB/s, p50/p99 and
+    server CPU per MB, and the median of the per-round ratios kvstash ÷ redis."""
+    by_cell: dict[tuple, dict[int, dict[str, dict]]] = {}
     for row in rows:
-        cell = (row["system"], row["op"], row["value_bytes"], row["num_clients"])
-        if cell not in best or row["mb_per_s"] > best[cell]["mb_per_s"]:
-            best[cell] = row
-    return list(best.values())
+        cell = (row["value_bytes"], row["num_clients"], row["op"])
+        by_cell.setdefault(cell, {}).setdefault(row["round"], {})[row["system"]] = row
+    summary = []
+    for (size, num_clients, op), rounds in by_cell.items():
+        entry = {"value_bytes": size, "num_clients": num_clients, "op": op, "num_rounds": len(rounds)}
+        for system in ("kvstash", "redis"):
+            for metric in ("mb_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_mb"):
+                entry[f"{system}_{metric}"] = float(np.median([r[system][metric] for r in rounds.values()]))
+        ratios = [r["kvstash"]["mb_per_s"] / r["redis"]["mb_per_s"] for r in rounds.values()]
+        entry["ratio"] = float(np.median(ratios))
+        entry["ratio_min"], entry["ratio_max"] = min(ratios), max(ratios)
+        summary.append(entry)
+    return summary
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(cells: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -300,26 +355,24 @@ def print_table(rows: list[dict]) -> None:
         "op",
         "kvstash MB/s",
         "redis MB/s",
-        "ratio",
+        "ratio (min-max)",
         "kvstash p50/p99 ms",
         "redis p50/p99 ms",
+        "server CPU ms/MB kvstash / redis",
     )
-    by_cell = {(r["value_bytes"], r["num_clients"], r["op"], r["system"]): r for r in rows}
-    for (size, clients, op, system), row in by_cell.items():
-        if system != "kvstash":
-            continue
-        other = by_cell[(size, clients, op, "redis")]
+    for cell in cells:
         table.add_row(
-            f"{size / MIB:.2f} MiB",
-            str(clients),
-            op,
-            f"{row['mb_per_s']:.0f}",
-            f"{other['mb_per_s']:.0f}",
-            f"{row['mb_per_s'] / other['mb_per_s']:.2f}",
-            f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f}",
-            f"{other['p50_ms']:.1f} / {other['p99_ms']:.1f}",
+            f"{cell['value_bytes'] / MIB:.2f} MiB",
+            str(cell["num_clients"]),
+            cell["op"],
+            f"{cell['kvstash_mb_per_s']:.0f}",
+            f"{cell['redis_mb_per_s']:.0f}",
+            f"{cell['ratio']:.2f} ({cell['ratio_min']:.2f}-{cell['ratio_max']:.2f})",
+            f"{cell['kvstash_p50_ms']:.1f} / {cell['kvstash_p99_ms']:.1f}",
+            f"{cell['redis_p50_ms']:.1f} / {cell['redis_p99_ms']:.1f}",
+            f"{cell['kvstash_server_cpu_ms_per_mb']:.2f} / {cell['redis_server_cpu_ms_per_mb']:.2f}",
         )
-    Console(width=140).print(table)
+    Console(width=170).print(table)
 
 
 if __name__ == "__main__":

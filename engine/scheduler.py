@@ -246,6 +246,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_request_ids.add(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         delay_free = False
         if self.connector is not None:
             delay_free = self.connector.request_finished(request, list(request.block_ids))

@@ -25,7 +25,7 @@ def propose_drafts(proposer: NgramProposer, request: Request, token_budget: int)
     )
     if limit <= 0:
         return []
-    return proposer.propose(request.all_token_ids, max_num_drafts=limit)
+    return proposer.propose(request.all_token_ids, max_num_drafts=limit, request_id=request.request_id)
 
 
 def draft_slots_leave_room(

@@ -39,7 +39,12 @@ class ReplayProposer:
         self.prompt_to_continuation = {tuple(p): list(c) for p, c in prompt_to_continuation.items()}
         self.prompt_lengths = sorted({len(p) for p in self.prompt_to_continuation})
 
-    def propose(self, token_ids: Sequence[int], max_num_drafts: int | None = None) -> list[int]:
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+    def propose(
+        self, token_ids: Sequence[int], max_num_drafts: int | None = None, request_id: str | None = None
+    ) -> list[int]:
         """Up to ``min(num_speculative_tokens, max_num_drafts)`` drafts; none for an unknown prompt."""
         limit = (
             self.num_speculative_tokens

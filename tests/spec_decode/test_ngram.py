@@ -96,3 +96,21 @@ def test_bad_configuration_raises(kwargs: dict, message: str) -> None:
 def test_bad_token_ids_raise() -> None:
     with pytest.raises(ValueError, match="one-dimensional"):
         NgramProposer(num_speculative_tokens=2).propose([[1, 2], [3, 4]])
+
+
+def test_per_request_token_cache_gives_the_same_drafts():
+    """With a request id the proposer converts only new tokens; results never differ from a
+    fresh conversion, also after the list shrank or changed."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 5, size=200).tolist()
+    cached = NgramProposer(num_speculative_tokens=3, min_n=1, max_n=3)
+    fresh = NgramProposer(num_speculative_tokens=3, min_n=1, max_n=3)
+    for length in [*range(1, 200, 7), 50, 60, 200]:
+        assert cached.propose(tokens[:length], request_id="r") == fresh.propose(tokens[:length])
+    changed = [*tokens[:59], 4 - tokens[59]]
+    assert cached.propose(changed, request_id="r") == fresh.propose(changed)
+    # Longer again, but its token 59 differs from the cached one: converted anew.
+    assert cached.propose(tokens[:80], request_id="r") == fresh.propose(tokens[:80])
+    assert cached.cached_request_ids == {"r"}
+    cached.forget("r")
+    assert cached.cached_request_ids == set()

@@ -141,3 +141,14 @@ def test_drafts_leave_a_block_for_each_request_behind():
     assert plan.request_id_to_spec_token_ids == {}
     assert plan.num_scheduled_tokens == [1, 1] and plan.preempted_request_ids == []
     assert scheduler.block_manager.num_free_blocks == 0
+
+
+def test_finished_requests_leave_no_cached_tokens_in_the_proposer():
+    scheduler = make_scheduler()
+    request = make_request(prompt=PROMPT[:-1], max_tokens=3)
+    prefill(scheduler, request)
+    plan = scheduler.schedule()
+    assert scheduler.proposer.cached_request_ids == {"r"}
+    scheduler.update_from_output(plan, {"r": 14}, request_id_to_accepted_draft_ids={"r": [13]})
+    assert request.is_finished
+    assert scheduler.proposer.cached_request_ids == set()

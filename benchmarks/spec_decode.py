@@ -2,7 +2,8 @@
 
 Default (the GPU run): a Llama-3.1-8B-shaped model with random bf16 weights made on the
 GPU, greedy decoding, EOS ignored. Two parts, each measured on one engine in the same run
-(decode tokens/s = tokens generated after every request's first token / time of those steps):
+(decode tokens/s = tokens generated after every request's first token / time of those steps,
+median of --repeats runs):
 
 1. "ngram": prompts that ask to edit a text (a random text, then its first tokens again),
    decoded without and with the n-gram proposer. Random weights rarely copy their input, so
@@ -92,6 +93,15 @@ def timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams, cou
     }
 
 
+def median_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, counter, repeats: int) -> dict:
+    """`timed_decode` `repeats` times; the run with the median decode tokens/s."""
+    runs = sorted(
+        (timed_decode(llm, prompts, params, counter) for _ in range(repeats)),
+        key=lambda run: run["decode_tokens_per_s"],
+    )
+    return runs[len(runs) // 2]
+
+
 def make_llm(config, device: torch.device, dtype: str, speculative: bool, k: int, max_model_len: int) -> LLM:
     extra = dict(speculative="ngram", num_speculative_tokens=k) if speculative else {}
     return LLM(
@@ -141,6 +151,9 @@ def main() -> None:
     parser.add_argument("--corrupt-fractions", type=float, nargs="+", default=list(DEFAULT_CORRUPT_FRACTIONS))
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --tiny)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs per point, median kept (3; 1 with --tiny)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here and the PNG beside it")
     args = parser.parse_args()
 
@@ -150,6 +163,7 @@ def main() -> None:
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     k = args.num_speculative_tokens
+    repeats = args.repeats or (1 if args.tiny else 3)
     config = llama_config(args.tiny)
     max_model_len = text_len + text_len // 8 + new_tokens + k + 16
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -168,10 +182,10 @@ def main() -> None:
     for batch_size in batch_sizes:
         prompts = edit_prompts(batch_size, text_len, config.vocab_size, seed=batch_size)
         scheduler.proposer = None
-        plain = timed_decode(llm, prompts, params, counter)
+        plain = median_run(llm, prompts, params, counter, repeats)
         batch_to_plain[batch_size] = plain
         scheduler.proposer = ngram
-        spec = timed_decode(llm, prompts, params, counter)
+        spec = median_run(llm, prompts, params, counter, repeats)
         if spec["outputs"] != plain["outputs"]:
             print(f"warning: batch {batch_size}: n-gram outputs differ from plain greedy outputs")
         ngram_rows.append(
@@ -190,7 +204,7 @@ def main() -> None:
             scheduler.proposer = ReplayProposer(
                 k, continuations, config.vocab_size, corrupt_fraction=fraction
             )
-            run = timed_decode(llm, prompts, params, counter)
+            run = median_run(llm, prompts, params, counter, repeats)
             replay_rows.append(
                 {
                     "batch_size": batch_size,
@@ -213,9 +227,8 @@ def main() -> None:
     batch_to_graph_tps = {}
     for batch_size in batch_sizes:
         prompts = edit_prompts(batch_size, text_len, config.vocab_size, seed=batch_size)
-        batch_to_graph_tps[batch_size] = timed_decode(graph_llm, prompts, params, counter)[
-            "decode_tokens_per_s"
-        ]
+        graph_run = median_run(graph_llm, prompts, params, counter, repeats)
+        batch_to_graph_tps[batch_size] = graph_run["decode_tokens_per_s"]
     for row in replay_rows:
         row["speedup_vs_plain_engine"] = row["tokens_per_s"] / batch_to_graph_tps[row["batch_size"]]
     for row in ngram_rows:
@@ -252,6 +265,7 @@ def main() -> None:
         "num_speculative_tokens": k,
         "text_len": text_len,
         "new_tokens": new_tokens,
+        "repeats": repeats,
         "ngram": ngram_rows,
         "replay": replay_rows,
         "plain_engine_tokens_per_s": batch_to_graph_tps,

@@ -138,6 +138,13 @@ class KVConnectorWorker(abc.ABC):
     def start_load_kv(self) -> None:
         """Begin the loads of the bound metadata (may return before they finish)."""
 
+    @property
+    def needs_layer_hooks(self) -> bool:
+        """Whether loads need ``wait_for_layer_load``/``save_kv_layer`` between layers.
+        When False, a step with loads may run as one captured CUDA graph: the engine
+        calls the hooks of every layer before it (waits) and after it (saves)."""
+        return True
+
     @abc.abstractmethod
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Block until layer ``layer_idx``'s KV of every load is in the paged cache.

@@ -146,8 +146,11 @@ class KVMover:
         if not self.on_cuda:
             return tensor
         lane = self.store_lane if for_store else self.load_lane
+        # From pageable memory the copy would first wait for the stream's queued work (the
+        # previous saves' copies): a pinned copy (torch's caching host allocator) does not.
+        pinned = tensor.pin_memory()
         with torch.cuda.stream(lane.kernel_stream):
-            return tensor.to(self.device, non_blocking=True)
+            return pinned.to(self.device, non_blocking=True)
 
     def wait_for_compute(self) -> None:
         """Order the next kernels after everything the compute stream queued so far

@@ -50,6 +50,11 @@ class OffloadWorker(KVConnectorWorker):
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._request_id_to_valid: dict[str, int] = {}
 
+    @property
+    def needs_layer_hooks(self) -> bool:
+        # Without layerwise, every layer's load ends at one event: one wait before the pass suffices.
+        return self.layerwise
+
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         engine = self.cache_engine
         expected = (engine.num_layers, 2, engine.num_kv_heads, engine.head_dim)

@@ -98,9 +98,13 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,  # int64 [n]
         block_tables: np.ndarray,  # int32 [n, max_blocks]
         seq_lens: np.ndarray,  # int32 [n]
+        before_replay: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Replay for n sequences of one new token each -> hidden [n, hidden_size]
-        (a view into the graph's output; read it before the next replay)."""
+        (a view into the graph's output; read it before the next replay).
+        `before_replay` runs once the inputs are queued, right before the replay (the
+        runner makes the stream wait for connector loads there: the input copies come
+        from pageable memory and would otherwise block the host until the loads end)."""
         num_seqs = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_seqs)
         self.input_ids[:num_seqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
@@ -117,4 +121,6 @@ class DecodeGraphs:
             self.block_tables[num_seqs:size, 0].fill_(0)
             self.positions[num_seqs:size].fill_(0)
             self.input_ids[num_seqs:size].fill_(0)
+        if before_replay is not None:
+            before_replay()
         return self._replay(size)[:num_seqs]

@@ -167,16 +167,33 @@ class ModelRunner:
         """Forward pass -> final hidden states [T, hidden]: a decode CUDA graph replay
         when the step allows it, else eager."""
         graphs = self.decode_graphs
+        connector = self.connector
+        has_loads = connector is not None and bool(plan.connector_meta.loads)
         if (
             graphs is not None
-            and not (self.connector is not None and plan.connector_meta.loads)
+            and not (has_loads and connector.needs_layer_hooks)
             and host.max_query_len == 1
             and not plan.request_id_to_spec_token_ids
             and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
         ):
-            return graphs.run(
-                host.input_ids, host.positions, host.slot_mapping, host.block_tables, host.seq_lens
+            layers = range(self.config.num_layers)
+
+            def wait_for_loads() -> None:  # the whole pass waits for every layer's load
+                for layer in layers:
+                    connector.wait_for_layer_load(layer)
+
+            hidden = graphs.run(
+                host.input_ids,
+                host.positions,
+                host.slot_mapping,
+                host.block_tables,
+                host.seq_lens,
+                before_replay=wait_for_loads if has_loads else None,
             )
+            if has_loads:
+                for layer in layers:
+                    connector.save_kv_layer(layer)
+            return hidden
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.from_numpy(host.slot_mapping).to(device, non_blocking=True),
@@ -187,7 +204,7 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
         positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
-        if self.connector is not None and plan.connector_meta.loads:
+        if has_loads:
             return self._forward_with_loads(input_ids, positions, metadata)
         return self._forward_with_metadata(input_ids, positions, metadata)
 

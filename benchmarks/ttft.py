@@ -319,10 +319,14 @@ def main() -> None:
     disk_root = Path(tempfile.mkdtemp(prefix="kvstash-ttft-")) if args.disk_path is None else args.disk_path
     results = {"none": measure_tier("none", config, engine_args, prompts, None, disk_root)}
     # Each tier set gets its own engine and empty tiers: its first pass is a true miss.
-    for tier in tiers:
+    for tier in list(tiers):
         if tier == "grpc":
-            with cache_server(memory_gb=48) as url:
-                results[tier] = measure_tier(tier, config, engine_args, prompts, url, disk_root)
+            try:
+                with cache_server(memory_gb=48) as url:
+                    results[tier] = measure_tier(tier, config, engine_args, prompts, url, disk_root)
+            except RuntimeError as error:  # e.g. a package the server needs is missing here
+                print(f"gRPC tier skipped: {error}")
+                tiers.remove(tier)
         else:
             results[tier] = measure_tier(tier, config, engine_args, prompts, None, disk_root / tier)
     if args.disk_path is None:

@@ -37,3 +37,11 @@ def test_async_saves_with_graphs_and_preemption_keep_tokens_exact(tiny_model_dir
         o.metrics.num_external_cached_tokens >= min(n, len(p) - 1)
         for o, n, p in zip(second, num_chunk_tokens, prompts, strict=True)
     )
+
+    # Alone, a fully stored prompt computes one token after its load: a graph replay
+    # that waits for the loads on the device.
+    llm.flush_kv_offload()
+    assert llm.reset_prefix_cache()
+    single = llm.generate([prompts[3]], params)[0]
+    assert single.metrics.num_external_cached_tokens == len(prompts[3]) - 1
+    assert single.token_ids == reference[3].token_ids

@@ -77,10 +77,13 @@ class EngineCore:
         scheduler_connector = worker_connector = None
         if args.kv_offload is not None:
             from connector import create_kv_connector
+            from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
 
             scheduler_connector, worker_connector = create_kv_connector(
                 args.kv_offload,
-                model_id=str(self.model_dir or getattr(model, "name_or_path", "") or config.family),
+                model_id=model_fingerprint(self.model_dir)
+                if self.model_dir is not None
+                else dummy_model_fingerprint(model),
                 dtype=self.dtype,
                 num_layers=config.num_layers,
                 num_kv_heads=config.num_kv_heads,

@@ -26,6 +26,18 @@ from engine.spec_decode import NgramProposer, SpecDecodeStats
 logger = logging.getLogger(__name__)
 
 
+class EngineStepError(RuntimeError):
+    """`EngineCore.step` raised. The requests of that step were ended (finish_reason
+    "error") through the abort path, their blocks and connector state released; every
+    other request is untouched and later steps may run. `outputs` holds the ended
+    requests' final outputs; the step's own exception is `__cause__`."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        ids = ", ".join(output.request_id for output in outputs) or "none"
+        super().__init__(f"an engine step failed; its requests were ended: {ids}")
+        self.outputs = outputs
+
+
 @dataclass
 class EngineStats:
     """Counters over the engine's life (read by tests, benchmarks and /metrics)."""
@@ -35,6 +47,8 @@ class EngineStats:
     num_computed_tokens_total: int = 0
     num_generated_tokens_total: int = 0
     num_requests_finished: int = 0
+    #: steps that raised (their requests were ended, see `EngineStepError`)
+    num_step_errors: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -249,7 +263,34 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and update once. Returns the outputs of the requests that got
-        a token this step (cumulative state; finished ones are then forgotten)."""
+        a token this step (cumulative state; finished ones are then forgotten).
+        Raises `EngineStepError` when any part of the step raised: the step's requests
+        are then ended and the engine is consistent again (an exception while cleaning
+        up propagates as itself: the engine must not step again)."""
+        try:
+            return self._step()
+        except Exception as error:
+            self.stats.num_step_errors += 1
+            raise EngineStepError(self._end_failed_step()) from error
+
+    def _end_failed_step(self) -> list[RequestOutput]:
+        """End the requests of the step that raised through the abort path (also those it
+        had finished: their clients never saw the end). The worker connector first drops
+        the step's unqueued saves (KV of a failed forward must never be stored) and ends
+        its loads, so no save is left pending and no block is held for one."""
+        if self.runner.connector is not None:
+            self.runner.connector.abort_step()
+        outputs = []
+        for request in self.scheduler.step_requests:
+            # gone already when the step finished it before raising: not reported either
+            self.requests.pop(request.request_id, None)
+            self.scheduler.finish_request(request, "error")
+            request.finish_reason = "error"
+            outputs.append(request.to_output())
+        self.scheduler.step_requests = []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
         result = self.runner.execute(plan)

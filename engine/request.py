@@ -40,7 +40,8 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None  # "stop" (EOS or stop string), "length", "abort" or None while running
+    #: "stop" (EOS or stop string), "length", "abort", "error" (its step failed) or None while running
+    finish_reason: str | None
     metrics: RequestMetrics
 
 

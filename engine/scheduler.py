@@ -66,6 +66,9 @@ class Scheduler:
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     #: finished requests whose blocks an async connector save still reads
     request_id_to_sending: dict[str, Request] = field(default_factory=dict)
+    #: the requests of the latest `schedule` call's plan; while it runs, also the one it is
+    #: working on. A step that raises ends these (`EngineCore.step`).
+    step_requests: list[Request] = field(default_factory=list)
     _finished_request_ids: set[str] = field(default_factory=set)
 
     def add_request(self, request: Request) -> None:
@@ -80,11 +83,13 @@ class Scheduler:
         num_scheduled: list[int] = []
         preempted: list[Request] = []
         request_id_to_spec_token_ids: dict[str, list[int]] = {}
+        self.step_requests = []
 
         # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            self.step_requests.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
             num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
@@ -115,6 +120,7 @@ class Scheduler:
         # 2. Admit waiting requests while budget, seats and blocks last (not after a preemption).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            self.step_requests.append(request)
             cached_block_ids = self.block_manager.find_cached_prefix(request)
             num_gpu_hit = len(cached_block_ids) * self.block_manager.block_size
             num_external = 0
@@ -150,6 +156,7 @@ class Scheduler:
             request_id_to_spec_token_ids=request_id_to_spec_token_ids,
         )
         self._finished_request_ids = set()
+        self.step_requests = scheduled
         if self.connector is not None:
             output.connector_meta = self.connector.build_connector_meta(
                 [
@@ -239,9 +246,10 @@ class Scheduler:
         """End a request (stop condition or abort). Safe to call from outside a step."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.RUNNING:
+        # A step that raised may leave a request in neither queue (taken from waiting, not yet running).
+        if request in self.running:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

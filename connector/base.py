@@ -168,6 +168,12 @@ class KVConnectorWorker(abc.ABC):
         calls it before a step whose plan freed blocks by preemption, since that step
         may rewrite them; connectors whose saves end within ``wait_for_save`` need nothing."""
 
+    def abort_step(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Called instead of the rest of the step when the step raised (the engine then
+        ends the step's requests). Ends the bound metadata's loads and drops its saves that
+        ``wait_for_save`` did not queue: KV of a failed forward must never be stored, and no
+        save may stay pending (the engine would hold its request's blocks for it)."""
+
     @abc.abstractmethod
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
         """Return (request ids whose async saves completed, request ids whose

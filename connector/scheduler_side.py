@@ -131,6 +131,8 @@ class OffloadScheduler(KVConnectorScheduler):
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         self._request_id_to_save.pop(request.request_id, None)
         self._request_id_to_match.pop(request.request_id, None)
+        # Ended by a step that raised while scheduling: its load must never reach freed blocks.
+        self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request.request_id]
         # The engine writes the request's one log line with these figures (request_stats).
         _, sending = self.tracker.finish(request.request_id)
         return sending

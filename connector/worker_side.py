@@ -49,6 +49,7 @@ class OffloadWorker(KVConnectorWorker):
         self._move_seconds = 0.0  # CPU: host time spent moving this step's loads
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._request_id_to_valid: dict[str, int] = {}
+        self._num_saves_queued = 0  # saves of the bound metadata queued so far
 
     @property
     def needs_layer_hooks(self) -> bool:
@@ -72,6 +73,7 @@ class OffloadWorker(KVConnectorWorker):
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._metadata = metadata
         self._request_id_to_valid = {}
+        self._num_saves_queued = 0
 
     # ---- loads ---------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -171,6 +173,7 @@ class OffloadWorker(KVConnectorWorker):
             if spec.request_id in self._request_id_to_valid:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
                 self.tracker.save_done(spec.request_id, 0)
+                self._num_saves_queued += 1
                 continue
             store = engine.begin_store(
                 spec.token_ids[: spec.num_save_end],
@@ -179,7 +182,18 @@ class OffloadWorker(KVConnectorWorker):
                 slot_mapping=spec.slot_mapping,
             )
             engine.finish_store_later(store, self._on_saved(spec.request_id))
+            self._num_saves_queued += 1
         engine.publish_finished_stores()
+
+    def abort_step(self) -> None:
+        loads, self._loads = self._loads, []
+        for load in loads:
+            self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins
+        for spec in self._metadata.saves[self._num_saves_queued :]:
+            self.tracker.save_done(spec.request_id, 0)
+        self._metadata = ConnectorMetadata()
+        self._request_id_to_valid = {}
+        self._num_saves_queued = 0
 
     def _on_saved(self, request_id: str):
         return lambda num_saved_tokens: self.tracker.save_done(request_id, num_saved_tokens)

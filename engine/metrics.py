@@ -173,6 +173,11 @@ class _EngineStateCollector(Collector):
             "Tokens the model ran a forward pass on.",
             engine.stats.num_computed_tokens_total,
         )
+        yield CounterMetricFamily(
+            "kvstash_engine_step_errors",
+            "Engine steps that raised (their requests were ended with an error; serving went on).",
+            engine.stats.num_step_errors,
+        )
         tier_hits = CounterMetricFamily(
             "kvstash_tier_hit_chunks", "Chunks read from each offload tier.", labels=["tier"]
         )

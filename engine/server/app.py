@@ -5,7 +5,8 @@ completions (streaming with server-sent events), `/v1/models`, `/health` and
 `create_app(async_engine, served_model_name)` builds one app per engine; the app's
 lifespan starts and stops the engine thread. Every error answers with the OpenAI
 error shape: 400 for bad input (including what the engine rejects), 404 for an
-unknown model or route, 503 when the engine thread has stopped.
+unknown model or route, 500 for a request whose engine step failed (the server goes
+on), 503 when the engine thread has stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import SamplingParams
 from engine.metrics import CONTENT_TYPE
 from engine.request import RequestOutput
-from engine.server.async_engine import AsyncEngine, EngineDeadError
+from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.server.responses import IncrementalText, ResponseBuilder, error_body, sse
 
@@ -212,6 +213,8 @@ async def last_output(
                     return task.result()
                 except EngineDeadError as error:
                     raise OpenAIError(503, str(error), "server_error") from error
+                except RequestFailedError as error:
+                    raise OpenAIError(500, str(error), "server_error") from error
             if await http_request.is_disconnected():
                 async_engine.abort(request_id)
                 raise OpenAIError(499, "the client closed the connection", "invalid_request_error")
@@ -236,7 +239,7 @@ async def stream_events(
                 yield sse(builder.chunk(delta, output.finish_reason))
             elif delta:
                 yield sse(builder.chunk(delta, None))
-    except EngineDeadError as error:
+    except (EngineDeadError, RequestFailedError) as error:
         yield sse(error_body(str(error), "server_error"))
     else:
         if include_usage and last is not None:

@@ -6,6 +6,14 @@ through a thread-safe queue; the thread admits them between steps, runs
 output back to the submitting coroutine's own `asyncio.Queue` with
 `loop.call_soon_threadsafe`. Requests from different clients therefore share
 engine steps (continuous batching), unlike a lock around `LLM.generate`.
+
+A step that raises ends only its own requests (`EngineCore.step` raises
+`EngineStepError` after aborting them): their clients get `RequestFailedError`, the
+cause is logged once with its traceback, `kvstash_engine_step_errors_total` counts it,
+and the loop goes on. The engine is taken for broken, and the thread stops (every
+later request gets `EngineDeadError`), when cleaning up after a step raises, when the
+device reports an error after the step (a sticky CUDA error), or when
+`max_consecutive_step_errors` steps in a row fail.
 """
 
 from __future__ import annotations
@@ -19,16 +27,28 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import SamplingParams
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, EngineStepError
 from engine.metrics import EngineMetrics
 from engine.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
+#: failing steps in a row after which the engine is taken for broken (a step ends its
+#: requests, so a fault tied to one request input does not repeat for the next step)
+MAX_CONSECUTIVE_STEP_ERRORS = 3
+
+
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an exception in a step, or shutdown)."""
+    """The engine thread stopped (an unrecoverable step failure, or shutdown)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step that ran this request raised; the request was ended. Its message
+    names no internals: the cause is in the server log."""
 
 
 @dataclass
@@ -62,9 +82,18 @@ class AsyncEngine:
     """Owns the engine thread. `start()` once, `generate()` from any coroutine,
     `shutdown()` once; safe to create several in one process."""
 
-    def __init__(self, engine: EngineCore, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        metrics: EngineMetrics | None = None,
+        max_consecutive_step_errors: int = MAX_CONSECUTIVE_STEP_ERRORS,
+    ) -> None:
+        if max_consecutive_step_errors < 1:
+            raise ValueError(f"max_consecutive_step_errors must be >= 1, got {max_consecutive_step_errors}")
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(engine)
+        self.max_consecutive_step_errors = max_consecutive_step_errors
+        self._num_consecutive_step_errors = 0
         self._inbox: queue.Queue = queue.Queue()
         self._request_id_to_tracking: dict[str, _Tracking] = {}
         self._thread: threading.Thread | None = None
@@ -105,7 +134,8 @@ class AsyncEngine:
 
     async def stream_outputs(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         """Yield an admitted request's cumulative outputs until it finishes. Raises
-        EngineDeadError when the engine thread stops. Closing the iterator early
+        RequestFailedError when the step running it failed, EngineDeadError when the
+        engine thread stops. Closing the iterator early
         (a client disconnect) aborts the request."""
         finished = False
         try:
@@ -131,8 +161,9 @@ class AsyncEngine:
         )
         with self._lock:
             if self._thread is None or self._closed:
+                # the cause stays in the server log, never in a client's answer
                 reason = (
-                    f"it failed: {self._error!r}" if self._error is not None else "not started or shut down"
+                    "it failed, see the server log" if self._error is not None else "not started or shut down"
                 )
                 raise EngineDeadError(f"the engine is not running ({reason})")
             self._inbox.put(submission)
@@ -152,15 +183,59 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished_requests()
                 if not self._drain_inbox(block):
                     break
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                if self.engine.has_unfinished_requests() and not self._step():
+                    break
         except BaseException as error:  # noqa: BLE001 - every waiting client must hear of it
-            logger.exception("engine thread stopped")
+            logger.exception("engine thread stopped: the engine could not recover from an error")
             self._error = error
         finally:
             with self._lock:
                 self._closed = True
             self._fail_all(self._error or EngineDeadError("the engine was shut down"))
+
+    def _step(self) -> bool:
+        """Run one engine step and deliver its outputs. Returns False when the step failed
+        and the engine cannot go on."""
+        try:
+            outputs = self.engine.step()
+        except EngineStepError as error:
+            return self._end_failed_step(error)
+        self._num_consecutive_step_errors = 0
+        self._deliver(outputs)
+        return True
+
+    def _end_failed_step(self, error: EngineStepError) -> bool:
+        """Fail the requests the engine ended (it aborted them already), log the cause
+        once with its traceback, and decide whether the engine may step again."""
+        self._num_consecutive_step_errors += 1
+        cause = error.__cause__ or error
+        request_ids = [output.request_id for output in error.outputs]
+        logger.error(
+            "engine step failed (%d in a row); ended its %d request(s) %s; serving goes on",
+            self._num_consecutive_step_errors,
+            len(request_ids),
+            ", ".join(request_ids) or "-",
+            exc_info=cause,
+        )
+        failed = RequestFailedError(
+            "the engine step running this request failed; the request was ended (see the server log)"
+        )
+        for output in error.outputs:
+            self._record_finished(output)
+            tracking = self._request_id_to_tracking.pop(output.request_id, None)
+            if tracking is not None:
+                _send(tracking.submission, failed)
+        reason = None
+        device_error = _device_error(self.engine.device)
+        if device_error is not None:
+            reason = f"the device reports an error after the step: {device_error}"
+        elif self._num_consecutive_step_errors >= self.max_consecutive_step_errors:
+            reason = f"{self._num_consecutive_step_errors} engine steps in a row failed"
+        if reason is None:
+            return True
+        logger.error("engine stopped: %s; every request now gets 503", reason)
+        self._error = EngineDeadError(reason)
+        return False
 
     def _drain_inbox(self, block: bool) -> bool:
         """Admit submissions and apply aborts; waits for one item when `block`.
@@ -218,7 +293,11 @@ class AsyncEngine:
         self.metrics.observe_finished(output, transfer)
 
     def _fail_all(self, error: BaseException) -> None:
-        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error!r}")
+        dead = (
+            error
+            if isinstance(error, EngineDeadError)
+            else EngineDeadError("the engine stopped after an error (see the server log)")
+        )
         for tracking in self._request_id_to_tracking.values():
             _send(tracking.submission, dead)
         self._request_id_to_tracking.clear()
@@ -229,6 +308,18 @@ class AsyncEngine:
                 return
             if isinstance(item, _Submission):
                 _resolve(item, dead)
+
+
+def _device_error(device: torch.device) -> str | None:
+    """A sticky CUDA error (illegal address, device-side assert) fails every later call on
+    the device: a synchronize shows it. None when the device is usable (always on CPU)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None
 
 
 def _resolve(submission: _Submission, error: BaseException | None) -> None:

@@ -37,8 +37,19 @@ def repo_env() -> dict[str, str]:
 class ServeProcess:
     """One `kvstash serve` process; `url` is its base URL once started."""
 
-    def __init__(self, model_dir: str | Path, *flags: str, served_model_name: str = "tiny") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *flags: str,
+        served_model_name: str = "tiny",
+        cli_module: str = "engine.cli",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """`cli_module` runs in place of `engine.cli` (a test wrapper around it, e.g. with
+        a fault injected), with `extra_env` added to its environment."""
         self.model_dir = str(model_dir)
+        self.cli_module = cli_module
+        self.extra_env = dict(extra_env or {})
         self.served_model_name = served_model_name
         self.flags = tuple(flags)
         self.port: int | None = None
@@ -56,7 +67,7 @@ class ServeProcess:
         command = [
             sys.executable,
             "-m",
-            "engine.cli",
+            self.cli_module,
             "serve",
             self.model_dir,
             "--host",
@@ -68,7 +79,11 @@ class ServeProcess:
             *self.flags,
         ]
         self.process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=repo_env(), stdout=self._log_file, stderr=subprocess.STDOUT
+            command,
+            cwd=REPO_ROOT,
+            env=repo_env() | self.extra_env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while self.port is None:

@@ -154,7 +154,7 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
 
     @unary_handler
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
-        """Messages arrive serialized (see ``handler()``); each piece is copied into place and
+        """Messages arrive serialized (see ``kvcache_handler``); each piece is copied into place and
         checksummed as it arrives, so the value is verified when the stream ends."""
         async with self.stream_slot():
             key, value = None, None

@@ -124,3 +124,79 @@ def test_serve_survives_a_cache_server_kill(model_dir, reference, reliability_re
         rounds_until_hits_resumed=num_rounds,
         seconds_until_hits_resumed=round(resume_seconds, 2),
     )
+
+
+def test_serve_survives_failing_engine_steps_with_offload_on(model_dir, reference, reliability_report):
+    """Rounds of concurrent streaming completions with the CPU tier on; between rounds a
+    request whose engine step raises (the model runner fails for its marked prompt, see
+    `tests/serving/step_faults.py`), once plain and once streaming. Only the marked
+    requests fail; every round's texts equal the reference and its prompts stay full hits."""
+    from tests.serving.step_faults import FAULT_MESSAGE, POISON_PREFIX
+
+    prompts = make_prompts(NUM_PROMPTS, seed=52)
+    expected = [(200, output.text) for output in reference.outputs(prompts)]
+    marked = [*POISON_PREFIX, *make_prompts(1, seed=53)[0]]
+    serve = ServeProcess(
+        model_dir,
+        *("--dtype", "float32", "--device", "cpu", "--no-enable-prefix-caching", "--max-num-seqs", "8"),
+        *("--kv-offload", "--kv-offload-cpu-gb", "0.05", "--kv-offload-chunk-size", str(CHUNK_SIZE)),
+        cli_module="tests.serving.step_faults",
+    ).start()
+    try:
+        baseline_used = metric_value(serve.metrics_text(), "kvstash_kv_blocks_used")
+        num_requests = num_failed = 0
+        round_hits = []
+        for stream_marked in (False, True, None):
+            before = external_hits(serve)
+            assert stream_all(serve.url, prompts) == expected
+            num_requests += len(prompts)
+            round_hits.append(external_hits(serve) - before)
+            if stream_marked is None:
+                break
+            if stream_marked:
+                ((status, _),) = stream_all(serve.url, [marked])
+            else:
+                response = httpx.post(
+                    f"{serve.url}/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": marked,
+                        "max_tokens": PARAMS.max_tokens,
+                        "temperature": 0,
+                    },
+                    timeout=120,
+                )
+                status = response.status_code
+                assert response.json()["error"]["type"] == "server_error"
+                assert FAULT_MESSAGE not in response.text
+            assert status == 500
+            num_requests += 1
+            num_failed += 1
+            time.sleep(0.5)  # write-through of the round's saves is asynchronous
+        assert round_hits[1:] == [sum(full_hits(prompts))] * 2
+        metrics = serve.metrics_text()
+        step_errors = metric_value(metrics, "kvstash_engine_step_errors_total")
+        assert step_errors == 2
+        assert metric_value(metrics, "kvstash_requests_total", finish_reason="error") == 2
+        deadline = time.monotonic() + 10
+        while metric_value(serve.metrics_text(), "kvstash_kv_blocks_used") != baseline_used:
+            assert time.monotonic() < deadline, "KV blocks did not return to their baseline"
+            time.sleep(0.2)
+        log = serve.log()
+        num_tracebacks = log.count("Traceback (most recent call last)")
+        assert num_tracebacks == 2, log[-4000:]
+        assert httpx.get(f"{serve.url}/health", timeout=30).status_code == 200
+        assert serve.process.poll() is None
+    finally:
+        serve.close()
+    reliability_report.record(
+        "engine server, failing engine steps",
+        "kvstash serve with the CPU tier; the model runner raises for a marked prompt (plain, then streaming)",
+        num_requests=num_requests,
+        num_failed=num_failed,
+        num_failed_unmarked=0,
+        num_texts_differing=0,
+        step_errors_counted=int(step_errors),
+        tracebacks_logged=num_tracebacks,
+        external_hit_tokens_per_round=[int(h) for h in round_hits],
+    )

@@ -290,6 +290,18 @@ class EngineCore:
         self.scheduler.step_requests = []
         return outputs
 
+    def device_error(self) -> str | None:
+        """Whether the device can still run steps; a server calls it after a failed step.
+        A sticky CUDA error (illegal address, device-side assert) fails every later call on
+        the device, so a synchronize shows it: its first line, else None (always on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as error:
+            return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return None
+
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}

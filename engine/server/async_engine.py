@@ -27,8 +27,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.config import SamplingParams
 from engine.engine_core import EngineCore, EngineStepError
 from engine.metrics import EngineMetrics
@@ -211,7 +209,7 @@ class AsyncEngine:
         cause = error.__cause__ or error
         request_ids = [output.request_id for output in error.outputs]
         logger.error(
-            "engine step failed (%d in a row); ended its %d request(s) %s; serving goes on",
+            "engine step failed (%d in a row); ended its %d request(s): %s",
             self._num_consecutive_step_errors,
             len(request_ids),
             ", ".join(request_ids) or "-",
@@ -226,7 +224,7 @@ class AsyncEngine:
             if tracking is not None:
                 _send(tracking.submission, failed)
         reason = None
-        device_error = _device_error(self.engine.device)
+        device_error = self.engine.device_error()
         if device_error is not None:
             reason = f"the device reports an error after the step: {device_error}"
         elif self._num_consecutive_step_errors >= self.max_consecutive_step_errors:
@@ -308,18 +306,6 @@ class AsyncEngine:
                 return
             if isinstance(item, _Submission):
                 _resolve(item, dead)
-
-
-def _device_error(device: torch.device) -> str | None:
-    """A sticky CUDA error (illegal address, device-side assert) fails every later call on
-    the device: a synchronize shows it. None when the device is usable (always on CPU)."""
-    if device.type != "cuda":
-        return None
-    try:
-        torch.cuda.synchronize(device)
-    except RuntimeError as error:
-        return str(error).splitlines()[0] if str(error) else type(error).__name__
-    return None
 
 
 def _resolve(submission: _Submission, error: BaseException | None) -> None:

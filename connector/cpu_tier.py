@@ -20,17 +20,16 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
-from storage_backends.lru import IndexedTierMixin, LRUIndex
+from storage_backends.lru import LRUIndex, SlabTierMixin
 
 
-class PinnedChunkPool(IndexedTierMixin, StorageBackend):
+class PinnedChunkPool(SlabTierMixin, StorageBackend):
     """Byte-capped LRU pool of chunk slots; pinned host memory when ``pin_memory``."""
 
     name = "cpu"
@@ -199,18 +198,4 @@ class PinnedChunkPool(IndexedTierMixin, StorageBackend):
             self._free_slot_ids.append(self._index.remove(key).record[0])
             return True
 
-    # pin, unpin (and keys) come from IndexedTierMixin
-    # ---- listing, stats ------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            gauges = {
-                "num_keys": len(self._index),
-                "bytes_used": self._index.used * self.slot_bytes,
-                "capacity_bytes": self.num_slots * self.slot_bytes,
-                "num_slots": self.num_slots,
-                "slot_bytes": self.slot_bytes,
-                "num_pinned": self._index.num_pinned(),
-                "pinned_memory": self.pinned,
-            }
-        return {**gauges, **self._counters.snapshot()}
+    # pin, unpin, keys and stats come from SlabTierMixin

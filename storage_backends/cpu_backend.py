@@ -26,7 +26,6 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +33,7 @@ import torch
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk, tensor_bytes
 from storage_backends.counters import Counters
-from storage_backends.lru import IndexedTierMixin, LRUIndex
+from storage_backends.lru import LRUIndex, SlabTierMixin
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -49,7 +48,7 @@ class _SlotRecord:
     layout: str
 
 
-class CPUBackend(IndexedTierMixin, StorageBackend):
+class CPUBackend(SlabTierMixin, StorageBackend):
     name = "cpu"
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = DEFAULT_SLOT_BYTES, pin_memory: bool = False):
@@ -161,21 +160,8 @@ class CPUBackend(IndexedTierMixin, StorageBackend):
             self._free_slot_ids.extend(entry.record.slot_ids)
             return True
 
-    # pin, unpin (and keys) come from IndexedTierMixin
-    # ---- listing, stats, lifecycle ------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            gauges = {
-                "num_keys": len(self._index),
-                "bytes_used": self._index.used * self.slot_bytes,
-                "capacity_bytes": self.num_slots * self.slot_bytes,
-                "num_slots": self.num_slots,
-                "slot_bytes": self.slot_bytes,
-                "num_pinned": self._index.num_pinned(),
-                "pinned_memory": self.pinned,
-            }
-        return {**gauges, **self._counters.snapshot()}
+    # pin, unpin, keys and stats come from SlabTierMixin
+    # ---- lifecycle -----------------------------------------------------------
 
 
 def _copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:

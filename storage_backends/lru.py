@@ -121,3 +121,27 @@ class IndexedTierMixin:
     def keys(self, prefix: str = "") -> list[str]:
         with self._lock:
             return [key for key, _ in self._index.items() if key.startswith(prefix)]
+
+
+class SlabTierMixin(IndexedTierMixin):
+    """Adds ``stats()`` for a tier of ``num_slots`` equal slots of ``slot_bytes`` each
+    (``pinned`` when the slab is page-locked), counting events in ``_counters``:
+    the storage CPU backend and the connector's CPU tier."""
+
+    num_slots: int
+    slot_bytes: int
+    pinned: bool
+    _counters: Any
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            gauges = {
+                "num_keys": len(self._index),
+                "bytes_used": self._index.used * self.slot_bytes,
+                "capacity_bytes": self.num_slots * self.slot_bytes,
+                "num_slots": self.num_slots,
+                "slot_bytes": self.slot_bytes,
+                "num_pinned": self._index.num_pinned(),
+                "pinned_memory": self.pinned,
+            }
+        return {**gauges, **self._counters.snapshot()}

@@ -20,6 +20,13 @@ __all__ = ["admin", "cache_server"]
 )
 @click.option("--port", type=int, default=50051, show_default=True, help="TCP port; 0 picks a free one.")
 @click.option(
+    "--bulk-port",
+    default="any",
+    show_default=True,
+    help="TCP port of the bulk data channel for Put/Get values (clients find it over gRPC): "
+    "a number, 'any' for a free port, or 0 / 'off' to move values over gRPC only.",
+)
+@click.option(
     "--memory-gb", type=float, default=4.0, show_default=True, help="Byte cap of the memory tier, GiB."
 )
 @click.option(
@@ -48,6 +55,7 @@ __all__ = ["admin", "cache_server"]
 def cache_server(
     host: str,
     port: int,
+    bulk_port: str,
     memory_gb: float,
     disk_path: str | None,
     disk_gb: float | None,
@@ -66,6 +74,7 @@ def cache_server(
         config = ServerConfig(
             host=host,
             port=port,
+            bulk_port=_parse_bulk_port(bulk_port),
             memory_bytes=int(memory_gb * GIB),
             disk_path=disk_path,
             disk_bytes=int(disk_gb * GIB) if disk_gb is not None else None,
@@ -85,3 +94,15 @@ def cache_server(
     except (RuntimeError, ValueError, OSError) as exc:
         # grpc reports a port it cannot bind as a RuntimeError; tiers raise ValueError or BackendError.
         raise click.ClickException(f"cannot start the cache server on {host}:{port}: {exc}") from None
+
+
+def _parse_bulk_port(text: str) -> int | None:
+    """``--bulk-port``: None (off) for "0" or "off", 0 (a free port) for "any", else the port."""
+    text = text.strip().lower()
+    if text in ("0", "off"):
+        return None
+    if text == "any":
+        return 0
+    if not text.isdigit():
+        raise click.UsageError(f"--bulk-port must be a port number, 'any' or 'off', got {text!r}")
+    return int(text)

@@ -28,6 +28,8 @@ class Limits:
     max_concurrent_streams: int = 64
     #: largest ListKeys page
     max_page_size: int = 10000
+    #: bulk-channel connections open at once (idle ones count); more are refused
+    max_bulk_connections: int = 256
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -40,10 +42,13 @@ class ServerConfig:
     """Everything ``cache_server.server.serve`` needs.
 
     ``port`` 0 lets the OS pick a free port; the server prints the one it bound.
+    ``bulk_port`` is the bulk data channel's TCP port (docs/cache_server.md): 0 lets
+    the OS pick one (clients learn it over gRPC), None turns the channel off.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
+    bulk_port: int | None = 0
     memory_bytes: int = 4 * GIB
     disk_path: str | None = None
     disk_bytes: int | None = None
@@ -58,6 +63,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk port must be in 0..65535, got {self.bulk_port}")
+        if self.bulk_port and self.bulk_port == self.port:
+            raise ValueError(f"the bulk port and the gRPC port are both {self.port}")
         if self.memory_bytes <= 0:
             raise ValueError(f"memory capacity must be positive, got {self.memory_bytes} bytes")
         if self.disk_bytes is not None and self.disk_bytes <= 0:

@@ -1,12 +1,14 @@
 """Start, run and stop the cache server (``kvstash cache-server`` calls :func:`run`).
 
 One server = one ``grpc.aio`` server with the KVCache and Admin services, the
-standard ``grpc.health.v1`` health service and server reflection, over one
-:class:`~cache_server.store.TieredStore`. Several servers can run in one process;
-nothing here is global.
+standard ``grpc.health.v1`` health service and server reflection, plus (unless
+``bulk_port`` is None) the bulk data channel for Put/Get values
+(``cache_server.bulk_server``), over one :class:`~cache_server.store.TieredStore`.
+Several servers can run in one process; nothing here is global.
 
-Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new calls are refused,
-in-flight calls get ``grace_s`` seconds to finish, then the store is closed.
+Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new calls and bulk
+connections are refused, in-flight calls and bulk requests get ``grace_s``
+seconds to finish, then the store is closed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import sys
 
 import grpc
@@ -22,11 +25,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cache_server.auth import BearerTokenInterceptor
+from cache_server.bulk_server import BulkServer
 from cache_server.config import ServerConfig
 from cache_server.malformed import MalformedRequestInterceptor
 from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
+from storage_backends.bulk_channel import PROTOCOL_VERSION
 from storage_backends.grpc_backend import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -37,11 +42,21 @@ SERVICE_NAMES = tuple(service.full_name for service in kvstash_pb2.DESCRIPTOR.se
 class CacheServer:
     """A started server. Build with :meth:`start`; end with :meth:`stop` (idempotent)."""
 
-    def __init__(self, config: ServerConfig, store: TieredStore, server: grpc.aio.Server, port: int) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: TieredStore,
+        server: grpc.aio.Server,
+        port: int,
+        bulk: BulkServer | None,
+    ) -> None:
         self.config = config
         self.store = store
         self.port = port
+        #: the bulk channel's port, 0 when it is off
+        self.bulk_port = bulk.port if bulk is not None else 0
         self._server = server
+        self._bulk = bulk
         self._health = health_aio.HealthServicer()
         self._stopped = False
 
@@ -49,14 +64,26 @@ class CacheServer:
     async def start(cls, config: ServerConfig) -> CacheServer:
         """Open the storage tiers, bind the port and start serving. Called once per server."""
         store = TieredStore(config)
+        bulk = None
         try:
             interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
             interceptors.append(MalformedRequestInterceptor())  # after auth: no token, no parsing
             server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
             counters = Counters()
-            server.add_generic_rpc_handlers(
-                (kvcache_handler(KVCacheService(store, config.limits, counters)),)
-            )
+            kvcache = KVCacheService(store, config.limits, counters)
+            if config.bulk_port is not None:
+                bulk = BulkServer(
+                    kvcache,
+                    config.host,
+                    config.bulk_port,
+                    auth_token=config.auth_token,
+                    tls_context=_server_tls_context(config),
+                    max_connections=config.limits.max_bulk_connections,
+                )
+                kvcache.bulk_endpoint = kvstash_pb2.BulkEndpointResponse(
+                    port=bulk.port, tls=config.tls_cert is not None, protocol_version=PROTOCOL_VERSION
+                )
+            server.add_generic_rpc_handlers((kvcache_handler(kvcache),))
             kvstash_pb2_grpc.add_AdminServicer_to_server(AdminService(store, config.limits, counters), server)
             address = f"{config.host}:{config.port}"
             if config.tls_cert is not None:
@@ -65,7 +92,7 @@ class CacheServer:
                 port = server.add_secure_port(address, credentials)
             else:
                 port = server.add_insecure_port(address)
-            instance = cls(config, store, server, port)
+            instance = cls(config, store, server, port, bulk)
             health_pb2_grpc.add_HealthServicer_to_server(instance._health, server)
             reflection.enable_server_reflection(
                 (
@@ -76,7 +103,11 @@ class CacheServer:
                 server,
             )
             await server.start()
+            if bulk is not None:
+                bulk.start()
         except Exception:
+            if bulk is not None:
+                bulk.stop(0)
             store.close()
             raise
         for name in ("", *SERVICE_NAMES):
@@ -92,8 +123,21 @@ class CacheServer:
             return
         self._stopped = True
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        grace_s = self.config.grace_s if grace_s is None else grace_s
+        stopping = [self._server.stop(grace_s)]
+        if self._bulk is not None:
+            stopping.append(asyncio.to_thread(self._bulk.stop, grace_s))
+        await asyncio.gather(*stopping)
         await asyncio.to_thread(self.store.close)
+
+
+def _server_tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The bulk channel's TLS settings: the gRPC port's certificate and key (None without TLS)."""
+    if config.tls_cert is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
 
 
 async def serve(config: ServerConfig) -> None:
@@ -103,7 +147,8 @@ async def serve(config: ServerConfig) -> None:
     # Tests and scripts read this line to learn the port (the config may ask for port 0).
     print(f"kvstash cache server listening on {scheme}://{config.host}:{server.port}", flush=True)
     tiers = ", ".join(tier.name for tier in server.store.tiers)
-    logger.info("tiers: %s; auth %s", tiers, "on" if config.auth_token else "off")
+    bulk = f"port {server.bulk_port}" if server.bulk_port else "off"
+    logger.info("tiers: %s; auth %s; bulk channel %s", tiers, "on" if config.auth_token else "off", bulk)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

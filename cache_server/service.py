@@ -15,8 +15,9 @@ import binascii
 import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,7 +47,7 @@ class RequestError(Exception):
         self.message = message
 
 
-def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
+def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code and client-facing message for an exception raised by a handler."""
     if isinstance(error, RequestError):
         return error.code, error.message
@@ -66,7 +67,7 @@ def unary_handler(method: Callable) -> Callable:
         try:
             return await method(self, request, context)
         except Exception as error:  # noqa: BLE001 - every error becomes a status, never a crash
-            code, message = _status_for(error)
+            code, message = status_for(error)
             self.counters.count_failure(code)
             await context.abort(code, message)
 
@@ -82,7 +83,7 @@ def streaming_handler(method: Callable) -> Callable:
             async for response in method(self, request, context):
                 yield response
         except Exception as error:  # noqa: BLE001 - every error becomes a status, never a crash
-            code, message = _status_for(error)
+            code, message = status_for(error)
             self.counters.count_failure(code)
             await context.abort(code, message)
 
@@ -91,7 +92,8 @@ def streaming_handler(method: Callable) -> Callable:
 
 @dataclass
 class Counters:
-    """Server-wide counters; touched only on the event loop thread, so no lock."""
+    """Server-wide counters. The gRPC handlers (event loop) and the bulk channel's connection
+    threads both change them, so every change goes through a method that holds the lock."""
 
     started_at: float = field(default_factory=time.monotonic)
     num_active_streams: int = 0
@@ -101,14 +103,29 @@ class Counters:
     bytes_received: int = 0
     bytes_sent: int = 0
     num_rejected: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters by name, e.g. ``add(num_puts=1, bytes_received=n)``."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def try_open_stream(self, limit: int) -> bool:
+        """Take one of ``limit`` stream slots; False when all are taken."""
+        with self._lock:
+            if self.num_active_streams >= limit:
+                return False
+            self.num_active_streams += 1
+            return True
 
     def count_failure(self, code: grpc.StatusCode) -> None:
         """A miss (NOT_FOUND) is an answer, not a rejected request."""
         if code != grpc.StatusCode.NOT_FOUND:
-            self.num_rejected += 1
+            self.add(num_rejected=1)
 
 
-def _short(key: str) -> str:
+def short_key(key: str) -> str:
     return key if len(key) <= 80 else key[:77] + "..."
 
 
@@ -130,40 +147,42 @@ class _Checks:
             )
         return key
 
-    @contextlib.asynccontextmanager
-    async def stream_slot(self) -> AsyncIterator[None]:
-        """Hold one of the ``max_concurrent_streams`` slots for a Put or Get."""
-        if self.counters.num_active_streams >= self.limits.max_concurrent_streams:
+    @contextlib.contextmanager
+    def stream_slot(self) -> Iterator[None]:
+        """Hold one of the ``max_concurrent_streams`` slots for a Put or Get (gRPC or bulk)."""
+        if not self.counters.try_open_stream(self.limits.max_concurrent_streams):
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many concurrent streams (limit {self.limits.max_concurrent_streams}); retry later",
             )
-        self.counters.num_active_streams += 1
         try:
             yield
         finally:
-            self.counters.num_active_streams -= 1
+            self.counters.add(num_active_streams=-1)
 
 
 class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
-    """Data plane. One instance per server; handlers may run concurrently."""
+    """Data plane. One instance per server; handlers may run concurrently. The bulk channel
+    (``cache_server.bulk_server``) uses the same checks, so both paths enforce the same limits."""
 
     def __init__(self, store: TieredStore, limits: Limits, counters: Counters) -> None:
         _Checks.__init__(self, limits, counters)
         self.store = store
+        #: what GetBulkEndpoint answers; the server sets it once its bulk channel listens
+        self.bulk_endpoint = kvstash_pb2.BulkEndpointResponse()
 
     @unary_handler
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
         """Messages arrive serialized (see ``kvcache_handler``); each piece is copied into place and
         checksummed as it arrives, so the value is verified when the stream ends."""
-        async with self.stream_slot():
+        with self.stream_slot():
             key, value = None, None
             async for message in request_iterator:
                 fields = _parse(message)
                 message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
                     key = self.check_key(message_key)
-                    value = ValueAssembler(self._check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)))
+                    value = ValueAssembler(self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)))
                 elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
                 value.add(_bytes_field(fields, PUT_DATA_FIELD))
@@ -171,11 +190,11 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
             data = value.finish()
             await asyncio.to_thread(self.store.put_verified, key, data)
-            self.counters.num_puts += 1
-            self.counters.bytes_received += len(data)
+            self.counters.add(num_puts=1, bytes_received=len(data))
             return kvstash_pb2.PutResponse(num_bytes=len(data))
 
-    def _check_size(self, total_size: int) -> int:
+    def check_size(self, total_size: int) -> int:
+        """``total_size`` when a value of that many bytes may be stored; RequestError otherwise."""
         if total_size == 0:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "total_size must be set on the first message"
@@ -197,17 +216,17 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     async def Get(self, request, context) -> AsyncIterator[bytes]:
         """Streams serialized GetResponse messages (see ``kvcache_handler``) straight from the stored bytes."""
         key = self.check_key(request.key)
-        async with self.stream_slot():
-            self.counters.num_gets += 1
+        with self.stream_slot():
+            self.counters.add(num_gets=1)
             stored = await asyncio.to_thread(self.store.get, key)
             if stored is None:
-                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
-            self.counters.num_get_hits += 1
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
+            self.counters.add(num_get_hits=1)
             total_size = len(stored.data)
             head = kvstash_pb2.GetResponse(total_size=total_size).SerializeToString()
             for message in piece_messages(head, GET_DATA_FIELD, stored.data):
                 yield message
-            self.counters.bytes_sent += total_size
+            self.counters.add(bytes_sent=total_size)
 
     @unary_handler
     async def Contains(self, request, context) -> kvstash_pb2.ContainsResponse:
@@ -226,8 +245,12 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     async def Delete(self, request, context) -> kvstash_pb2.DeleteResponse:
         key = self.check_key(request.key)
         if not await asyncio.to_thread(self.store.delete, key):
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
         return kvstash_pb2.DeleteResponse()
+
+    @unary_handler
+    async def GetBulkEndpoint(self, request, context) -> kvstash_pb2.BulkEndpointResponse:
+        return self.bulk_endpoint
 
 
 class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
@@ -278,7 +301,7 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
         key = self.check_key(request.key)
         stored = await asyncio.to_thread(self.store.peek, key)
         if stored is None:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
         header = await asyncio.to_thread(verify_chunk, stored.data)
         return kvstash_pb2.InfoResponse(
             entry=kvstash_pb2.KeyEntry(key=key, tier=stored.tier),
@@ -297,7 +320,7 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
         if request.key:
             key = self.check_key(request.key)
             if not await asyncio.to_thread(self.store.delete, key):
-                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {_short(key)}")
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
             return kvstash_pb2.EvictResponse(num_evicted=1)
         num_evicted = await asyncio.to_thread(self.store.evict_prefix, request.prefix)
         return kvstash_pb2.EvictResponse(num_evicted=num_evicted)
@@ -394,6 +417,11 @@ def kvcache_handler(service: KVCacheService) -> grpc.GenericRpcHandler:
                 service.Delete,
                 request_deserializer=kvstash_pb2.DeleteRequest.FromString,
                 response_serializer=kvstash_pb2.DeleteResponse.SerializeToString,
+            ),
+            "GetBulkEndpoint": grpc.unary_unary_rpc_method_handler(
+                service.GetBulkEndpoint,
+                request_deserializer=kvstash_pb2.BulkEndpointRequest.FromString,
+                response_serializer=kvstash_pb2.BulkEndpointResponse.SerializeToString,
             ),
         },
     )

@@ -1,8 +1,9 @@
 """One Put's value, copied into place and checksummed piece by piece as the pieces arrive.
 
-The Put handler makes one :class:`ValueAssembler` per call, calls :meth:`~ValueAssembler.add`
+The gRPC Put handler makes one :class:`ValueAssembler` per call, calls :meth:`~ValueAssembler.add`
 once per received piece (on the event loop) and :meth:`~ValueAssembler.finish` once at the
-end. Each piece is copied once, into a buffer of the announced size, and its share of the
+end; the bulk channel receives straight into :meth:`~ValueAssembler.next_space` and calls
+:meth:`~ValueAssembler.advance` (on its connection's thread). Each piece is copied once, into a buffer of the announced size, and its share of the
 chunk's CRC-32 is computed while it is in cache, so the checks that ``verify_chunk`` makes
 (header, length, checksum) are done when the last piece lands: no join and no second pass
 over tens of MiB.
@@ -34,6 +35,7 @@ class ValueAssembler:
     def __init__(self, total_size: int) -> None:
         self._buffer = torch.empty(total_size, dtype=torch.uint8).numpy()  # [total_size], not zeroed
         self._view = memoryview(self._buffer)
+        self.total_size = total_size
         self.num_received = 0
         self._header: ChunkHeader | None = None
         # CRC-32 of the header and of buffer[header_len:num_checked]; valid once _header is set
@@ -41,11 +43,23 @@ class ValueAssembler:
         self._num_checked = 0
 
     def add(self, piece: bytes | memoryview) -> None:
-        """Append the next piece. ChunkFormatError (a ValueError) for too many bytes or a bad header."""
-        end = self.num_received + len(piece)
+        """Append the next piece (gRPC Put). ChunkFormatError (a ValueError) for too many bytes or a bad header."""
+        if self.num_received + len(piece) > len(self._buffer):
+            raise ChunkFormatError(f"received more than the announced {len(self._buffer)} bytes")
+        self.next_space(len(piece))[:] = piece
+        self.advance(len(piece))
+
+    def next_space(self, max_bytes: int) -> memoryview:
+        """The next up to ``max_bytes`` unfilled bytes of the buffer, for ``recv_into`` (bulk Put);
+        :meth:`advance` then says how many were filled."""
+        return self._view[self.num_received : min(len(self._buffer), self.num_received + max_bytes)]
+
+    def advance(self, num_bytes: int) -> None:
+        """Count ``num_bytes`` more bytes as received (written at the end by the caller) and
+        checksum them. ChunkFormatError for a bad header."""
+        end = self.num_received + num_bytes
         if end > len(self._buffer):
             raise ChunkFormatError(f"received more than the announced {len(self._buffer)} bytes")
-        self._view[self.num_received : end] = piece
         self.num_received = end
         if self._header is None and end >= min(len(self._buffer), MAX_HEADER_BYTES):
             self._start_checksum()

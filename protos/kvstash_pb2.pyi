@@ -58,6 +58,20 @@ class DeleteResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class BulkEndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BulkEndpointResponse(_message.Message):
+    __slots__ = ("port", "tls", "protocol_version")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    tls: bool
+    protocol_version: int
+    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -55,6 +55,11 @@ class KVCacheStub:
                 request_serializer=protos_dot_kvstash__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstash__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.GetBulkEndpoint = channel.unary_unary(
+                '/kvstash.v1.KVCache/GetBulkEndpoint',
+                request_serializer=protos_dot_kvstash__pb2.BulkEndpointRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstash__pb2.BulkEndpointResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -90,6 +95,14 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBulkEndpoint(self, request, context):
+        """Where the bulk data channel listens: a plain TCP port beside gRPC that moves
+        Put and Get values with less overhead (docs/cache_server.md). Port 0: off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=protos_dot_kvstash__pb2.DeleteRequest.FromString,
                     response_serializer=protos_dot_kvstash__pb2.DeleteResponse.SerializeToString,
+            ),
+            'GetBulkEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBulkEndpoint,
+                    request_deserializer=protos_dot_kvstash__pb2.BulkEndpointRequest.FromString,
+                    response_serializer=protos_dot_kvstash__pb2.BulkEndpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class KVCache:
             '/kvstash.v1.KVCache/Delete',
             protos_dot_kvstash__pb2.DeleteRequest.SerializeToString,
             protos_dot_kvstash__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBulkEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.KVCache/GetBulkEndpoint',
+            protos_dot_kvstash__pb2.BulkEndpointRequest.SerializeToString,
+            protos_dot_kvstash__pb2.BulkEndpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

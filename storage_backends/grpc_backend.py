@@ -7,7 +7,12 @@ default 30), ``codec`` (``none`` or ``lz4``, used when this tier encodes a
 chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8).
 
 A synchronous API over one gRPC channel (channels are thread-safe, so is this
-class). Values travel as streams of ``PIECE_BYTES`` pieces, so no message comes
+class). Values move over the server's bulk data channel when it has one
+(``storage_backends.bulk_channel``: raw bytes on a TCP port that the first Put
+or Get asks for with ``GetBulkEndpoint``; TLS and the token as for gRPC); when
+it is off, unreachable or fails mid-call, the call goes over gRPC instead and
+the bulk channel is tried again ``BULK_RETRY_S`` seconds later. Over gRPC,
+values travel as streams of ``PIECE_BYTES`` pieces, so no message comes
 near the size limits that both sides set in ``CHANNEL_OPTIONS``; the pieces are
 written and read in protobuf's wire format directly (one copy each, see below). Every call has
 a deadline; a failed call raises :class:`~storage_backends.base.BackendError`
@@ -17,8 +22,11 @@ refused value is a ``ValueError``.
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +35,7 @@ import grpc
 
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError, StorageBackend
+from storage_backends.bulk_channel import PROTOCOL_VERSION, BulkClient, BulkStatusError, BulkUnavailable
 from storage_backends.chunk import CODECS, ChunkFormatError, KVChunk, decode_chunk, encode_chunk, verify_chunk
 from storage_backends.urls import parse_float, split_backend_url
 
@@ -49,6 +58,11 @@ AUTH_TOKEN_ENV = "KVSTASH_AUTH_TOKEN"
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CONCURRENCY = 8
 LIST_PAGE_SIZE = 5000
+#: seconds values go over gRPC after the bulk channel failed (or was off) before it is asked for again
+BULK_RETRY_S = 5.0
+CODE_TO_STATUS = {status.value[0]: status for status in grpc.StatusCode}
+
+logger = logging.getLogger(__name__)
 
 
 def make_channel(address: str, *, secure: bool, ca_path: str | None = None) -> grpc.Channel:
@@ -194,7 +208,11 @@ class GrpcBackend(StorageBackend):
         self.address = address
         self.codec = codec
         self.timeout_s = timeout_s
-        self._metadata = auth_metadata(token or os.environ.get(AUTH_TOKEN_ENV))
+        token = token or os.environ.get(AUTH_TOKEN_ENV)
+        self._token = token
+        self._metadata = auth_metadata(token)
+        self._secure = secure
+        self._ca_path = ca_path
         self._channel = make_channel(address, secure=secure, ca_path=ca_path)
         self._kv = kvstash_pb2_grpc.KVCacheStub(self._channel)
         # Put and Get carry pre-serialized messages (see put_messages / value_from_get_messages).
@@ -211,8 +229,10 @@ class GrpcBackend(StorageBackend):
         self._admin = kvstash_pb2_grpc.AdminStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvstash-grpc")
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
+        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0, "bulk_failures": 0}
         self._closed = False
+        self._bulk: BulkClient | None = None
+        self._bulk_asked_at = -BULK_RETRY_S  # monotonic time of the last GetBulkEndpoint
 
     @classmethod
     def from_url(cls, url: str) -> GrpcBackend:
@@ -245,19 +265,67 @@ class GrpcBackend(StorageBackend):
         with self._lock:
             self._counts[name] += 1
 
-    def _error(self, what: str, error: grpc.RpcError) -> BackendError:
+    def _error(self, what: str, error: grpc.RpcError | BulkStatusError) -> BackendError:
         """A BackendError for a failed call (and one more counted error)."""
         self._count("errors")
-        code = error.code()
+        if isinstance(error, BulkStatusError):
+            code, details = CODE_TO_STATUS.get(error.code, grpc.StatusCode.UNKNOWN), error.message
+        else:
+            code, details = error.code(), error.details()
         if code == grpc.StatusCode.UNAVAILABLE:
-            reason = f"cannot reach {self.address} ({error.details()})"
+            reason = f"cannot reach {self.address} ({details})"
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             reason = f"no answer from {self.address} within {self.timeout_s:g} s"
         elif code == grpc.StatusCode.UNAUTHENTICATED:
             reason = f"{self.address} refused the auth token (set ?token= or ${AUTH_TOKEN_ENV})"
         else:
-            reason = f"{self.address} answered {code.name}: {error.details()}"
+            reason = f"{self.address} answered {code.name}: {details}"
         return BackendError(f"grpc tier {what} failed: {reason}")
+
+    def _bulk_client(self) -> BulkClient | None:
+        """The bulk channel, asking the server for it at most once per BULK_RETRY_S; None: use gRPC."""
+        with self._lock:
+            if self._bulk is not None or self._closed:
+                return self._bulk
+            now = time.monotonic()
+            if now - self._bulk_asked_at < BULK_RETRY_S:
+                return None
+            self._bulk_asked_at = now
+        try:
+            endpoint = self._kv.GetBulkEndpoint(
+                kvstash_pb2.BulkEndpointRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError:
+            return None  # an older server (UNIMPLEMENTED) or none at all: the gRPC call reports it
+        # A server with TLS on gRPC has it on the bulk port too; anything else is not used.
+        if not endpoint.port or endpoint.protocol_version != PROTOCOL_VERSION or endpoint.tls != self._secure:
+            return None
+        tls_context = ssl.create_default_context(cafile=self._ca_path) if self._secure else None
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        client = BulkClient(
+            host, endpoint.port, token=self._token, timeout_s=self.timeout_s, tls_context=tls_context
+        )
+        with self._lock:
+            if self._bulk is None and not self._closed:
+                self._bulk = client
+                return client
+        client.close()
+        return self._bulk
+
+    def _bulk_failed(self, client: BulkClient, error: BulkUnavailable) -> None:
+        """Stop using a bulk channel that failed; the call at hand goes over gRPC instead."""
+        logger.warning(
+            "bulk channel of %s failed, using gRPC for %g s: %s", self.address, BULK_RETRY_S, error
+        )
+        with self._lock:
+            self._counts["bulk_failures"] += 1
+            if self._bulk is client:
+                self._bulk = None
+                self._bulk_asked_at = time.monotonic()
+        client.close()
+
+    def _refused_value(self, key: str, details: str) -> ChunkFormatError:
+        return ChunkFormatError(f"{self.address} refused the value for {key!r}: {details}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -276,9 +344,17 @@ class GrpcBackend(StorageBackend):
             raise self._error("contains", error) from None
         return reply.num_hits
 
-    def _fetch(self, key: str) -> bytes | None:
+    def _fetch(self, key: str) -> bytes | bytearray | None:
         """Raw value bytes or None when the server does not hold ``key``."""
         self._check_open()
+        bulk = self._bulk_client()
+        if bulk is not None:
+            try:
+                return bulk.get(key)
+            except BulkUnavailable as error:
+                self._bulk_failed(bulk, error)
+            except BulkStatusError as error:
+                raise self._error("get", error) from None
         try:
             return value_from_get_messages(
                 self._get_wire(
@@ -293,7 +369,7 @@ class GrpcBackend(StorageBackend):
             self._count("errors")
             raise BackendError(f"grpc tier get from {self.address} failed: {error}") from None
 
-    def get_encoded(self, key: str) -> bytes | None:
+    def get_encoded(self, key: str) -> bytes | bytearray | None:
         data = self._fetch(key)
         if data is None:
             self._count("misses")
@@ -328,13 +404,23 @@ class GrpcBackend(StorageBackend):
         self._check_open()
         if not data:
             raise ValueError("cannot store an empty value")
+        bulk = self._bulk_client()
+        if bulk is not None:
+            try:
+                bulk.put(key, data)
+                self._count("puts")
+                return
+            except BulkUnavailable as error:
+                self._bulk_failed(bulk, error)
+            except BulkStatusError as error:
+                if error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                    raise self._refused_value(key, error.message) from None
+                raise self._error("put", error) from None
         try:
             self._put_wire(put_messages(key, data), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ChunkFormatError(
-                    f"{self.address} refused the value for {key!r}: {error.details()}"
-                ) from None
+                raise self._refused_value(key, error.details()) from None
             raise self._error("put", error) from None
         self._count("puts")
 
@@ -410,6 +496,11 @@ class GrpcBackend(StorageBackend):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=True)
+        with self._lock:
+            bulk, self._bulk = self._bulk, None
+        if bulk is not None:
+            bulk.close()
         self._channel.close()

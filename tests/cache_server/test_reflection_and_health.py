@@ -16,7 +16,13 @@ def test_a_reflection_only_client_lists_and_describes_the_services(cache_server)
         # The descriptors come from the server alone: a private pool, nothing generated imported.
         pool = DescriptorPool(database)
         kv_cache = pool.FindServiceByName("kvstash.v1.KVCache")
-        assert [method.name for method in kv_cache.methods] == ["Put", "Get", "Contains", "Delete"]
+        assert [method.name for method in kv_cache.methods] == [
+            "Put",
+            "Get",
+            "Contains",
+            "Delete",
+            "GetBulkEndpoint",
+        ]
         put = kv_cache.methods_by_name["Put"]
         assert put.input_type.full_name == "kvstash.v1.PutRequest"
         assert {field.name for field in put.input_type.fields} == {"key", "total_size", "data"}

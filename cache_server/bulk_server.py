@@ -1,0 +1,293 @@
+"""The bulk data channel's server side: Put and Get values over plain TCP (or TLS).
+
+The wire format and the reasons for a second port are in
+``storage_backends/bulk_channel.py``. This side is a ``socketserver`` listener
+with one thread per connection: a Put's value goes from the socket with
+``recv_into`` straight into the buffer the memory tier keeps
+(:class:`~cache_server.value_assembly.ValueAssembler`, checksummed as it
+arrives), and ``recv``/``send`` release the GIL, so connections move bytes in
+parallel with each other and with the gRPC event loop.
+
+Every request goes through the same checks as the gRPC handlers (it calls the
+same :class:`~cache_server.service.KVCacheService` methods): key and value
+limits, concurrent-stream slots, the memory-tier cap, header and checksum
+verification before storing. The bearer token is checked once per connection
+(constant-time compare); with a TLS certificate every connection is TLS.
+A bad request gets an error reply with the gRPC-style status and message the
+gRPC path would give; a garbled or dropped connection is closed and never
+reaches the store. Nothing a client sends can stop the server.
+
+Built and started by :class:`cache_server.server.CacheServer`, stopped by it
+(:meth:`BulkServer.stop`: no new connections, requests in flight get the grace
+period to finish, idle connections are closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import socketserver
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cache_server.service import KVCacheService, RequestError, short_key, status_for
+from cache_server.value_assembly import ValueAssembler
+from storage_backends import bulk_channel as wire
+from storage_backends.chunk import ChunkFormatError
+
+logger = logging.getLogger(__name__)
+
+#: seconds a new connection gets for the TLS handshake and its HELLO
+HELLO_TIMEOUT_S = 10.0
+#: seconds a connection may sit idle between requests before the server closes it
+IDLE_TIMEOUT_S = 300.0
+#: seconds of silence allowed in the middle of a request
+TRANSFER_TIMEOUT_S = 60.0
+#: most bytes asked of one recv_into (the checksum then runs over them while they are in cache)
+RECV_BYTES = 1 << 20
+#: how often stop() looks for connections that went idle
+STOP_POLL_S = 0.05
+
+
+class ProtocolError(Exception):
+    """The client broke the wire format; the connection is answered (when possible) and closed."""
+
+
+@dataclass(eq=False)  # identity hashing: kept in a set
+class _Connection:
+    sock: socket.socket
+    #: True while a request is being served (stop() lets it finish within the grace period)
+    busy: bool = False
+
+
+class _Listener(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], bulk: BulkServer) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.bulk = bulk
+        super().__init__(address, _Handler)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        self.server.bulk.serve_connection(self.request)
+
+
+class BulkServer:
+    """The bulk port of one cache server. ``start()`` once, ``stop()`` once (idempotent)."""
+
+    def __init__(
+        self,
+        service: KVCacheService,
+        host: str,
+        port: int,
+        *,
+        auth_token: str | None,
+        tls_context: ssl.SSLContext | None,
+        max_connections: int,
+    ) -> None:
+        self._service = service
+        self._expected_token = (auth_token or "").encode()
+        self._tls_context = tls_context
+        self._max_connections = max_connections
+        self._listener = _Listener((host, port), self)
+        self.port: int = self._listener.server_address[1]
+        self._connections: set[_Connection] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._listener.serve_forever, name="kvstash-bulk-accept", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop accepting, give busy connections ``grace_s`` seconds, then close every connection."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._thread is not None:
+            self._listener.shutdown()
+        self._listener.server_close()
+        deadline = time.monotonic() + grace_s
+        while True:
+            with self._lock:
+                if not self._connections:
+                    return
+                force = time.monotonic() > deadline
+                for connection in self._connections:
+                    if force or not connection.busy:
+                        _shut(connection.sock)
+                if force:
+                    return
+            time.sleep(STOP_POLL_S)
+
+    # ---- one connection ------------------------------------------------------------
+    def serve_connection(self, sock: socket.socket) -> None:
+        """Serve one client until it disconnects, breaks the protocol or the server stops.
+        Runs on the connection's own thread; never raises."""
+        connection = _Connection(sock)
+        with self._lock:
+            self._connections.add(connection)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(HELLO_TIMEOUT_S)
+            if self._tls_context is not None:
+                sock = connection.sock = self._tls_context.wrap_socket(sock, server_side=True)
+            if self._accept_hello(sock):
+                self._serve_requests(connection)
+        except (OSError, ProtocolError) as error:
+            # A client that went away or broke the format: its connection ends, nothing else.
+            logger.debug("bulk connection closed: %s", error)
+        except Exception:  # noqa: BLE001 - one connection's bug must not take down the server
+            logger.exception("unexpected error on a bulk connection")
+        finally:
+            with self._lock:
+                self._connections.discard(connection)
+            connection.sock.close()
+
+    def _accept_hello(self, sock: socket.socket) -> bool:
+        magic, token_len = wire.HELLO.unpack(_receive(sock, wire.HELLO.size))
+        if magic != wire.MAGIC:
+            sock.sendall(wire.encode_reply(wire.STATUS_INVALID_ARGUMENT, "not a kvstash bulk client"))
+            return False
+        if token_len > wire.MAX_TOKEN_BYTES:
+            sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
+            return False
+        token = _receive(sock, token_len)
+        # Constant-time comparison: response timing must not reveal the token.
+        if self._expected_token and not hmac.compare_digest(token, self._expected_token):
+            self._service.counters.add(num_rejected=1)
+            sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
+            return False
+        with self._lock:
+            num_connections = len(self._connections)
+        if num_connections > self._max_connections:
+            self._service.counters.add(num_rejected=1)
+            message = f"too many bulk connections (limit {self._max_connections}); retry later"
+            sock.sendall(wire.encode_reply(wire.STATUS_RESOURCE_EXHAUSTED, message))
+            return False
+        sock.sendall(wire.encode_reply(wire.STATUS_OK))
+        return True
+
+    def _serve_requests(self, connection: _Connection) -> None:
+        sock = connection.sock
+        while not self._stopping:
+            sock.settimeout(IDLE_TIMEOUT_S)
+            first = sock.recv(1)
+            if not first:
+                return  # the client closed between requests: the normal end
+            connection.busy = True
+            sock.settimeout(TRANSFER_TIMEOUT_S)
+            op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
+            key_bytes = _receive(sock, key_len)
+            if op == wire.OP_PUT:
+                self._put(sock, key_bytes, value_len)
+            elif op == wire.OP_GET and value_len == 0:
+                self._get(sock, key_bytes)
+            else:
+                # What follows the header cannot be trusted, so the connection ends here.
+                sock.sendall(
+                    wire.encode_reply(wire.STATUS_INVALID_ARGUMENT, f"malformed bulk request (op {op})")
+                )
+                raise ProtocolError(f"op {op} with a value of {value_len} bytes")
+            connection.busy = False
+
+    def _put(self, sock: socket.socket, key_bytes: bytes, value_len: int) -> None:
+        """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
+        service = self._service
+        try:
+            with service.stream_slot():
+                key = service.check_key(_decode_key(key_bytes))
+                assembler = ValueAssembler(service.check_size(value_len))
+                sock.sendall(wire.encode_reply(wire.STATUS_OK))
+                data = _receive_value(sock, assembler)
+                service.store.put_verified(key, data)
+        except (OSError, ProtocolError):
+            raise
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            self._refuse(sock, error)
+            return
+        service.counters.add(num_puts=1, bytes_received=value_len)
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
+
+    def _get(self, sock: socket.socket, key_bytes: bytes) -> None:
+        service = self._service
+        try:
+            with service.stream_slot():
+                key = service.check_key(_decode_key(key_bytes))
+                service.counters.add(num_gets=1)
+                stored = service.store.get(key)
+                if stored is None:
+                    raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
+                sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)))
+                sock.sendall(stored.data)
+        except (OSError, ProtocolError):
+            raise
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            self._refuse(sock, error)
+            return
+        service.counters.add(num_get_hits=1, bytes_sent=len(stored.data))
+
+    def _refuse(self, sock: socket.socket, error: Exception) -> None:
+        code, message = status_for(error)
+        self._service.counters.count_failure(code)
+        sock.sendall(wire.encode_reply(code.value[0], message))
+
+
+def _decode_key(key_bytes: bytes) -> str:
+    try:
+        return key_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key is not valid UTF-8") from None
+
+
+def _receive(sock: socket.socket, num_bytes: int) -> bytes:
+    """Exactly ``num_bytes`` (small: headers, keys, tokens); ConnectionError when the client closes first."""
+    buffer = bytearray(num_bytes)
+    wire.recv_exactly(sock, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _receive_value(sock: socket.socket, assembler: ValueAssembler) -> memoryview:
+    """The verified value, received straight into the assembler's buffer. A header or checksum
+    that does not verify raises ChunkFormatError after the whole announced value has been read
+    (so the connection stays in step); a closed connection raises ConnectionError."""
+    value_len = assembler.total_size
+    while assembler.num_received < value_len:
+        num_bytes = sock.recv_into(assembler.next_space(RECV_BYTES))
+        if num_bytes == 0:
+            raise ConnectionError(f"client closed after {assembler.num_received} of {value_len} bytes")
+        try:
+            assembler.advance(num_bytes)
+        except ChunkFormatError:
+            _discard(sock, value_len - assembler.num_received)
+            raise
+    return assembler.finish()
+
+
+def _discard(sock: socket.socket, num_bytes: int) -> None:
+    """Read and drop ``num_bytes`` (the rest of a refused value)."""
+    scratch = memoryview(bytearray(min(num_bytes, RECV_BYTES)))
+    while num_bytes > 0:
+        received = sock.recv_into(scratch[: min(num_bytes, len(scratch))])
+        if received == 0:
+            raise ConnectionError("client closed in the middle of a refused value")
+        num_bytes -= received
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake a thread blocked on ``sock`` (the base-class shutdown also works on TLS sockets)."""
+    with contextlib.suppress(OSError):  # already closed by its own thread
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)

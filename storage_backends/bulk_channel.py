@@ -1,0 +1,250 @@
+"""The cache server's bulk data channel: its wire format and the client side.
+
+gRPC moves a value through HTTP/2 framing, a copy into a Python ``bytes`` per
+message and a few asyncio callbacks per piece; for values of megabytes that
+costs more than the bytes themselves (docs/benchmarks.md). So the server also
+listens on a plain TCP port (``kvstash cache-server --bulk-port``) that moves
+Put and Get values as raw bytes, received with ``recv_into`` straight into the
+buffer that will hold them. Control stays on gRPC: the client learns the port
+from the ``GetBulkEndpoint`` RPC and falls back to gRPC whenever the bulk
+channel is off or broken.
+
+Wire format (integers little-endian; status codes are gRPC's numbers):
+
+- on connect, client → server: ``HELLO`` = magic ``b"KVB1"``, u16 token length,
+  token bytes (empty without auth); server → client: a reply (below). A wrong
+  token gets UNAUTHENTICATED and the connection is closed.
+- request: u8 op (``OP_PUT``, ``OP_GET``), u16 key length, u64 value length
+  (0 for Get), key bytes (UTF-8).
+- reply: u8 status, u32 message length, u64 value length, message bytes
+  (UTF-8), then the value's bytes when a Get succeeds.
+- Put: the server checks key, size, limits and memory cap and answers OK ("send
+  it") or an error before any value byte moves; then the client sends the value
+  and the server answers once more after verifying header and checksum and
+  storing it (or INVALID_ARGUMENT; it reads the whole announced value either
+  way, so the connection stays usable).
+
+:class:`BulkClient` holds a pool of connections (one per concurrent caller,
+reused). Thread-safe. Transport failures (refused, reset, closed, timed out,
+garbled) raise :class:`BulkUnavailable`; the gRPC tier then retries the call
+over gRPC. A reply with an error status raises :class:`BulkStatusError`.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import threading
+from typing import NamedTuple
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVB1"
+OP_PUT, OP_GET = 1, 2
+# Status codes: the numbers of grpc.StatusCode (this module does not import grpc).
+STATUS_OK = 0
+STATUS_INVALID_ARGUMENT = 3
+STATUS_NOT_FOUND = 5
+STATUS_RESOURCE_EXHAUSTED = 8
+STATUS_INTERNAL = 13
+STATUS_UNAVAILABLE = 14
+STATUS_UNAUTHENTICATED = 16
+STATUS_NAMES = {
+    STATUS_OK: "OK",
+    STATUS_INVALID_ARGUMENT: "INVALID_ARGUMENT",
+    STATUS_NOT_FOUND: "NOT_FOUND",
+    STATUS_RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+    STATUS_INTERNAL: "INTERNAL",
+    STATUS_UNAVAILABLE: "UNAVAILABLE",
+    STATUS_UNAUTHENTICATED: "UNAUTHENTICATED",
+}
+
+HELLO = struct.Struct("<4sH")  # magic, token length
+REQUEST = struct.Struct("<BHQ")  # op, key length, value length
+REPLY = struct.Struct("<BIQ")  # status, message length, value length
+#: longest reply message either side sends or accepts
+MAX_MESSAGE_BYTES = 4096
+#: longest token the server reads from a HELLO
+MAX_TOKEN_BYTES = 4096
+#: longest key the wire format can carry (the server's own limit is lower)
+MAX_KEY_BYTES = 0xFFFF
+#: largest Get value a client accepts; a larger announced length means a garbled stream
+DEFAULT_MAX_VALUE_BYTES = 1 << 30
+
+
+class BulkUnavailable(Exception):
+    """The bulk channel could not carry the call (transport failure); retry it over gRPC."""
+
+
+class BulkStatusError(Exception):
+    """The server answered with an error status (``code``, a gRPC status number) and ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{STATUS_NAMES.get(code, code)}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Reply(NamedTuple):
+    status: int
+    message: str
+    value_len: int
+
+
+def encode_reply(status: int, message: str = "", value_len: int = 0) -> bytes:
+    """One reply header plus its message (the server's side; a Get's value follows separately)."""
+    text = message.encode()[:MAX_MESSAGE_BYTES]
+    return REPLY.pack(status, len(text), value_len) + text
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first."""
+    num_received = 0
+    while num_received < len(view):
+        num_bytes = sock.recv_into(view[num_received:])
+        if num_bytes == 0:
+            raise ConnectionError(f"connection closed after {num_received} of {len(view)} bytes")
+        num_received += num_bytes
+
+
+def read_reply(sock: socket.socket) -> Reply:
+    """One reply header and its message; ConnectionError for a closed or garbled stream."""
+    head = bytearray(REPLY.size)
+    recv_exactly(sock, memoryview(head))
+    status, message_len, value_len = REPLY.unpack(head)
+    if status not in STATUS_NAMES or message_len > MAX_MESSAGE_BYTES:
+        raise ConnectionError(f"garbled bulk reply (status {status}, message of {message_len} bytes)")
+    message = bytearray(message_len)
+    recv_exactly(sock, memoryview(message))
+    return Reply(status, message.decode(errors="replace"), value_len)
+
+
+class BulkClient:
+    """Connections to one server's bulk port; ``put`` and ``get`` as the gRPC tier needs them."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        timeout_s: float,
+        tls_context: ssl.SSLContext | None = None,
+        max_idle_connections: int = 64,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self._token = (token or "").encode()
+        if len(self._token) > MAX_TOKEN_BYTES:
+            raise ValueError(f"auth token longer than {MAX_TOKEN_BYTES} bytes")
+        self._tls_context = tls_context
+        self._max_idle = max_idle_connections
+        self.max_value_bytes = max_value_bytes
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- connections -----------------------------------------------------------
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+        try:
+            # Requests and replies are small messages answered at once: no Nagle delay.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls_context is not None:
+                sock = self._tls_context.wrap_socket(sock, server_hostname=self.host)
+            sock.sendall(HELLO.pack(MAGIC, len(self._token)) + self._token)
+            reply = read_reply(sock)
+        except BaseException:
+            sock.close()
+            raise
+        if reply.status != STATUS_OK:
+            sock.close()
+            raise BulkStatusError(reply.status, reply.message)
+        return sock
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise BulkUnavailable("bulk client is closed")
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _call(self, operation, key: str, *args):
+        """Run ``operation(sock, key, *args)`` on a pooled connection. A connection that failed
+        is closed (it may be mid-message); an error status leaves it in sync and pooled."""
+        encoded_key = key.encode()
+        if len(encoded_key) > MAX_KEY_BYTES:
+            raise ValueError(f"key of {len(encoded_key)} bytes is too long for the bulk channel")
+        try:
+            sock = self._take()
+        except OSError as error:
+            raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {error}") from None
+        try:
+            sock.settimeout(self.timeout_s)
+            result = operation(self, sock, encoded_key, *args)
+        except BulkStatusError:
+            self._give_back(sock)
+            raise
+        except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
+            sock.close()
+            raise BulkUnavailable(f"bulk transfer with {self.host}:{self.port} failed: {error}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+        return result
+
+    # ---- operations ------------------------------------------------------------
+    def put(self, key: str, data: bytes | memoryview) -> int:
+        """Store ``data``; returns the number of bytes the server stored."""
+        return self._call(_put, key, data)
+
+    def get(self, key: str) -> bytearray | None:
+        """The value of ``key`` or None when the server does not hold it (not verified here)."""
+        try:
+            return self._call(_get, key)
+        except BulkStatusError as error:
+            if error.code == STATUS_NOT_FOUND:
+                return None
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+def _put(client: BulkClient, sock: socket.socket, key: bytes, data: bytes | memoryview) -> int:
+    sock.sendall(REQUEST.pack(OP_PUT, len(key), len(data)) + key)
+    reply = read_reply(sock)
+    if reply.status != STATUS_OK:
+        raise BulkStatusError(reply.status, reply.message)
+    sock.sendall(memoryview(data).cast("B"))
+    reply = read_reply(sock)
+    if reply.status != STATUS_OK:
+        raise BulkStatusError(reply.status, reply.message)
+    return reply.value_len
+
+
+def _get(client: BulkClient, sock: socket.socket, key: bytes) -> bytearray:
+    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
+    reply = read_reply(sock)
+    if reply.status != STATUS_OK:
+        raise BulkStatusError(reply.status, reply.message)
+    if reply.value_len > client.max_value_bytes:
+        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
+    value = bytearray(reply.value_len)
+    recv_exactly(sock, memoryview(value))
+    return value

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from cache_server.allocator import retain_freed_memory
 from cache_server.auth import BearerTokenInterceptor
 from cache_server.bulk_server import BulkServer
 from cache_server.config import ServerConfig
@@ -162,6 +163,9 @@ async def serve(config: ServerConfig) -> None:
 
 
 def run(config: ServerConfig) -> None:
-    """Blocking entry point for the CLI."""
+    """Blocking entry point for the CLI: the process serves only this server, so it may
+    tune its allocator (``cache_server.allocator``)."""
+    if not retain_freed_memory():
+        logger.warning("could not tune malloc; freed value memory goes back to the OS")
     asyncio.run(serve(config))
     sys.stdout.flush()

@@ -229,7 +229,9 @@ class GrpcBackend(StorageBackend):
         self._admin = kvstash_pb2_grpc.AdminStub(self._channel)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvstash-grpc")
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0, "bulk_failures": 0}
+        self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
+        # values moved over the bulk channel, and bulk calls that failed and went over gRPC instead
+        self._counts.update(bulk_calls=0, bulk_failures=0)
         self._closed = False
         self._bulk: BulkClient | None = None
         self._bulk_asked_at = -BULK_RETRY_S  # monotonic time of the last GetBulkEndpoint
@@ -350,7 +352,9 @@ class GrpcBackend(StorageBackend):
         bulk = self._bulk_client()
         if bulk is not None:
             try:
-                return bulk.get(key)
+                data = bulk.get(key)
+                self._count("bulk_calls")
+                return data
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)
             except BulkStatusError as error:
@@ -409,6 +413,7 @@ class GrpcBackend(StorageBackend):
             try:
                 bulk.put(key, data)
                 self._count("puts")
+                self._count("bulk_calls")
                 return
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)

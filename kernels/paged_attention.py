@@ -12,9 +12,19 @@ Sequences have different numbers of new tokens; without a host sync we launch an
 upper bound of tiles: sequence b owns tile ids [qsl[b] // BLOCK_Q + b, ...), which
 holds all ceil(num_new_b / BLOCK_Q) of its tiles, and each program binary-searches
 query_start_loc for its sequence. Surplus tiles exit at once.
+
+Split-KV (flash-decoding): a decode step of a few long sequences has only
+num_seqs x num_kv_heads tiles, far fewer than the GPU's SMs, each walking the whole
+KV alone. When every sequence's new tokens fit one tile, the KV of each tile can be
+cut into `num_kv_splits` ranges, one program each; every program writes its partial
+output with its log-sum-exp, and a second kernel merges the splits. The ranges are
+computed in the kernel from each sequence's length, so one launch shape serves any
+lengths (CUDA graphs capture it once).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,12 +39,15 @@ _LOG2_E = 1.4426950408889634
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_new_tokens_total, num_heads, head_dim]
+    split_out_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits, head_dim] (SPLIT only)
+    split_lse_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits], log2 domain (SPLIT only)
     query_ptr,  # [num_new_tokens_total, num_heads, head_dim], head_dim contiguous
     kv_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim], dense from num_blocks on
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [num_seqs]
     query_start_loc_ptr,  # int32 [num_seqs + 1]
     num_seqs,
+    num_kv_splits,
     scale_log2,  # softmax scale * log2(e): scores are exponentiated with exp2
     stride_query_token,
     stride_query_head,
@@ -52,9 +65,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= max(16, HEAD_DIM)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (Triton's CPU interpreter miscomputes bf16 dots)
+    SPLIT: tl.constexpr,  # write per-split partial results (num_kv_splits > 1)
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    kv_split = tl.program_id(2)
 
     # Sequence owning this tile: the last b with query_start_loc[b] // BLOCK_Q + b <= tile_id.
     low = 0
@@ -99,10 +114,16 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Keys past the tile's last query position are masked for every row: stop there.
     kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, num_new)
+    kv_begin = 0
+    if SPLIT:
+        # Equal ranges of whole BLOCK_N steps; trailing splits of a short sequence are empty.
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_kv_splits), BLOCK_N) * BLOCK_N
+        kv_begin = kv_split * split_len
+        kv_end = tl.minimum(kv_end, kv_begin + split_len)
     tables_row = block_tables_ptr + seq.to(tl.int64) * stride_tables_seq
     kv_head_ptr = kv_ptr + kv_head.to(tl.int64) * HEAD_DIM
     keys = tl.arange(0, BLOCK_N)
-    for key_start in range(0, kv_end, BLOCK_N):
+    for key_start in range(kv_begin, kv_end, BLOCK_N):
         key_pos = key_start + keys
         key_mask = key_pos < kv_end
         block_ids = tl.load(tables_row + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
@@ -135,13 +156,77 @@ def _paged_attention_kernel(
         acc = acc * rescale[:, None] + tl.dot(probs, value, input_precision="ieee")
         max_score = new_max
 
-    # Valid rows always see their own key, so denominator > 0 there; padded rows are not stored.
-    acc = acc / tl.where(row_mask, denominator, 1.0)[:, None]
-    tl.store(
-        out_ptr + token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
+    if SPLIT:
+        # A row whose keys all lie in other splits has denominator 0: weight 0 at the merge.
+        seen = denominator > 0.0
+        partial = acc / tl.where(seen, denominator, 1.0)[:, None]
+        lse = tl.where(seen, max_score + tl.log2(tl.where(seen, denominator, 1.0)), float("-inf"))
+        split_row = (token_index * (NUM_KV_HEADS * GROUP) + head) * num_kv_splits + kv_split
+        tl.store(
+            split_out_ptr + split_row[:, None] * HEAD_DIM + dims[None, :],
+            partial,
+            mask=row_mask[:, None] & dim_mask[None, :],
+        )
+        tl.store(split_lse_ptr + split_row, lse, mask=row_mask)
+    else:
+        # Valid rows always see their own key, so denominator > 0 there; padded rows are not stored.
+        acc = acc / tl.where(row_mask, denominator, 1.0)[:, None]
+        tl.store(
+            out_ptr
+            + token_index[:, None] * stride_out_token
+            + head[:, None] * stride_out_head
+            + dims[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & dim_mask[None, :],
+        )
+
+
+@triton.jit
+def _merge_kv_splits_kernel(
+    out_ptr,  # [num_new_tokens_total, num_heads, head_dim]
+    split_out_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits, head_dim]
+    split_lse_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits]
+    num_kv_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # a power of 2 >= num_kv_splits
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (new token, query head): softmax-weighted sum of its splits."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < num_kv_splits
+    first_row = (token * NUM_HEADS + head) * num_kv_splits
+    lse = tl.load(split_lse_ptr + first_row + splits, mask=split_mask, other=float("-inf"))
+    # Split 0 always holds the sequence's first key, which every new token sees: the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, axis=0))
+    partial = tl.load(
+        split_out_ptr + (first_row + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
     )
+    merged = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+# Split-KV sizing: aim for about this many programs per SM, and give each at least
+# this many keys (shorter ranges cost more in the merge than they save).
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_KV_SPLITS = 64
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -159,6 +244,23 @@ def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[i
     return block_q, block_m, block_n
 
 
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per tile for a batch whose sequences each fit one query tile (decode,
+    speculative verification, a prompt's last token after a cache hit).
+
+    Enough programs to fill the GPU, but no split shorter than _MIN_KEYS_PER_SPLIT
+    keys of the longest sequence. `max_seq_len` is an upper bound (a CUDA graph passes
+    the model's maximum length, so its splits depend on the batch size only). 1 on CPU.
+    """
+    if device.type != "cuda":
+        return 1
+    num_programs = num_seqs * num_kv_heads
+    target = _PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
+    by_length = -(-max_seq_len // _MIN_KEYS_PER_SPLIT)
+    by_occupancy = -(-target // num_programs)
+    return max(1, min(by_length, by_occupancy, _MAX_KV_SPLITS))
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_new_tokens_total, num_heads, head_dim]
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -168,27 +270,45 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
     check_values: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention over paged KV; returns [num_new_tokens_total, num_heads, head_dim] in query's dtype.
 
     New token i of sequence b sits at position seq_lens[b] - num_new_b + i and attends
     to every key at a position <= its own. `max_query_len` (the largest num_new_b)
-    picks the tile shape; when None it is read from query_start_loc. `check_values`
-    validates the metadata values. Both reads sync the stream on CUDA, so the engine's
-    hot path passes max_query_len and check_values=False once it built the metadata itself.
+    picks the tile shape; when None it is read from query_start_loc. `max_seq_len` (an
+    upper bound of seq_lens) sizes the split-KV work when `num_kv_splits` is None; when
+    both are None it is read from seq_lens. `num_kv_splits` forces the number of KV
+    ranges per tile (used only when every sequence fits one query tile). `check_values`
+    validates the metadata values. The reads sync the stream on CUDA, so the engine's
+    hot path passes the maxima and check_values=False once it built the metadata itself.
+    `out`, when given, receives the result (a tensor shaped and typed like query whose
+    head_dim is contiguous, e.g. a slice of a larger output) and is returned.
     """
     validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
     check_kernel_device("query", query, _paged_attention_kernel)
     if query.shape[2] > 1 and query.stride(2) != 1:
         raise ValueError(f"query must be contiguous along head_dim, got strides {query.stride()}")
+    if num_kv_splits is not None and not 1 <= num_kv_splits <= 1024:
+        raise ValueError(f"num_kv_splits must be in [1, 1024], got {num_kv_splits}")
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
     if check_values:
         validation.check_attention_values(
             num_tokens, num_blocks, block_size, block_tables, seq_lens, query_start_loc
         )
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"out must match query: got {tuple(out.shape)} {out.dtype} on {out.device}, "
+            f"query is {tuple(query.shape)} {query.dtype} on {query.device}"
+        )
+    elif head_dim > 1 and out.stride(2) != 1:
+        raise ValueError(f"out must be contiguous along head_dim, got strides {out.stride()}")
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -198,15 +318,35 @@ def paged_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
     block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if max_query_len > block_q:
+        num_kv_splits = 1  # prefill tiles are many already
+    elif num_kv_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    split = num_kv_splits > 1
+    if split:
+        split_out = torch.empty(
+            (num_tokens, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        split_lse = torch.empty(
+            (num_tokens, num_heads, num_kv_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        split_out = split_lse = out  # unused by the kernel
+    block_d = max(16, next_power_of_2(head_dim))
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         out,
+        split_out,
+        split_lse,
         query,
         kv_layer,
         block_tables,
         seq_lens,
         query_start_loc,
         num_seqs,
+        num_kv_splits,
         scale * _LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -222,9 +362,24 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        SPLIT=split,
         num_warps=4,
         num_stages=2,
     )
+    if split:
+        _merge_kv_splits_kernel[(num_tokens, num_heads)](
+            out,
+            split_out,
+            split_lse,
+            num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(_MAX_KV_SPLITS, next_power_of_2(num_kv_splits)),  # one compiled variant
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out

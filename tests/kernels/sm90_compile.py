@@ -24,21 +24,22 @@ from triton.compiler import ASTSource
 
 from kernels import pack
 from kernels.launch import next_power_of_2
-from kernels.paged_attention import _paged_attention_kernel
+from kernels.paged_attention import _merge_kv_splits_kernel, _paged_attention_kernel
 from kernels.paged_attention import launch_config as attention_launch_config
 from kernels.reshape_and_cache import _reshape_and_cache_kernel
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-# (dtype, num_heads, num_kv_heads, head_dim, max_query_len)
+# (dtype, num_heads, num_kv_heads, head_dim, max_query_len, split KV)
 ATTENTION_CASES = [
-    (torch.bfloat16, 32, 8, 128, 4096),  # Llama-3.1-8B prefill
-    (torch.bfloat16, 32, 8, 128, 1),  # decode
-    (torch.float16, 12, 2, 80, 300),
-    (torch.bfloat16, 14, 2, 96, 17),
-    (torch.float32, 32, 8, 128, 4096),  # float32 parity runs
-    (torch.float32, 14, 2, 96, 1),
+    (torch.bfloat16, 32, 8, 128, 4096, False),  # Llama-3.1-8B prefill
+    (torch.bfloat16, 32, 8, 128, 1, False),  # decode
+    (torch.bfloat16, 32, 8, 128, 1, True),  # decode of a few long sequences
+    (torch.float16, 12, 2, 80, 300, False),
+    (torch.bfloat16, 14, 2, 96, 17, False),
+    (torch.float32, 32, 8, 128, 4096, False),  # float32 parity runs
+    (torch.float32, 14, 2, 96, 1, True),
 ]
 
 
@@ -133,7 +134,7 @@ def reshape_and_cache_case():
 
 
 def attention_cases():
-    for dtype, num_heads, num_kv_heads, head_dim, max_query_len in ATTENTION_CASES:
+    for dtype, num_heads, num_kv_heads, head_dim, max_query_len, split in ATTENTION_CASES:
         group = num_heads // num_kv_heads
         block_q, block_m, block_n = attention_launch_config(group, max_query_len, dtype)
         ptr = f"*{TRITON_TYPES[dtype]}"
@@ -141,12 +142,15 @@ def attention_cases():
             _paged_attention_kernel,
             {
                 "out_ptr": ptr,
+                "split_out_ptr": "*fp32",
+                "split_lse_ptr": "*fp32",
                 "query_ptr": ptr,
                 "kv_ptr": ptr,
                 "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32",
                 "num_seqs": "i32",
+                "num_kv_splits": "i32",
                 "scale_log2": "fp32",
                 "stride_query_token": "i32",
                 "stride_query_head": "i32",
@@ -166,18 +170,38 @@ def attention_cases():
                 "BLOCK_N": block_n,
                 "BLOCK_D": max(16, next_power_of_2(head_dim)),
                 "DOT_IN_FP32": False,
+                "SPLIT": split,
             },
             num_warps=4,
             num_stages=2,
         )
         name = (
             f"attention {TRITON_TYPES[dtype]} heads={num_heads}/{num_kv_heads} d={head_dim} q={max_query_len}"
+            + (" split" if split else "")
         )
         yield describe(name, compiled)
 
 
+def merge_splits_case():
+    compiled = compile_for_h100(
+        _merge_kv_splits_kernel,
+        {
+            "out_ptr": "*bf16",
+            "split_out_ptr": "*fp32",
+            "split_lse_ptr": "*fp32",
+            "num_kv_splits": "i32",
+            "stride_out_token": "i32",
+            "stride_out_head": "i32",
+        },
+        {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_S": 64, "BLOCK_D": 128},
+        num_warps=4,
+        num_stages=1,
+    )
+    return describe("merge kv splits bf16", compiled)
+
+
 def main() -> None:
-    for result in (*pack_cases(), reshape_and_cache_case(), *attention_cases()):
+    for result in (*pack_cases(), reshape_and_cache_case(), *attention_cases(), merge_splits_case()):
         print(json.dumps(result), flush=True)
 
 

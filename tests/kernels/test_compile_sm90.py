@@ -45,7 +45,7 @@ def results() -> dict[str, dict]:
 
 
 def test_every_configuration_compiled(results):
-    assert len(results) == 4 + 1 + 6
+    assert len(results) == 4 + 1 + 7 + 1
 
 
 @pytest.mark.parametrize("name", ["pack bf16", "unpack bf16", "pack fp32", "unpack fp32"])
@@ -66,3 +66,8 @@ def test_attention_fits_an_h100(results):
         assert row["shared"] <= H100_SHARED_MEMORY_BYTES, row
         # A few bytes of stack are call bookkeeping; a spilled tile is kilobytes.
         assert row["stack"] <= 64, row
+
+
+def test_merge_of_kv_splits_does_not_spill(results):
+    row = results["merge kv splits bf16"]
+    assert row["stack"] <= 64 and row["local"] == 0, row

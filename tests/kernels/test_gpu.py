@@ -122,6 +122,35 @@ def test_paged_attention_decode_batch_with_max_query_len():
     torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.bfloat16])
 
 
+def test_split_kv_decode_of_long_sequences():
+    """A few sequences of thousands of keys: the launch splits their KV and merges the parts."""
+    from kernels.paged_attention import choose_num_kv_splits
+
+    seq_lens_list = [16384, 5000, 129]
+    assert choose_num_kv_splits(3, 8, 16384, torch.device("cuda")) > 1
+    num_blocks = sum(-(-n // 16) for n in seq_lens_list) + 8
+    tables, seq_lens, starts = attention_batch(
+        [1, 1, 1], seq_lens_list, num_blocks, 16, seed=16, device="cuda"
+    )
+    kv_layer = random_kv((2, num_blocks, 16, 8, 128), torch.bfloat16, "cuda", 17)
+    query = random_kv((3, 32, 128), torch.bfloat16, "cuda", 18)
+    out = kernels.paged_attention(
+        query,
+        kv_layer,
+        tables,
+        seq_lens,
+        starts,
+        128**-0.5,
+        max_query_len=1,
+        max_seq_len=16384,
+        check_values=False,
+    )
+    expected = reference.paged_attention_ref(query, kv_layer, tables, seq_lens, starts, 128**-0.5)
+    torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.bfloat16])
+    unsplit = kernels.paged_attention(query, kv_layer, tables, seq_lens, starts, 128**-0.5, num_kv_splits=1)
+    torch.testing.assert_close(out, unsplit, **ATTENTION_TOLERANCES[torch.bfloat16])
+
+
 def test_element_offsets_beyond_int32():
     """A KV tensor of > 2^31 elements (bf16, ~4.3 GB) used through its last blocks."""
     num_blocks, block_size, num_kv_heads, head_dim = 66_000, 16, 8, 128

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.paged_attention import choose_num_kv_splits
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -22,14 +23,30 @@ pytestmark = pytest.mark.usefixtures("interpreted")
 MIXED_BATCH = ([6, 1, 20, 1, 3], [19, 9, 20, 33, 3])
 
 
-def _run(dtype, num_heads, num_kv_heads, block_size, head_dim, batch=MIXED_BATCH, max_query_len=None):
+def _run(
+    dtype,
+    num_heads,
+    num_kv_heads,
+    block_size,
+    head_dim,
+    batch=MIXED_BATCH,
+    max_query_len=None,
+    num_kv_splits=None,
+):
     num_new, seq_lens = batch
     tables, seq_lens_t, starts = attention_batch(num_new, seq_lens, 24, block_size, seed=0, device="cpu")
     kv_layer = random_kv((2, 24, block_size, num_kv_heads, head_dim), dtype, "cpu", seed=1)
     query = random_kv((sum(num_new), num_heads, head_dim), dtype, "cpu", seed=2)
     scale = 1 / math.sqrt(head_dim)
     out = kernels.paged_attention(
-        query, kv_layer, tables, seq_lens_t, starts, scale, max_query_len=max_query_len
+        query,
+        kv_layer,
+        tables,
+        seq_lens_t,
+        starts,
+        scale,
+        max_query_len=max_query_len,
+        num_kv_splits=num_kv_splits,
     )
     expected = reference.paged_attention_ref(query, kv_layer, tables, seq_lens_t, starts, scale)
     assert out.dtype == dtype and out.shape == query.shape
@@ -51,6 +68,29 @@ def test_head_layouts_and_block_sizes(num_heads, num_kv_heads, block_size, head_
 
 def test_decode_only_batch():
     _run(torch.float16, 4, 2, 8, 16, batch=([1, 1, 1], [1, 17, 40]), max_query_len=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
+def test_split_kv_decode_matches_reference(dtype, num_kv_splits):
+    # 8 splits of a 1-, 17- or 40-key sequence leave most splits empty; 3 splits of 130 keys are uneven.
+    batch = ([1, 1, 1, 1], [1, 17, 40, 130])
+    _run(dtype, 8, 2, 16, 16, batch=batch, max_query_len=1, num_kv_splits=num_kv_splits)
+
+
+def test_split_kv_with_several_new_tokens_per_sequence():
+    # Speculative verification: early rows of a tile see no key of the last split.
+    _run(torch.float32, 4, 2, 8, 16, batch=([4, 3, 1], [70, 3, 100]), max_query_len=4, num_kv_splits=3)
+
+
+def test_split_kv_is_ignored_for_prefill_tiles():
+    _run(torch.float32, 2, 1, 16, 16, batch=([70, 1], [90, 40]), num_kv_splits=4)
+
+
+def test_num_kv_splits_on_cpu_and_bounds():
+    assert choose_num_kv_splits(1, 8, 16384, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        _run(torch.float32, 2, 1, 8, 16, batch=([1], [9]), max_query_len=1, num_kv_splits=0)
 
 
 def test_single_long_prefill_spanning_several_tiles():

@@ -42,6 +42,7 @@ class DecodeGraphs:
         device: torch.device,
         max_batch_size: int,
         max_blocks_per_seq: int,
+        max_seq_len: int,
     ) -> None:
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
@@ -54,6 +55,7 @@ class DecodeGraphs:
         # one new token per sequence: query_start_loc is 0, 1, 2, ... for every size
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_seq_len = max_seq_len  # split-KV sizing is fixed at capture: size it for the longest
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -69,6 +71,8 @@ class DecodeGraphs:
                 seq_lens=self.seq_lens[:size],
                 query_start_loc=self.query_start_loc[: size + 1],
                 max_query_len=1,
+                max_seq_len=self.max_seq_len,
+                num_paged_seqs=size,
             )
             self._capture(size, forward, (self.input_ids[:size], self.positions[:size], metadata))
 

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from connector.base import KVConnectorWorker
+from engine import attention
+from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
@@ -24,17 +26,6 @@ from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify_drafts
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs of paged attention (all on the model's device)."""
-
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
-    seq_lens: torch.Tensor  # int32 [num_seqs], KV length after this step
-    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-    max_query_len: int  # largest number of new tokens of one sequence
 
 
 @dataclass
@@ -47,7 +38,10 @@ class HostInputs:
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
     seq_lens: np.ndarray  # int32 [num_seqs]
     query_start_loc: np.ndarray  # int32 [num_seqs + 1]
-    max_query_len: int
+    max_query_len: int  # over the paged sequences (all of them when no span is dense)
+    max_seq_len: int
+    num_paged_seqs: int  # the first sequences; the others are whole-prompt prefills
+    dense_spans: tuple[tuple[int, int], ...]  # their [begin, end) token ranges
 
 
 @dataclass
@@ -88,16 +82,20 @@ class ModelRunner:
         self.device = device
         self.connector = connector
         self.scale = config.head_dim**-0.5
+        self.dtype = dtype
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._on_cuda = device.type == "cuda"
         if self._on_cuda:
-            from kernels import paged_attention, reshape_and_cache
+            from kernels import reshape_and_cache
+
+            self._paged_attention = None  # engine.attention picks the kernel per sequence
         else:
-            from kernels.reference import paged_attention_ref as paged_attention
+            from kernels.reference import paged_attention_ref
             from kernels.reference import reshape_and_cache_ref as reshape_and_cache
+
+            self._paged_attention = paged_attention_ref
         self._reshape_and_cache = reshape_and_cache
-        self._paged_attention = paged_attention
         self._metadata: AttentionMetadata | None = None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
@@ -110,6 +108,7 @@ class ModelRunner:
                     device,
                     cuda_graph_max_batch_size,
                     max_blocks_per_seq=-(-max_model_len // block_size),
+                    max_seq_len=max_model_len,
                 )
             except RuntimeError as error:
                 logger.warning("decode CUDA graphs could not be captured, running eagerly: %s", error)
@@ -127,17 +126,38 @@ class ModelRunner:
 
     def _prepare(self, plan: SchedulerOutput) -> tuple[HostInputs, list[int]]:
         """-> the step's inputs on the host, and the logits row of each scheduled request
-        (-1 when it samples nothing; with drafts, the row of the last draft)."""
+        (-1 when it samples nothing; with drafts, the row of the last draft).
+
+        The flat batch holds the paged-attention sequences first and the whole-prompt
+        prefills (engine.attention's dense path, CUDA only) after them; rows still
+        follow plan.requests' order in the returned list."""
         bs = self.block_size
+        num_requests = len(plan.requests)
+        dense = [
+            self._on_cuda
+            and attention.is_dense_prefill(
+                request.num_computed_tokens,
+                num_new,
+                len(plan.request_id_to_spec_token_ids.get(request.request_id, ())),
+                self.dtype,
+            )
+            for request, num_new in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+        ]
+        order = [i for i in range(num_requests) if not dense[i]] + [
+            i for i in range(num_requests) if dense[i]
+        ]
+        num_paged_seqs = num_requests - sum(dense)
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
-        logits_rows: list[int] = []
+        logits_rows = [-1] * num_requests
+        dense_spans: list[tuple[int, int]] = []
         max_blocks = max(len(r.block_ids) for r in plan.requests)
-        block_tables = np.zeros((len(plan.requests), max_blocks), dtype=np.int32)
-        for i, (request, num_new) in enumerate(zip(plan.requests, plan.num_scheduled_tokens, strict=True)):
+        block_tables = np.zeros((num_requests, max_blocks), dtype=np.int32)
+        for row, i in enumerate(order):
+            request, num_new = plan.requests[i], plan.num_scheduled_tokens[i]
             start = request.num_computed_tokens
             end = start + num_new
             spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id, [])
@@ -146,12 +166,19 @@ class ModelRunner:
             pos = np.arange(start, end, dtype=np.int64)
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
             positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            block_tables[i, : len(block_ids)] = block_ids
+            slot = block_ids[pos // bs] * bs + pos % bs
+            # Blocks registered in the prefix cache may be shared and already hold these
+            # tokens' KV (the last token of a fully cached prompt): never rewrite them.
+            slot[pos < request.num_cached_blocks * bs] = -1
+            slots.append(slot)
+            block_tables[row, : len(block_ids)] = block_ids
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
-            samples = end == request.num_tokens + len(spec_token_ids)
-            logits_rows.append(query_start_loc[-1] - 1 if samples else -1)
+            if dense[i]:
+                dense_spans.append((query_start_loc[-2], query_start_loc[-1]))
+            if end == request.num_tokens + len(spec_token_ids):
+                logits_rows[i] = query_start_loc[-1] - 1
+        paged_query_lens = [plan.num_scheduled_tokens[i] for i in order[:num_paged_seqs]]
         host = HostInputs(
             input_ids=np.asarray(input_ids, dtype=np.int64),
             positions=np.concatenate(positions),
@@ -159,7 +186,10 @@ class ModelRunner:
             block_tables=block_tables,
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
             query_start_loc=np.asarray(query_start_loc, dtype=np.int32),
-            max_query_len=max(plan.num_scheduled_tokens),
+            max_query_len=max(paged_query_lens, default=1),
+            max_seq_len=max(seq_lens),
+            num_paged_seqs=num_paged_seqs,
+            dense_spans=tuple(dense_spans),
         )
         return host, logits_rows
 
@@ -173,6 +203,7 @@ class ModelRunner:
             graphs is not None
             and not (has_loads and connector.needs_layer_hooks)
             and host.max_query_len == 1
+            and not host.dense_spans
             and not plan.request_id_to_spec_token_ids
             and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
         ):
@@ -201,6 +232,9 @@ class ModelRunner:
             seq_lens=torch.from_numpy(host.seq_lens).to(device, non_blocking=True),
             query_start_loc=torch.from_numpy(host.query_start_loc).to(device, non_blocking=True),
             max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+            num_paged_seqs=host.num_paged_seqs,
+            dense_spans=host.dense_spans,
         )
         input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
         positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
@@ -224,16 +258,7 @@ class ModelRunner:
             # The metadata was built here from the scheduler's plan: skip the kernels'
             # value checks, which would sync the stream once per layer.
             self._reshape_and_cache(key, value, kv_layer, md.slot_mapping, check_values=False)
-            out = self._paged_attention(
-                query,
-                kv_layer,
-                md.block_tables,
-                md.seq_lens,
-                md.query_start_loc,
-                self.scale,
-                max_query_len=md.max_query_len,
-                check_values=False,
-            )
+            out = attention.attend(query, key, value, kv_layer, md, self.scale)
         else:
             self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
             out = self._paged_attention(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.model_runner import AttentionMetadata
 from tests.engine.hf_reference import random_prompt
 
 
@@ -41,7 +41,12 @@ def test_static_buffer_decode_gives_the_eager_tokens(tiny_model_dir, max_batch_s
     llm = LLM(model_dir, dtype="float32", device="cpu")
     runner = llm.engine.runner
     graphs = EagerReplay(
-        runner._forward_with_metadata, AttentionMetadata, runner.device, max_batch_size, max_blocks_per_seq=16
+        runner._forward_with_metadata,
+        AttentionMetadata,
+        runner.device,
+        max_batch_size,
+        max_blocks_per_seq=16,
+        max_seq_len=16 * runner.block_size,
     )
     runner.decode_graphs = graphs
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected

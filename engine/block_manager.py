@@ -62,14 +62,15 @@ class BlockManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Side-effect free on the pool: ids of the longest run of leading full blocks
-        already cached. Leaves at least one token to compute, so the step that admits
-        the request produces logits."""
+        already cached, possibly every token's block. The scheduler still computes at
+        least the last token (so the admitting step produces logits); when that token's
+        block is one of these, the runner reads its KV from the block and leaves the
+        shared block unwritten."""
         if not self.enable_prefix_caching:
             return []
         self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes:
             block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None:
                 break
@@ -92,7 +93,10 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             self.ref_counts[block_id] += 1
             request.block_ids.append(block_id)
-        request.num_cached_blocks = len(request.block_ids)
+        if cached_block_ids:
+            # Only at admission: later calls must not count blocks still being filled as
+            # cached, or cache_computed_blocks would never register them.
+            request.num_cached_blocks = len(request.block_ids)
         for _ in range(num_needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
             old_hash = self.block_id_to_hash[block_id]

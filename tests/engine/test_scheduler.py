@@ -120,13 +120,16 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
     first = make_request("first", 12)  # exactly 3 full blocks
     scheduler.add_request(first)
     run_step(scheduler)
+    first_block_ids = list(first.block_ids)
     scheduler.finish_request(first, "abort")
     again = make_request("again", 12)
     scheduler.add_request(again)
     output, updated = run_step(scheduler)
-    # the 3 blocks are cached, but only 2 are reused: the last token must run to give logits
-    assert again.metrics.num_local_cached_tokens == 8
-    assert plan_of(output) == {"again": 4}
+    # all 3 blocks are reused; the last token still runs to give logits, reading its KV
+    # from the shared block (the runner leaves that block unwritten)
+    assert again.metrics.num_local_cached_tokens == 11
+    assert again.block_ids == first_block_ids and again.num_cached_blocks == 3
+    assert plan_of(output) == {"again": 1}
     assert updated == [again]
 
 

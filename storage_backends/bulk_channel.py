@@ -129,6 +129,7 @@ class BulkClient:
         *,
         token: str | None,
         timeout_s: float,
+        connect_timeout_s: float | None = None,
         tls_context: ssl.SSLContext | None = None,
         max_idle_connections: int = 64,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
@@ -136,6 +137,7 @@ class BulkClient:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self._token = (token or "").encode()
         if len(self._token) > MAX_TOKEN_BYTES:
             raise ValueError(f"auth token longer than {MAX_TOKEN_BYTES} bytes")
@@ -148,8 +150,9 @@ class BulkClient:
 
     # ---- connections -----------------------------------------------------------
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         try:
+            sock.settimeout(self.timeout_s)
             # Requests and replies are small messages answered at once: no Nagle delay.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls_context is not None:
@@ -180,7 +183,7 @@ class BulkClient:
         sock.close()
 
     def _call(self, operation, key: str, *args):
-        """Run ``operation(sock, key, *args)`` on a pooled connection. A connection that failed
+        """Run ``operation(self, sock, key_bytes, *args)`` on a pooled connection. A connection that failed
         is closed (it may be mid-message); an error status leaves it in sync and pooled."""
         encoded_key = key.encode()
         if len(encoded_key) > MAX_KEY_BYTES:

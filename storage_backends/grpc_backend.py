@@ -4,14 +4,17 @@ URL parameters: ``token`` (bearer token; default ``$KVSTASH_AUTH_TOKEN``),
 ``ca`` (PEM file of the CA that signed the server's certificate, for
 ``grpcs://``; default: the system roots), ``timeout`` (seconds per call,
 default 30), ``codec`` (``none`` or ``lz4``, used when this tier encodes a
-chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8).
+chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8),
+``bulk`` (``on``, the default, or ``off``: move values over gRPC only, e.g. when
+only the gRPC port is forwarded to the client).
 
 A synchronous API over one gRPC channel (channels are thread-safe, so is this
 class). Values move over the server's bulk data channel when it has one
 (``storage_backends.bulk_channel``: raw bytes on a TCP port that the first Put
 or Get asks for with ``GetBulkEndpoint``; TLS and the token as for gRPC); when
 it is off, unreachable or fails mid-call, the call goes over gRPC instead and
-the bulk channel is tried again ``BULK_RETRY_S`` seconds later. Over gRPC,
+the bulk channel is tried again ``BULK_RETRY_S`` seconds later (doubling after
+each failure in a row, up to ``BULK_MAX_RETRY_S``). Over gRPC,
 values travel as streams of ``PIECE_BYTES`` pieces, so no message comes
 near the size limits that both sides set in ``CHANNEL_OPTIONS``; the pieces are
 written and read in protobuf's wire format directly (one copy each, see below). Every call has
@@ -60,6 +63,10 @@ DEFAULT_CONCURRENCY = 8
 LIST_PAGE_SIZE = 5000
 #: seconds values go over gRPC after the bulk channel failed (or was off) before it is asked for again
 BULK_RETRY_S = 5.0
+#: the longest such wait, reached after failures in a row (an unreachable port costs a connect each time)
+BULK_MAX_RETRY_S = 300.0
+#: seconds a bulk connection may take to open (a filtered port must not stall a call for the whole timeout)
+BULK_CONNECT_TIMEOUT_S = 3.0
 CODE_TO_STATUS = {status.value[0]: status for status in grpc.StatusCode}
 
 logger = logging.getLogger(__name__)
@@ -198,6 +205,7 @@ class GrpcBackend(StorageBackend):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         codec: str = "none",
         concurrency: int = DEFAULT_CONCURRENCY,
+        bulk: bool = True,
     ) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
@@ -234,12 +242,15 @@ class GrpcBackend(StorageBackend):
         self._counts.update(bulk_calls=0, bulk_failures=0)
         self._closed = False
         self._bulk: BulkClient | None = None
-        self._bulk_asked_at = -BULK_RETRY_S  # monotonic time of the last GetBulkEndpoint
+        self._use_bulk = bulk
+        self._bulk_asked_at = -BULK_MAX_RETRY_S  # monotonic time of the last GetBulkEndpoint
+        self._bulk_retry_s = BULK_RETRY_S  # wait after the last failure
+        self._num_bulk_failures_in_row = 0
 
     @classmethod
     def from_url(cls, url: str) -> GrpcBackend:
         """``grpc://host:port`` or ``grpcs://host:port`` with the parameters in the module docstring."""
-        parts, params = split_backend_url(url, ("token", "ca", "timeout", "codec", "concurrency"))
+        parts, params = split_backend_url(url, ("token", "ca", "timeout", "codec", "concurrency", "bulk"))
         if parts.scheme not in ("grpc", "grpcs"):
             raise ValueError(f"not a grpc:// or grpcs:// URL: {url!r}")
         if not parts.hostname or parts.port is None:
@@ -248,6 +259,9 @@ class GrpcBackend(StorageBackend):
             raise ValueError(f"grpc URL takes no path, got {parts.path!r} in {url!r}")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         concurrency = params.get("concurrency", str(DEFAULT_CONCURRENCY))
+        bulk = params.get("bulk", "on")
+        if bulk not in ("on", "off"):
+            raise ValueError(f"grpc bulk must be 'on' or 'off', got {bulk!r}")
         if not concurrency.isdigit():
             raise ValueError(f"grpc concurrency must be a positive integer, got {concurrency!r}")
         return cls(
@@ -260,6 +274,7 @@ class GrpcBackend(StorageBackend):
             else DEFAULT_TIMEOUT_S,
             codec=params.get("codec", "none"),
             concurrency=int(concurrency),
+            bulk=bulk == "on",
         )
 
     # ---- helpers -------------------------------------------------------------
@@ -285,12 +300,12 @@ class GrpcBackend(StorageBackend):
         return BackendError(f"grpc tier {what} failed: {reason}")
 
     def _bulk_client(self) -> BulkClient | None:
-        """The bulk channel, asking the server for it at most once per BULK_RETRY_S; None: use gRPC."""
+        """The bulk channel, asking the server for it at most once per retry period; None: use gRPC."""
         with self._lock:
-            if self._bulk is not None or self._closed:
+            if self._bulk is not None or self._closed or not self._use_bulk:
                 return self._bulk
             now = time.monotonic()
-            if now - self._bulk_asked_at < BULK_RETRY_S:
+            if now - self._bulk_asked_at < self._bulk_retry_s:
                 return None
             self._bulk_asked_at = now
         try:
@@ -303,9 +318,13 @@ class GrpcBackend(StorageBackend):
         if not endpoint.port or endpoint.protocol_version != PROTOCOL_VERSION or endpoint.tls != self._secure:
             return None
         tls_context = ssl.create_default_context(cafile=self._ca_path) if self._secure else None
-        host = self.address.rsplit(":", 1)[0].strip("[]")
         client = BulkClient(
-            host, endpoint.port, token=self._token, timeout_s=self.timeout_s, tls_context=tls_context
+            self.address.rsplit(":", 1)[0].strip("[]"),
+            endpoint.port,
+            token=self._token,
+            timeout_s=self.timeout_s,
+            connect_timeout_s=min(self.timeout_s, BULK_CONNECT_TIMEOUT_S),
+            tls_context=tls_context,
         )
         with self._lock:
             if self._bulk is None and not self._closed:
@@ -314,16 +333,25 @@ class GrpcBackend(StorageBackend):
         client.close()
         return self._bulk
 
+    def _bulk_succeeded(self) -> None:
+        with self._lock:
+            self._counts["bulk_calls"] += 1
+            self._num_bulk_failures_in_row = 0
+
     def _bulk_failed(self, client: BulkClient, error: BulkUnavailable) -> None:
-        """Stop using a bulk channel that failed; the call at hand goes over gRPC instead."""
-        logger.warning(
-            "bulk channel of %s failed, using gRPC for %g s: %s", self.address, BULK_RETRY_S, error
-        )
+        """Stop using a bulk channel that failed; this call and those of the next retry period
+        (doubled after each failure in a row) go over gRPC instead."""
         with self._lock:
             self._counts["bulk_failures"] += 1
             if self._bulk is client:
                 self._bulk = None
                 self._bulk_asked_at = time.monotonic()
+                self._bulk_retry_s = min(BULK_RETRY_S * 2**self._num_bulk_failures_in_row, BULK_MAX_RETRY_S)
+                self._num_bulk_failures_in_row += 1
+            retry_s = self._bulk_retry_s
+        # INFO, not WARNING: the call goes on over gRPC, and a server that is really down is
+        # reported once by the caller (the connector's tier incident), not once per channel.
+        logger.info("bulk channel of %s failed, using gRPC for %g s: %s", self.address, retry_s, error)
         client.close()
 
     def _refused_value(self, key: str, details: str) -> ChunkFormatError:
@@ -353,7 +381,7 @@ class GrpcBackend(StorageBackend):
         if bulk is not None:
             try:
                 data = bulk.get(key)
-                self._count("bulk_calls")
+                self._bulk_succeeded()
                 return data
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)
@@ -413,7 +441,7 @@ class GrpcBackend(StorageBackend):
             try:
                 bulk.put(key, data)
                 self._count("puts")
-                self._count("bulk_calls")
+                self._bulk_succeeded()
                 return
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)

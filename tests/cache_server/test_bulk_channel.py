@@ -249,6 +249,16 @@ def test_tls_bulk_channel(tls_files) -> None:  # noqa: F811 - the fixture import
         secure.close()
 
 
+def test_a_client_can_turn_the_bulk_channel_off(server, stubs) -> None:
+    backend = create_backend(f"{server.url}?bulk=off")
+    backend.put_encoded("ns/k", make_value(9, 2 * MIB))
+    assert bytes(backend.get_encoded("ns/k")) == make_value(9, 2 * MIB)
+    assert backend.stats()["bulk_calls"] == 0
+    backend.close()
+    with pytest.raises(ValueError, match="bulk must be 'on' or 'off'"):
+        create_backend(f"{server.url}?bulk=maybe")
+
+
 def test_off_means_grpc_only() -> None:
     plain = CacheServerProcess("--memory-gb", "0.1", "--bulk-port", "off").start()
     try:

@@ -9,6 +9,9 @@ redis-py connection), so 8 clients means 8 calls in flight.
 Both sides move the same serialized chunk bytes. The kvstash side is the
 engine's own ``grpc://`` tier, so it verifies the checksum of every Get on the
 client (redis-py does not) and the server verifies every Put: the production path.
+Values move over the server's bulk data channel (docs/cache_server.md);
+``--bulk off`` starts the server without it, so the same run measures the
+gRPC-only path.
 
 The machine is shared, so each cell runs ``--rounds`` times, alternating the two
 systems, and the table shows medians: MB/s of each system and the median of the
@@ -63,10 +66,11 @@ def make_value(num_bytes: int, seed: int) -> bytes:
     return encode_chunk(KVChunk(tensor))
 
 
-def start_cache_server(memory_gb: float) -> tuple[subprocess.Popen, str]:
+def start_cache_server(memory_gb: float, bulk: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     process = subprocess.Popen(
-        [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)],
+        [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)]
+        + ["--bulk-port", "any" if bulk == "on" else "off"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -239,6 +243,9 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="runs per cell and system; the table shows medians"
     )
+    parser.add_argument(
+        "--bulk", choices=("on", "off"), default="on", help="the server's bulk data channel (off: gRPC only)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -247,7 +254,7 @@ def main() -> int:
     most_bytes = max(size * clients * ops[(size, clients)] for size, clients in cells)
     memory_gb = 2 * most_bytes / (1 << 30) + 0.25
 
-    server, address = start_cache_server(memory_gb)
+    server, address = start_cache_server(memory_gb, args.bulk)
     redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
     import psutil
 
@@ -301,7 +308,7 @@ def main() -> int:
                 "cpu_count": os.cpu_count(),
                 "load_average_1m": os.getloadavg()[0],
             },
-            "settings": {"rounds": args.rounds, "mib_per_cell": args.mib_per_cell},
+            "settings": {"rounds": args.rounds, "mib_per_cell": args.mib_per_cell, "bulk": args.bulk},
             "cells": cells_summary,
             "rows": rows,
         }

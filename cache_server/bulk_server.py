@@ -140,7 +140,16 @@ class BulkServer:
         connection = _Connection(sock)
         with self._lock:
             self._connections.add(connection)
+            num_connections = len(self._connections)
         try:
+            if num_connections > self._max_connections:
+                # Checked before the handshake, so connections that never say hello cannot
+                # hold more threads than the limit either. The client falls back to gRPC.
+                self._service.counters.add(num_rejected=1)
+                logger.info(
+                    "bulk connection refused: %d open (limit %d)", num_connections - 1, self._max_connections
+                )
+                return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(HELLO_TIMEOUT_S)
             if self._tls_context is not None:
@@ -170,13 +179,6 @@ class BulkServer:
         if self._expected_token and not hmac.compare_digest(token, self._expected_token):
             self._service.counters.add(num_rejected=1)
             sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
-            return False
-        with self._lock:
-            num_connections = len(self._connections)
-        if num_connections > self._max_connections:
-            self._service.counters.add(num_rejected=1)
-            message = f"too many bulk connections (limit {self._max_connections}); retry later"
-            sock.sendall(wire.encode_reply(wire.STATUS_RESOURCE_EXHAUSTED, message))
             return False
         sock.sendall(wire.encode_reply(wire.STATUS_OK))
         return True

@@ -52,6 +52,13 @@ __all__ = ["admin", "cache_server"]
     show_default=True,
     help="Put/Get streams served at once.",
 )
+@click.option(
+    "--max-bulk-connections",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Bulk-channel connections open at once (more are closed; those clients use gRPC).",
+)
 def cache_server(
     host: str,
     port: int,
@@ -66,6 +73,7 @@ def cache_server(
     grace_s: float,
     max_value_mb: float,
     max_concurrent_streams: int,
+    max_bulk_connections: int,
 ) -> None:
     """Serve KV chunks over gRPC from memory, with optional disk and Redis tiers below."""
     from cache_server.server import run
@@ -84,7 +92,9 @@ def cache_server(
             tls_key=tls_key,
             grace_s=grace_s,
             limits=Limits(
-                max_value_bytes=int(max_value_mb * (1 << 20)), max_concurrent_streams=max_concurrent_streams
+                max_value_bytes=int(max_value_mb * (1 << 20)),
+                max_concurrent_streams=max_concurrent_streams,
+                max_bulk_connections=max_bulk_connections,
             ),
         )
     except ValueError as exc:

@@ -196,6 +196,38 @@ def test_concurrent_clients_each_read_back_their_own_values(server, stubs) -> No
     assert server_stats(stubs).num_active_streams == 0
 
 
+def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc() -> None:
+    limited = CacheServerProcess("--memory-gb", "0.1", "--max-bulk-connections", "2").start()
+    try:
+        with Stubs(limited.address) as stubs:
+            port = bulk_port(stubs)
+            held = [raw_connection(port), socket.create_connection(("127.0.0.1", port), timeout=10)]
+            with pytest.raises(wire.BulkUnavailable):
+                BulkClient("127.0.0.1", port, token=None, timeout_s=10).put("ns/k", make_value(14))
+            backend = GrpcBackend(limited.address)
+            backend.put_encoded("ns/k", make_value(14, 2 * MIB))
+            assert bytes(backend.get_encoded("ns/k")) == make_value(14, 2 * MIB)
+            assert backend.stats()["bulk_calls"] == 0 and backend.stats()["bulk_failures"] == 1
+            backend.close()
+            for sock in held:
+                sock.close()
+            assert server_stats(stubs).num_rejected >= 2
+            # Once the held connections are gone, new ones are served again.
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert BulkClient("127.0.0.1", port, token=None, timeout_s=10).get("ns/k") == make_value(
+                        14, 2 * MIB
+                    )
+                    break
+                except wire.BulkUnavailable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        limited.stop()
+        limited.close()
+
+
 def test_the_token_is_checked_on_connect() -> None:
     secured = CacheServerProcess("--memory-gb", "0.1", "--auth-token", TOKEN).start()
     try:

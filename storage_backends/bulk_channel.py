@@ -167,13 +167,14 @@ class BulkClient:
             raise BulkStatusError(reply.status, reply.message)
         return sock
 
-    def _take(self) -> socket.socket:
+    def _take(self) -> tuple[socket.socket, bool]:
+        """A connection and whether it was pooled (idle since an earlier call)."""
         with self._lock:
             if self._closed:
                 raise BulkUnavailable("bulk client is closed")
             if self._idle:
-                return self._idle.pop()
-        return self._connect()
+                return self._idle.pop(), True
+        return self._connect(), False
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -183,29 +184,36 @@ class BulkClient:
         sock.close()
 
     def _call(self, operation, key: str, *args):
-        """Run ``operation(self, sock, key_bytes, *args)`` on a pooled connection. A connection that failed
-        is closed (it may be mid-message); an error status leaves it in sync and pooled."""
+        """Run ``operation(self, sock, key_bytes, *args)`` on a pooled connection. A connection
+        that failed is closed (it may be mid-message); an error status leaves it in step and
+        pooled. A pooled connection may have been closed by the server while idle (or by a
+        restart), so a failure other than a timeout on one is retried on a new connection
+        (Put and Get are idempotent)."""
         encoded_key = key.encode()
         if len(encoded_key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(encoded_key)} bytes is too long for the bulk channel")
-        try:
-            sock = self._take()
-        except OSError as error:
-            raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {error}") from None
-        try:
-            sock.settimeout(self.timeout_s)
-            result = operation(self, sock, encoded_key, *args)
-        except BulkStatusError:
+        while True:
+            try:
+                sock, pooled = self._take()
+            except OSError as error:
+                raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {error}") from None
+            try:
+                sock.settimeout(self.timeout_s)
+                result = operation(self, sock, encoded_key, *args)
+            except BulkStatusError:
+                self._give_back(sock)
+                raise
+            except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
+                sock.close()
+                if pooled and not isinstance(error, TimeoutError):
+                    self._close_idle()  # they are as old as this one
+                    continue
+                raise BulkUnavailable(f"bulk transfer with {self.host}:{self.port} failed: {error}") from None
+            except BaseException:
+                sock.close()
+                raise
             self._give_back(sock)
-            raise
-        except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
-            sock.close()
-            raise BulkUnavailable(f"bulk transfer with {self.host}:{self.port} failed: {error}") from None
-        except BaseException:
-            sock.close()
-            raise
-        self._give_back(sock)
-        return result
+            return result
 
     # ---- operations ------------------------------------------------------------
     def put(self, key: str, data: bytes | memoryview) -> int:
@@ -221,12 +229,16 @@ class BulkClient:
                 return None
             raise
 
-    def close(self) -> None:
+    def _close_idle(self) -> None:
         with self._lock:
-            self._closed = True
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._close_idle()
 
 
 def _put(client: BulkClient, sock: socket.socket, key: bytes, data: bytes | memoryview) -> int:

@@ -21,7 +21,7 @@ from storage_backends.bulk_channel import BulkClient, BulkStatusError
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess, repo_env
+from tests.cache_server.server_process import CacheServerProcess, free_port_for_tests, repo_env
 from tests.cache_server.test_auth_tls import tls_files  # noqa: F401 - the module-scoped certificate fixture
 
 MIB = 1 << 20
@@ -346,6 +346,25 @@ def test_server_killed_mid_transfer_is_an_error_then_a_restart_is_found_again() 
         assert backend.stats()["bulk_calls"] == calls_before + 1
     finally:
         backend.close()
+        process.close()
+
+
+def test_pooled_connections_closed_by_a_restart_are_replaced_without_an_error() -> None:
+    fixed_port = free_port_for_tests()
+    process = CacheServerProcess("--memory-gb", "0.1", "--bulk-port", str(fixed_port))
+    process.start()
+    try:
+        with Stubs(process.address) as stubs:
+            assert bulk_port(stubs) == fixed_port
+        client = BulkClient("127.0.0.1", fixed_port, token=None, timeout_s=10)
+        with ThreadPoolExecutor(3) as pool:  # three pooled connections
+            list(pool.map(lambda i: client.put(f"ns/{i}", make_value(i)), range(3)))
+        assert process.stop() == 0
+        process.start()  # same ports, empty
+        assert client.put("ns/again", make_value(20)) == len(make_value(20))
+        assert client.get("ns/again") == make_value(20)
+        client.close()
+    finally:
         process.close()
 
 

@@ -167,9 +167,10 @@ class ModelRunner:
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
             positions.append(pos)
             slot = block_ids[pos // bs] * bs + pos % bs
-            # Blocks registered in the prefix cache may be shared and already hold these
-            # tokens' KV (the last token of a fully cached prompt): never rewrite them.
-            slot[pos < request.num_cached_blocks * bs] = -1
+            if start < request.num_cached_blocks * bs:
+                # Blocks registered in the prefix cache may be shared and already hold these
+                # tokens' KV (the last token of a fully cached prompt): never rewrite them.
+                slot[pos < request.num_cached_blocks * bs] = -1
             slots.append(slot)
             block_tables[row, : len(block_ids)] = block_ids
             seq_lens.append(end)
@@ -309,12 +310,20 @@ class ModelRunner:
             connector.start_load_kv()
         request_id_to_token: dict[str, int] = {}
         request_id_to_accepted_draft_ids: dict[str, list[int]] = {}
+        saves_queued = False
         if plan.requests:
             host, logits_rows = self._prepare(plan)
             hidden = self._run_model(plan, host)
+            if connector is not None:
+                # Queue the saves while the GPU still runs the forward pass: sampling below
+                # waits for it, and the saves' host bookkeeping would otherwise add to the step.
+                connector.wait_for_save()
+                saves_queued = True
             sampling = [(i, row) for i, row in enumerate(logits_rows) if row >= 0]
             if sampling:
-                rows = torch.tensor([row for _, row in sampling], device=self.device)
+                # non_blocking from host memory: the host queues sampling behind the forward
+                # pass instead of waiting for it here (the sampled ids are read once, at the end).
+                rows = torch.tensor([row for _, row in sampling]).to(self.device, non_blocking=True)
                 logits = self.model.compute_logits(hidden[rows])
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample(
@@ -329,7 +338,8 @@ class ModelRunner:
         load_failures: dict[str, int] = {}
         finished_sending: set[str] = set()
         if connector is not None:
-            connector.wait_for_save()
+            if not saves_queued:
+                connector.wait_for_save()
             load_failures = dict(connector.load_failures())
             finished_sending, _ = connector.get_finished(plan.finished_request_ids)
         self._metadata = None

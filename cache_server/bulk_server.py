@@ -70,6 +70,9 @@ class _Listener(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
     block_on_close = False
+    # socketserver's default backlog of 5 drops the SYNs of a burst of new clients while the
+    # accept thread waits for a core, and each dropped SYN costs its client a 1 s retransmit.
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, address: tuple[str, int], bulk: BulkServer) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET

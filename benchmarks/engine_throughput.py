@@ -10,10 +10,11 @@ starts.
     python benchmarks/engine_throughput.py --out engine_throughput.json
     python benchmarks/engine_throughput.py --tiny --out /tmp/tiny.json   # CPU, seconds
 
-`--offload` adds the cost of offloading on misses: the same workload on a second
-engine with the CPU tier on, in the same run. Every measured prompt is fresh
-(0% hits), so that engine saves the KV of every prompt and loads nothing; the
-ratio of the two throughputs is the price of offload on a miss (target: within 3%).
+`--offload` adds the cost of offloading on misses: two engines alive side by side
+with the same KV blocks, one with the CPU tier on, timed in alternating order for
+`--repeats` rounds on fresh prompts (0% hits), so the offload engine saves the KV of
+every prompt and loads nothing. The median per-round throughput ratio is the price
+of offload on a miss (target: within 3%).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,43 +118,88 @@ def run_hf(config, prompts, new_tokens: int, device: torch.device, dtype: torch.
     return seconds
 
 
-def run_kvstash(
-    config,
-    prompt_sets: list[list[list[int]]],
-    warmup_prompts,
-    new_tokens: int,
-    device: torch.device,
-    dtype_name: str,
-    kv_offload=None,
-):
-    """-> (fastest seconds over the prompt sets, steps of that run, KV blocks, external
-    hit tokens) for each set of prompts in one `generate` call, after a warm-up. The
-    engine is freed before returning."""
-    llm = LLM(config, load_format="dummy", device=str(device), dtype=dtype_name, kv_offload=kv_offload)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def make_engine(config, device: torch.device, dtype_name: str, warmup_prompts, **engine_args) -> LLM:
+    """An engine on random weights, warmed up (Triton compilation, graphs, cuBLAS)."""
+    llm = LLM(config, load_format="dummy", device=str(device), dtype=dtype_name, **engine_args)
     llm.generate(warmup_prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    best = None
-    num_external = 0
-    for prompts in prompt_sets:
-        steps_before = llm.stats.num_steps
-        synchronize(device)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        synchronize(device)
-        seconds = time.perf_counter() - start
-        if any(len(o.token_ids) != new_tokens for o in outputs):
-            raise RuntimeError("kvstash generated a wrong number of tokens")
-        num_external += sum(o.metrics.num_external_cached_tokens for o in outputs)
-        if best is None or seconds < best[0]:
-            best = (seconds, llm.stats.num_steps - steps_before)
-    num_blocks = llm.engine.block_manager.num_blocks
+    return llm
+
+
+def timed_generate(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, device: torch.device
+) -> tuple[float, int, int]:
+    """-> (seconds, engine steps, external hit tokens) of one `generate` over all prompts."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    steps_before = llm.stats.num_steps
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if any(len(o.token_ids) != new_tokens for o in outputs):
+        raise RuntimeError("kvstash generated a wrong number of tokens")
+    num_external = sum(o.metrics.num_external_cached_tokens for o in outputs)
+    return seconds, llm.stats.num_steps - steps_before, num_external
+
+
+def close_engine(llm: LLM, device: torch.device) -> None:
     if llm.engine.runner.connector is not None:
         llm.engine.runner.connector.close()  # its writer thread and pinned slab
     del llm
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return best[0], best[1], num_blocks, num_external
+
+
+def run_kvstash(config, prompt_sets, warmup_prompts, new_tokens: int, device: torch.device, dtype_name: str):
+    """-> (fastest seconds over the prompt sets, steps of that run, KV blocks); one
+    engine with the default memory budget, freed before returning."""
+    llm = make_engine(config, device, dtype_name, warmup_prompts)
+    runs = [timed_generate(llm, prompts, new_tokens, device) for prompts in prompt_sets]
+    seconds, num_steps, _ = min(runs)
+    num_blocks = llm.engine.block_manager.num_blocks
+    close_engine(llm, device)
+    return seconds, num_steps, num_blocks
+
+
+def run_offload_pair(
+    config,
+    prompt_sets_off,
+    prompt_sets_on,
+    warmup_prompts,
+    new_tokens,
+    device,
+    dtype_name,
+    kv_offload,
+    num_gpu_blocks,
+) -> dict:
+    """Offload off and on side by side: two engines alive at once with the same KV
+    blocks, timed in alternating order round by round (off first in even rounds), so
+    drift of the machine over the run falls on both. Every prompt is fresh (0% hits).
+    -> each engine's fastest seconds, the per-round ratios and the external hit tokens."""
+    off = make_engine(config, device, dtype_name, warmup_prompts, num_gpu_blocks=num_gpu_blocks)
+    on = make_engine(
+        config, device, dtype_name, warmup_prompts, num_gpu_blocks=num_gpu_blocks, kv_offload=kv_offload
+    )
+    off_seconds, on_seconds, num_external = [], [], 0
+    for round_index, (prompts_off, prompts_on) in enumerate(
+        zip(prompt_sets_off, prompt_sets_on, strict=True)
+    ):
+        pair = [(off, prompts_off, off_seconds), (on, prompts_on, on_seconds)]
+        for llm, prompts, seconds in pair if round_index % 2 == 0 else reversed(pair):
+            elapsed, _, hits = timed_generate(llm, prompts, new_tokens, device)
+            seconds.append(elapsed)
+            num_external += hits if llm is on else 0
+    close_engine(on, device)
+    close_engine(off, device)
+    ratios = [a / b for a, b in zip(off_seconds, on_seconds, strict=True)]  # throughput on / off
+    return {
+        "off_seconds": min(off_seconds),
+        "on_seconds": min(on_seconds),
+        "round_ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "external_hit_tokens": num_external,
+    }
 
 
 def main() -> None:
@@ -190,32 +237,36 @@ def main() -> None:
     warmup_prompts = make_prompts(min(num_requests, 8), prompt_len, config.vocab_size, seed=1)
 
     hf_seconds = None if args.skip_hf else run_hf(config, prompts, new_tokens, device, dtype)
-    kv_seconds, num_steps, num_blocks, _ = run_kvstash(
+    kv_seconds, num_steps, num_blocks = run_kvstash(
         config, prompt_sets, warmup_prompts, new_tokens, device, dtype_name
     )
-    offload_seconds = offload_hits = None
+    pair = None
     if args.offload:
         from connector import OffloadConfig
 
         kv_bytes = num_requests * (prompt_len + new_tokens) * kv_bytes_per_token(config, dtype)
-        offload_prompt_sets = [
-            make_prompts(num_requests, prompt_len, config.vocab_size, seed=2 * i + 101)
-            for i in range(args.repeats)
-        ]
-        offload_seconds, _, _, offload_hits = run_kvstash(
+        blocks_per_request = -(-(prompt_len + new_tokens) // 16) + 1
+        pair = run_offload_pair(
             config,
-            offload_prompt_sets,
+            [
+                make_prompts(num_requests, prompt_len, config.vocab_size, seed=2 * i + 51)
+                for i in range(args.repeats)
+            ],
+            [
+                make_prompts(num_requests, prompt_len, config.vocab_size, seed=2 * i + 101)
+                for i in range(args.repeats)
+            ],
             warmup_prompts,
             new_tokens,
             device,
             dtype_name,
             kv_offload=OffloadConfig(cpu_bytes=kv_bytes + (1 << 30)),
+            num_gpu_blocks=2 * num_requests * blocks_per_request,
         )
 
     num_output_tokens = num_requests * new_tokens
     kv_tps = num_output_tokens / kv_seconds
     hf_tps = None if hf_seconds is None else num_output_tokens / hf_seconds
-    offload_tps = None if offload_seconds is None else num_output_tokens / offload_seconds
     result = {
         "benchmark": "engine_throughput",
         "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)",
@@ -235,22 +286,22 @@ def main() -> None:
         "kvstash_kv_blocks": num_blocks,
         "speedup_vs_hf": None if hf_tps is None else kv_tps / hf_tps,
         "repeats": args.repeats,
-        "offload_seconds": offload_seconds,
-        "offload_output_tokens_per_s": offload_tps,
-        "offload_external_hit_tokens": offload_hits,
-        "offload_vs_off": None if offload_tps is None else offload_tps / kv_tps,
+        "offload_pair": pair,
+        "offload_vs_off": None if pair is None else pair["median_ratio"],
         "torch": torch.__version__,
     }
     print(f"{'engine':<10} {'seconds':>9} {'output tok/s':>13}")
     if hf_seconds is not None:
         print(f"{'hf':<10} {hf_seconds:>9.3f} {hf_tps:>13.1f}")
     print(f"{'kvstash':<10} {kv_seconds:>9.3f} {kv_tps:>13.1f}")
-    if offload_tps is not None:
-        print(f"{'+offload':<10} {offload_seconds:>9.3f} {offload_tps:>13.1f}")
+    if pair is not None:
         print(
-            f"offload on / off: {offload_tps / kv_tps:.3f}  (CPU tier on, fresh prompts, "
-            f"{offload_hits} external hit tokens)"
+            f"offload off / on side by side ({len(pair['round_ratios'])} alternating rounds, same KV blocks, "
+            f"{pair['external_hit_tokens']} external hit tokens): off {num_output_tokens / pair['off_seconds']:.1f} "
+            f"tok/s, on {num_output_tokens / pair['on_seconds']:.1f} tok/s"
         )
+        rounds = " ".join(f"{r:.3f}" for r in pair["round_ratios"])
+        print(f"offload on / off throughput: median {pair['median_ratio']:.3f} (rounds: {rounds})")
     if hf_tps is not None:
         print(
             f"kvstash / hf: {kv_tps / hf_tps:.2f}x  ({num_requests} requests x {prompt_len} prompt + {new_tokens} new)"

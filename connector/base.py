@@ -105,7 +105,10 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
-        """Called exactly once per step after scheduling; resets per-step state."""
+        """Called exactly once per step after scheduling; resets per-step state.
+        ``scheduled`` holds the step's requests that still compute prompt tokens (only
+        prompt KV is saved; a request sent back by preemption or a failed load is in
+        its prompt again), so pure decode steps cost no per-request work here."""
 
     @abc.abstractmethod
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:

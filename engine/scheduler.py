@@ -170,6 +170,7 @@ class Scheduler:
                         num_prompt_tokens=r.num_prompt_tokens,
                     )
                     for r, n in zip(scheduled, num_scheduled, strict=True)
+                    if r.num_computed_tokens < r.num_prompt_tokens
                 ]
             )
         return output

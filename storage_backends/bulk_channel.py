@@ -13,7 +13,8 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
 
 - on connect, client → server: ``HELLO`` = magic ``b"KVB1"``, u16 token length,
   token bytes (empty without auth); server → client: a reply (below). A wrong
-  token gets UNAUTHENTICATED and the connection is closed.
+  token gets UNAUTHENTICATED and the connection is closed; so is, at once, a
+  connection beyond the server's ``--max-bulk-connections``.
 - request: u8 op (``OP_PUT``, ``OP_GET``), u16 key length, u64 value length
   (0 for Get), key bytes (UTF-8).
 - reply: u8 status, u32 message length, u64 value length, message bytes

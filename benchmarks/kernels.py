@@ -277,6 +277,7 @@ def bench_attention_scenario(scenario, num_new, seq_len, quick, rows):
             starts,
             scale,
             max_query_len=max_query_len,
+            max_seq_len=seq_len,  # as the engine passes it: no device sync to size split-KV
             check_values=False,
         )
 

@@ -12,6 +12,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from engine import attention
+from kernels import reshape_and_cache
 from kernels.paged_attention import _paged_attention_kernel
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
@@ -83,3 +84,43 @@ def test_dense_path_is_for_long_16_bit_whole_prompts_only():
     assert not attention.is_dense_prefill(0, long_prompt - 1, 0, torch.float16)
     assert not attention.is_dense_prefill(0, long_prompt, 2, torch.bfloat16)  # with drafts
     assert not attention.is_dense_prefill(0, long_prompt, 0, torch.float32)  # float32 parity stays paged
+
+
+@pytest.mark.parametrize("device", _device_cases()[:1])
+def test_runner_lays_out_whole_prompts_after_paged_sequences(device, tiny_model_dir, monkeypatch):
+    """The runner's paged-first layout with both paths live (the fused one opened to small
+    float32 prompts here): greedy tokens equal the all-paged engine's, for prompts that are
+    whole (fused), over a cached prefix (paged) and decoding (paged) in the same steps."""
+    from engine import LLM, SamplingParams
+    from tests.engine.hf_reference import random_prompt
+
+    model_dir = tiny_model_dir("llama")
+    shared = random_prompt(48, seed=500)
+    # After the first prompt ran alone, one step holds a whole prompt listed first (fused) and
+    # a short prompt and a prefix hit listed after it (paged): the runner moves it last.
+    prompts = [shared + random_prompt(20, seed=502), random_prompt(30, seed=501), random_prompt(5, seed=503)]
+    prompts.append(shared + random_prompt(9, seed=504))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    monkeypatch.setattr(attention, "DENSE_PREFILL_MIN_TOKENS", 16)
+    monkeypatch.setattr(attention, "DENSE_PREFILL_DTYPES", (torch.float32,))
+    # The CUDA path of the runner on CPU tensors: Triton kernels interpreted.
+    monkeypatch.setattr(llm.engine.runner, "_on_cuda", True)
+    monkeypatch.setattr(llm.engine.runner, "_reshape_and_cache", reshape_and_cache)
+    num_dense_spans = []
+    prepare = llm.engine.runner._prepare
+
+    def counting_prepare(plan):
+        host, rows = prepare(plan)
+        num_dense_spans.append(len(host.dense_spans))
+        return host, rows
+
+    monkeypatch.setattr(llm.engine.runner, "_prepare", counting_prepare)
+    outputs = [llm.generate(prompts[:1], params)[0].token_ids]  # caches the shared prefix
+    later = llm.generate(prompts[1:], params)
+    outputs += [o.token_ids for o in later]
+    assert outputs == expected
+    assert num_dense_spans[0] == 1 and num_dense_spans.count(1) == 2  # both whole prompts went fused
+    assert later[-1].metrics.num_local_cached_tokens >= len(shared)

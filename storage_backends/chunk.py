@@ -13,7 +13,8 @@ Serialized chunk = fixed header + shape + layout + payload::
     12     8     payload length: stored (possibly compressed) bytes (u64)
     20     8     raw length: uncompressed tensor bytes (u64)
     28     4     CRC-32 of the header bytes before this field plus the shape,
-                 layout and payload (zlib.crc32; about 2.5 GB/s on one core)
+                 layout and payload (CRC-32 as zlib.crc32 computes it, through zlib-ng's
+                 SIMD code: about 14 GB/s on one core against zlib's 2.4)
     32     8*n   shape (u64 each)
     ..     k     layout name (ASCII, e.g. "LKTHD")
     ..           payload
@@ -26,12 +27,12 @@ hence every single changed byte.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
+from zlib_ng.zlib_ng import crc32
 
 MAGIC = b"KVSC"
 FORMAT_VERSION = 1
@@ -177,7 +178,7 @@ def encode_chunk(chunk: KVChunk, codec: str = "none") -> bytes:
         len(raw),
     )
     tail = b"".join(_DIM.pack(size) for size in shape) + layout
-    checksum = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(fixed)))
+    checksum = crc32(payload, crc32(tail, crc32(fixed)))
     return b"".join((fixed, _CHECKSUM.pack(checksum), tail, payload))
 
 
@@ -231,12 +232,12 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
 def header_checksum(data: bytes | bytearray | memoryview, header: ChunkHeader) -> int:
     """The running CRC-32 over the header bytes the checksum covers (all but the checksum field).
 
-    Continuing it over the payload (``zlib.crc32(payload, start)``, piece by piece if need be)
+    Continuing it over the payload (``crc32(payload, start)``, piece by piece if need be)
     gives ``header.checksum`` for an intact chunk: receivers that get a value in pieces (the
     cache server's Put) verify it as it arrives instead of in a second pass.
     """
     view = memoryview(data)
-    return zlib.crc32(view[_PREFIX_BYTES : header.header_len], zlib.crc32(view[: _FIXED.size]))
+    return crc32(view[_PREFIX_BYTES : header.header_len], crc32(view[: _FIXED.size]))
 
 
 def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
@@ -249,7 +250,7 @@ def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
     if len(view) != header.total_len:
         what = "truncated" if len(view) < header.total_len else "oversized"
         raise ChunkFormatError(f"{what} chunk: {len(view)} bytes, header says {header.total_len}")
-    checksum = zlib.crc32(view[header.header_len :], header_checksum(view, header))
+    checksum = crc32(view[header.header_len :], header_checksum(view, header))
     if checksum != header.checksum:
         raise ChunkFormatError(
             f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"

@@ -79,15 +79,6 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             raise ValueError(f"chunk shape {tuple(shape)} does not fit a cpu-tier slot of shape {expected}")
 
     # ---- reads ---------------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            num_present = 0
-            for key in keys:
-                if self._index.get(key) is None:
-                    break
-                num_present += 1
-            return num_present
-
     def get(self, key: str) -> KVChunk | None:
         """A zero-copy view of the chunk; hold a pin on ``key`` while reading it."""
         with self._lock:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,15 +82,6 @@ class CPUBackend(SlabTierMixin, StorageBackend):
         )
 
     # ---- reads ---------------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            num_present = 0
-            for key in keys:
-                if self._index.get(key) is None:
-                    break
-                num_present += 1
-            return num_present
-
     def get(self, key: str) -> KVChunk | None:
         with self._lock:
             entry = self._index.get(key)

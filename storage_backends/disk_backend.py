@@ -34,7 +34,6 @@ import os
 import struct
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,15 +154,8 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         return key
 
     # ---- reads ---------------------------------------------------------------
-    def contains(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            num_present = 0
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is None or not entry.record.ready:
-                    break
-                num_present += 1
-            return num_present
+    def _is_readable(self, entry: LRUEntry) -> bool:
+        return entry.record.ready  # its file is written and renamed into place
 
     def _read_verified(self, key: str) -> tuple[memoryview, ChunkHeader] | None:
         """The verified serialized chunk of ``key`` (a view into the file's bytes) and its header,

@@ -101,13 +101,28 @@ class LRUIndex:
 
 
 class IndexedTierMixin:
-    """Pin, unpin and key listing for a tier that keeps an :class:`LRUIndex` in
+    """Contains, pin, unpin and key listing for a tier that keeps an :class:`LRUIndex` in
     ``self._index`` guarded by ``self._lock`` (the CPU and disk backends, the
     connector's CPU tier, the cache server's memory tier). Put it before the tier's
     base class so these methods win over the base's defaults."""
 
     _lock: Any
     _index: LRUIndex
+
+    def contains(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are present and readable (stops at the first that is not)."""
+        with self._lock:
+            num_present = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or not self._is_readable(entry):
+                    break
+                num_present += 1
+            return num_present
+
+    def _is_readable(self, entry: LRUEntry) -> bool:
+        """Whether an indexed entry can be read now (a tier whose writes finish later overrides it)."""
+        return True
 
     def pin(self, keys: Sequence[str]) -> int:
         """Pin the leading present ``keys`` (stops at the first absent one); returns how many."""

@@ -125,7 +125,9 @@ class Scheduler:
             # A prompt whose every block is cached still computes its last token.
             num_gpu_hit = min(len(cached_block_ids) * self.block_manager.block_size, request.num_tokens - 1)
             num_external = 0
-            if self.connector is not None and num_gpu_hit < request.num_tokens - 1:
+            if self.connector is not None:
+                # Asked even on a full GPU hit: its answer tells the connector which chunks
+                # the tiers hold already, so they are not stored again.
                 num_external = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
                 # at least the last token runs, so this step's logits belong to this request
                 num_external = max(0, min(num_external, request.num_tokens - 1 - num_gpu_hit))

@@ -39,3 +39,24 @@ def _prompt_block_hashes(llm: LLM, prompt: list[int]) -> list:
         parent = hash_block(parent, prompt[start : start + size])
         hashes.append(parent)
     return hashes
+
+
+def test_full_hit_stores_nothing_the_tiers_hold(tiny_model_dir, tmp_path, caplog):
+    """With a disk-only tier, a fully cached prompt saves no chunk again: the scheduler
+    still asks the connector, whose answer says the tier holds every chunk."""
+    import logging
+
+    from engine import OffloadConfig
+
+    offload = OffloadConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=64 << 20, chunk_size=16)
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cpu", kv_offload=offload)
+    prompt = random_prompt(4 * llm.engine.block_manager.block_size, seed=401)
+    with caplog.at_level(logging.INFO, logger="engine.engine_core"):
+        first = llm.generate([prompt], GREEDY)[0]
+        llm.flush_kv_offload()
+        again = llm.generate([prompt], GREEDY)[0]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("req=")]
+    assert len(lines) == 2
+    assert f"saved={len(prompt)}" in lines[0]
+    assert f"gpu_hit={len(prompt) - 1}" in lines[1] and " saved=0 " in lines[1]
+    assert again.token_ids == first.token_ids

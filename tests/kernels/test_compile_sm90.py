@@ -8,16 +8,13 @@ not 16-byte vectorized (which would cost bandwidth). The compiler runs in a subp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import triton
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.sm90_compile_runner import sm90_compile_rows
+
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H100_SHARED_MEMORY_BYTES = 232_448
 
@@ -29,18 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_compile"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    rows = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    rows = sm90_compile_rows("tests.kernels.sm90_compile")
     return {row["name"]: row for row in rows}
 
 

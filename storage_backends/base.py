@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from storage_backends.chunk import KVChunk
 
 
@@ -60,6 +62,32 @@ class StorageBackend(abc.ABC):
     def get_many(self, keys: Sequence[str]) -> list[KVChunk | None]:
         """Batch form of :meth:`get`; remote tiers pipeline it in one round trip."""
         return [self.get(k) for k in keys]
+
+    def get_into(self, key: str, out: torch.Tensor) -> KVChunk | None:
+        """Read ``key`` straight into ``out`` and return a chunk viewing it, or None on a miss.
+
+        ``out`` is a writable, contiguous CPU tensor of the chunk's dtype with at
+        least as many elements as the chunk (a CPU-tier slot, often pinned); the
+        returned chunk's tensor is a view of its leading elements. The value is
+        verified before it is returned, in the calling thread; a corrupt value is
+        a miss. Called from background fetch threads, several at once. This
+        default reads with :meth:`get` and copies; byte tiers override it to read
+        into ``out`` without the intermediate copy.
+        """
+        from storage_backends.chunk import KVChunk
+
+        chunk = self.get(key)
+        if chunk is None:
+            return None
+        numel = chunk.tensor.numel()
+        if out.dtype != chunk.dtype or out.numel() < numel or not out.is_contiguous():
+            raise ValueError(
+                f"get_into: {key!r} holds {numel} elements of {chunk.dtype}; the buffer has "
+                f"{out.numel()} of {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}"
+            )
+        view = out.reshape(-1)[:numel].view(chunk.tensor.shape)
+        view.copy_(chunk.tensor)
+        return KVChunk(view, chunk.layout)
 
     @abc.abstractmethod
     def get_encoded(self, key: str) -> bytes | None:

@@ -279,3 +279,19 @@ def test_a_refused_replacement_keeps_the_old_value_and_its_pins(
     backend.unpin(["ns:b"])
     backend.put("ns:a", make_chunk(3, num_tokens=num_big_tokens))  # now b can be evicted
     assert backend.keys("ns:") == ["ns:a"] and backend.pin(["ns:a"]) == 1
+
+
+def test_get_into_fills_the_callers_buffer(kind: str, backend_factory: BackendFactory) -> None:
+    backend = backend_factory(kind)
+    chunk = make_chunk(7, num_tokens=5, dtype=torch.float16)
+    backend.put("ns:into", chunk)
+    buffer = torch.full((chunk.tensor.numel() + 11,), -1.0, dtype=torch.float16)
+    got = backend.get_into("ns:into", buffer)
+    assert got is not None and got.equal(chunk)
+    assert got.tensor.data_ptr() == buffer.data_ptr(), "the chunk must view the caller's buffer"
+    assert bool((buffer[chunk.tensor.numel() :] == -1.0).all()), "bytes past the chunk were written"
+    assert backend.get_into("ns:absent", buffer) is None
+    with pytest.raises(ValueError, match="get_into"):
+        backend.get_into("ns:into", torch.empty(chunk.tensor.numel() - 1, dtype=torch.float16))
+    with pytest.raises(ValueError, match="get_into"):
+        backend.get_into("ns:into", torch.empty(chunk.tensor.numel(), dtype=torch.float32))

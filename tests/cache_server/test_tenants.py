@@ -247,7 +247,7 @@ def test_bad_tenants_files_stop_the_server_with_a_clear_error(tmp_path, text, me
     path = tmp_path / "tenants.yaml"
     path.write_text(text)
     result = CliRunner().invoke(cache_server_command, ["--port", "0", "--tenants", str(path)])
-    assert result.exit_code != 0
+    assert result.exit_code == 2
     assert message in result.output, result.output
 
 
@@ -257,7 +257,7 @@ def test_auth_token_equal_to_a_tenants_token_is_refused(tmp_path) -> None:
     result = CliRunner().invoke(
         cache_server_command, ["--port", "0", "--tenants", str(path), "--auth-token", TOKEN_A]
     )
-    assert result.exit_code != 0
+    assert result.exit_code == 2
     assert "same token as an earlier tenant" in result.output
 
 
@@ -270,5 +270,5 @@ def test_a_missing_tenants_file_exits_non_zero_in_a_real_process(tmp_path) -> No
         text=True,
         timeout=60,
     )
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "cannot read tenants file" in result.stderr

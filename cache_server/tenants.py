@@ -15,6 +15,7 @@ read-only; the gRPC handlers and the bulk channel's threads share it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable, Sequence
@@ -56,20 +57,20 @@ OPEN_ACCESS = Tenant(name="anonymous", token="", prefixes=(), admin=True)
 
 
 class TenantRegistry:
-    """Tokens to tenants. ``tenant_for_token`` compares against every tenant's token in
-    constant time (no early exit), so response timing reveals neither a token nor which
-    tenant matched."""
+    """Tokens to tenants. ``tenant_for_token`` compares digests of equal length against
+    every tenant's token in constant time (no early exit), so response timing reveals
+    neither a token, its length, nor which tenant matched."""
 
     def __init__(self, tenants: Sequence[Tenant]) -> None:
         check_tenants(tenants)
         self.tenants = tuple(tenants)
-        self._tokens = [tenant.token.encode() for tenant in self.tenants]
+        self._token_digests = [_digest(tenant.token.encode()) for tenant in self.tenants]
 
     def tenant_for_token(self, token: bytes | str) -> Tenant | None:
         """The tenant whose token is ``token``, None when there is none."""
-        given = token.encode() if isinstance(token, str) else bytes(token)
+        given = _digest(token.encode() if isinstance(token, str) else bytes(token))
         found = None
-        for tenant, expected in zip(self.tenants, self._tokens, strict=True):
+        for tenant, expected in zip(self.tenants, self._token_digests, strict=True):
             if hmac.compare_digest(given, expected):
                 found = tenant
         return found
@@ -81,6 +82,10 @@ class TenantRegistry:
         if not given.startswith("Bearer "):
             return None
         return self.tenant_for_token(given[len("Bearer ") :])
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
 
 
 def check_tenants(tenants: Sequence[Tenant]) -> None:

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from cache_server.cli import cache_server as cache_server_command
+from cache_server.tenants import Tenant, build_registry, load_tenants
 from protos import kvstash_pb2
 from storage_backends import BackendError
 from storage_backends import bulk_channel as wire
@@ -272,3 +273,35 @@ def test_a_missing_tenants_file_exits_non_zero_in_a_real_process(tmp_path) -> No
     )
     assert result.returncode == 2
     assert "cannot read tenants file" in result.stderr
+
+
+def test_the_registry_matches_whole_tokens_only() -> None:
+    registry = build_registry(load_tenants_text(TENANTS_YAML), AUTH_TOKEN)
+    assert registry.tenant_for_token(TOKEN_A).name == "team-a"
+    assert registry.tenant_for_token(TOKEN_OPS.encode()).name == "ops"
+    assert registry.tenant_for_token(AUTH_TOKEN).name == "auth-token"
+    for wrong in (TOKEN_A + "x", TOKEN_A[:-1], "", TOKEN_A.upper(), f"Bearer {TOKEN_A}"):
+        assert registry.tenant_for_token(wrong) is None, wrong
+    assert registry.tenant_for_metadata((("authorization", f"Bearer {TOKEN_B}"),)).name == "team-b"
+    assert registry.tenant_for_metadata((("authorization", TOKEN_B),)) is None
+    assert registry.tenant_for_metadata(None) is None
+    assert build_registry((), None) is None
+
+
+def test_prefix_rules() -> None:
+    team_b = Tenant(name="team-b", token=TOKEN_B, prefixes=("team-b/", "shared-b/"))
+    assert team_b.may_access_key("team-b/x") and team_b.may_access_key("shared-b/")
+    assert not team_b.may_access_key("team-a/x") and not team_b.may_access_key("team-b")
+    assert team_b.may_list_prefix("team-b/") and team_b.may_list_prefix("shared-b/sub")
+    assert not team_b.may_list_prefix("") and not team_b.may_list_prefix("team-")
+    admin = Tenant(name="ops", token=TOKEN_OPS, admin=True)
+    assert admin.may_access_key("anything") and admin.may_list_prefix("")
+
+
+def load_tenants_text(text: str) -> list[Tenant]:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        file.write(text)
+        file.flush()
+        return load_tenants(file.name)

@@ -182,3 +182,31 @@ def test_bad_dict_prompts_are_refused_before_anything_runs(model_dir, bad, messa
     with pytest.raises(ValueError, match=message):
         llm.generate([{"prompt_token_ids": [7, 8, 9]}, bad], PARAMS)
     assert not llm.engine.requests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_salts_on_cuda_with_prefix_cache_and_the_cpu_tier(model_dir, prompt, layerwise):
+    """On CUDA (pinned CPU tier, Triton kernels): GPU prefix-cache and external hits only
+    within a salt, and the tokens of every request equal the unsalted CUDA reference
+    (no prefix cache, no offload)."""
+    plain = LLM(str(model_dir), dtype="float32", device="cuda", enable_prefix_caching=False)
+    reference = plain.generate(prompt, PARAMS)[0].token_ids
+    del plain
+    config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=64 << 20, layerwise=layerwise)
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", enable_prefix_caching=True, kv_offload=config)
+    first = run(llm, prompt, "tenant-a")
+    other_salt = run(llm, prompt, "tenant-b")
+    same_salt = run(llm, prompt, "tenant-a")
+    assert (other_salt.metrics.num_local_cached_tokens, other_salt.metrics.num_external_cached_tokens) == (
+        0,
+        0,
+    )
+    assert same_salt.metrics.num_local_cached_tokens >= 192
+    assert llm.reset_prefix_cache()
+    from_tier = run(llm, prompt, "tenant-a")
+    other_from_tier = run(llm, prompt, "tenant-c")
+    assert from_tier.metrics.num_external_cached_tokens == 199
+    assert other_from_tier.metrics.num_external_cached_tokens == 0
+    for output in (first, other_salt, same_salt, from_tier, other_from_tier):
+        assert output.token_ids == reference

@@ -12,7 +12,9 @@ Every request goes through the same checks as the gRPC handlers (it calls the
 same :class:`~cache_server.service.KVCacheService` methods): key and value
 limits, concurrent-stream slots, the memory-tier cap, header and checksum
 verification before storing. The bearer token is checked once per connection
-(constant-time compare); with a TLS certificate every connection is TLS.
+(constant-time compare) and names the connection's tenant; each Put and Get is
+then checked against that tenant's key prefixes (PERMISSION_DENIED otherwise, as
+over gRPC). With a TLS certificate every connection is TLS.
 A bad request gets an error reply with the gRPC-style status and message the
 gRPC path would give; a garbled or dropped connection is closed and never
 reaches the store. Nothing a client sends can stop the server.
@@ -25,7 +27,6 @@ period to finish, idle connections are closed).
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import socket
 import socketserver
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import grpc
 
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
+from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from storage_backends import bulk_channel as wire
 from storage_backends.chunk import ChunkFormatError
@@ -64,6 +66,8 @@ class _Connection:
     sock: socket.socket
     #: True while a request is being served (stop() lets it finish within the grace period)
     busy: bool = False
+    #: whose token the HELLO carried (set once the HELLO is accepted)
+    tenant: Tenant = OPEN_ACCESS
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -94,12 +98,13 @@ class BulkServer:
         host: str,
         port: int,
         *,
-        auth_token: str | None,
+        tenants: TenantRegistry | None,
         tls_context: ssl.SSLContext | None,
         max_connections: int,
     ) -> None:
         self._service = service
-        self._expected_token = (auth_token or "").encode()
+        #: None: an open server (every HELLO is accepted, as an admin)
+        self._tenants = tenants
         self._tls_context = tls_context
         self._max_connections = max_connections
         self._listener = _Listener((host, port), self)
@@ -157,7 +162,7 @@ class BulkServer:
             sock.settimeout(HELLO_TIMEOUT_S)
             if self._tls_context is not None:
                 sock = connection.sock = self._tls_context.wrap_socket(sock, server_side=True)
-            if self._accept_hello(sock):
+            if self._accept_hello(connection):
                 self._serve_requests(connection)
         except (OSError, ProtocolError) as error:
             # A client that went away or broke the format: its connection ends, nothing else.
@@ -169,7 +174,8 @@ class BulkServer:
                 self._connections.discard(connection)
             connection.sock.close()
 
-    def _accept_hello(self, sock: socket.socket) -> bool:
+    def _accept_hello(self, connection: _Connection) -> bool:
+        sock = connection.sock
         magic, token_len = wire.HELLO.unpack(_receive(sock, wire.HELLO.size))
         if magic != wire.MAGIC:
             sock.sendall(wire.encode_reply(wire.STATUS_INVALID_ARGUMENT, "not a kvstash bulk client"))
@@ -178,11 +184,14 @@ class BulkServer:
             sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
             return False
         token = _receive(sock, token_len)
-        # Constant-time comparison: response timing must not reveal the token.
-        if self._expected_token and not hmac.compare_digest(token, self._expected_token):
-            self._service.counters.add(num_rejected=1)
-            sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
-            return False
+        if self._tenants is not None:
+            # Constant-time comparisons: response timing must not reveal a token.
+            tenant = self._tenants.tenant_for_token(token)
+            if tenant is None:
+                self._service.counters.add(num_rejected=1)
+                sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
+                return False
+            connection.tenant = tenant
         sock.sendall(wire.encode_reply(wire.STATUS_OK))
         return True
 
@@ -198,9 +207,9 @@ class BulkServer:
             op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
             key_bytes = _receive(sock, key_len)
             if op == wire.OP_PUT:
-                self._put(sock, key_bytes, value_len)
+                self._put(sock, connection.tenant, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
-                self._get(sock, key_bytes)
+                self._get(sock, connection.tenant, key_bytes)
             else:
                 # What follows the header cannot be trusted, so the connection ends here.
                 sock.sendall(
@@ -209,12 +218,12 @@ class BulkServer:
                 raise ProtocolError(f"op {op} with a value of {value_len} bytes")
             connection.busy = False
 
-    def _put(self, sock: socket.socket, key_bytes: bytes, value_len: int) -> None:
+    def _put(self, sock: socket.socket, tenant: Tenant, key_bytes: bytes, value_len: int) -> None:
         """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
         service = self._service
         try:
             with service.stream_slot():
-                key = service.check_key(_decode_key(key_bytes))
+                key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "put")
                 assembler = ValueAssembler(service.check_size(value_len))
                 sock.sendall(wire.encode_reply(wire.STATUS_OK))
                 data = _receive_value(sock, assembler)
@@ -227,11 +236,11 @@ class BulkServer:
         service.counters.add(num_puts=1, bytes_received=value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
-    def _get(self, sock: socket.socket, key_bytes: bytes) -> None:
+    def _get(self, sock: socket.socket, tenant: Tenant, key_bytes: bytes) -> None:
         service = self._service
         try:
             with service.stream_slot():
-                key = service.check_key(_decode_key(key_bytes))
+                key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "get")
                 service.counters.add(num_gets=1)
                 stored = service.store.get(key)
                 if stored is None:

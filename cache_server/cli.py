@@ -10,6 +10,7 @@ import click
 
 from cache_server.admin_cli import admin
 from cache_server.config import AUTH_TOKEN_ENV, GIB, Limits, ServerConfig
+from cache_server.tenants import load_tenants
 
 __all__ = ["admin", "cache_server"]
 
@@ -35,7 +36,17 @@ __all__ = ["admin", "cache_server"]
 @click.option("--disk-gb", type=float, help="Byte cap of the disk tier, GiB (default: unbounded).")
 @click.option("--redis-url", help="Redis below the disk tier, e.g. redis://redis:6379/0.")
 @click.option(
-    "--auth-token", envvar=AUTH_TOKEN_ENV, help=f"Bearer token clients must send (or ${AUTH_TOKEN_ENV})."
+    "--auth-token",
+    envvar=AUTH_TOKEN_ENV,
+    help=f"Bearer token clients must send (or ${AUTH_TOKEN_ENV}): one admin tenant; "
+    "with --tenants it is added to the file's tenants.",
+)
+@click.option(
+    "--tenants",
+    "tenants_path",
+    type=click.Path(dir_okay=False),
+    help="YAML list of {name, token, prefixes, admin}: each token may touch only keys under its "
+    "prefixes; Clear and server-wide Stats need admin (docs/cache_server.md).",
 )
 @click.option("--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate chain for TLS.")
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key for TLS.")
@@ -68,6 +79,7 @@ def cache_server(
     disk_gb: float | None,
     redis_url: str | None,
     auth_token: str | None,
+    tenants_path: str | None,
     tls_cert: str | None,
     tls_key: str | None,
     grace_s: float,
@@ -79,6 +91,7 @@ def cache_server(
     from cache_server.server import run
 
     try:
+        tenants = tuple(load_tenants(tenants_path)) if tenants_path is not None else ()
         config = ServerConfig(
             host=host,
             port=port,
@@ -88,6 +101,7 @@ def cache_server(
             disk_bytes=int(disk_gb * GIB) if disk_gb is not None else None,
             redis_url=redis_url,
             auth_token=auth_token or None,
+            tenants=tenants,
             tls_cert=tls_cert,
             tls_key=tls_key,
             grace_s=grace_s,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from cache_server.tenants import Tenant, TenantRegistry, build_registry
+
 GIB = 1 << 30
 MIB = 1 << 20
 #: environment variable with the bearer token (server and clients; storage_backends.grpc_backend reads it too)
@@ -54,6 +56,9 @@ class ServerConfig:
     disk_bytes: int | None = None
     redis_url: str | None = None
     auth_token: str | None = None
+    #: tenants (``--tenants FILE``, read by ``cache_server.tenants.load_tenants``); with
+    #: ``auth_token`` too, that token is one more admin tenant
+    tenants: tuple[Tenant, ...] = ()
     tls_cert: str | None = None
     tls_key: str | None = None
     #: seconds that in-flight calls get to finish after SIGTERM
@@ -82,3 +87,8 @@ class ServerConfig:
             raise ValueError("the auth token is empty")
         if self.grace_s < 0:
             raise ValueError(f"grace period must be >= 0 seconds, got {self.grace_s}")
+        self.tenant_registry()  # raises ValueError for duplicate tokens or names
+
+    def tenant_registry(self) -> TenantRegistry | None:
+        """Who may do what: None when the server is open (no token, no tenants)."""
+        return build_registry(self.tenants, self.auth_token)

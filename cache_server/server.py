@@ -67,17 +67,18 @@ class CacheServer:
         store = TieredStore(config)
         bulk = None
         try:
-            interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+            tenants = config.tenant_registry()
+            interceptors = [BearerTokenInterceptor(tenants)] if tenants is not None else []
             interceptors.append(MalformedRequestInterceptor())  # after auth: no token, no parsing
             server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
             counters = Counters()
-            kvcache = KVCacheService(store, config.limits, counters)
+            kvcache = KVCacheService(store, config.limits, counters, tenants)
             if config.bulk_port is not None:
                 bulk = BulkServer(
                     kvcache,
                     config.host,
                     config.bulk_port,
-                    auth_token=config.auth_token,
+                    tenants=tenants,
                     tls_context=_server_tls_context(config),
                     max_connections=config.limits.max_bulk_connections,
                 )
@@ -85,7 +86,8 @@ class CacheServer:
                     port=bulk.port, tls=config.tls_cert is not None, protocol_version=PROTOCOL_VERSION
                 )
             server.add_generic_rpc_handlers((kvcache_handler(kvcache),))
-            kvstash_pb2_grpc.add_AdminServicer_to_server(AdminService(store, config.limits, counters), server)
+            admin_service = AdminService(store, config.limits, counters, tenants)
+            kvstash_pb2_grpc.add_AdminServicer_to_server(admin_service, server)
             address = f"{config.host}:{config.port}"
             if config.tls_cert is not None:
                 with open(config.tls_key, "rb") as key_file, open(config.tls_cert, "rb") as cert_file:
@@ -149,7 +151,9 @@ async def serve(config: ServerConfig) -> None:
     print(f"kvstash cache server listening on {scheme}://{config.host}:{server.port}", flush=True)
     tiers = ", ".join(tier.name for tier in server.store.tiers)
     bulk = f"port {server.bulk_port}" if server.bulk_port else "off"
-    logger.info("tiers: %s; auth %s; bulk channel %s", tiers, "on" if config.auth_token else "off", bulk)
+    registry = config.tenant_registry()
+    auth = "off" if registry is None else f"{len(registry.tenants)} tenant(s)"
+    logger.info("tiers: %s; auth %s; bulk channel %s", tiers, auth, bulk)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,7 @@ import grpc
 
 from cache_server.config import Limits
 from cache_server.store import TieredStore
+from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError
@@ -130,11 +131,34 @@ def short_key(key: str) -> str:
 
 
 class _Checks:
-    """Limit checks shared by both services."""
+    """Limit and tenant checks shared by both services."""
 
-    def __init__(self, limits: Limits, counters: Counters) -> None:
+    def __init__(self, limits: Limits, counters: Counters, tenants: TenantRegistry | None = None) -> None:
         self.limits = limits
         self.counters = counters
+        #: None: an open server, every caller may do everything
+        self.tenants = tenants
+
+    def tenant_of(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The calling tenant (the auth interceptor already refused unknown tokens)."""
+        if self.tenants is None:
+            return OPEN_ACCESS
+        tenant = self.tenants.tenant_for_metadata(context.invocation_metadata())
+        if tenant is None:
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        return tenant
+
+    def check_access(self, tenant: Tenant, key: str, what: str) -> str:
+        """``key`` when ``tenant`` may touch it; PERMISSION_DENIED otherwise."""
+        if not tenant.may_access_key(key):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED, tenant.denied(f"{what} key {short_key(key)!r}")
+            )
+        return key
+
+    def check_admin(self, tenant: Tenant, what: str) -> None:
+        if not tenant.admin:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, tenant.denied(f"{what} (admin only)"))
 
     def check_key(self, key: str) -> str:
         if not key:
@@ -165,8 +189,10 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     """Data plane. One instance per server; handlers may run concurrently. The bulk channel
     (``cache_server.bulk_server``) uses the same checks, so both paths enforce the same limits."""
 
-    def __init__(self, store: TieredStore, limits: Limits, counters: Counters) -> None:
-        _Checks.__init__(self, limits, counters)
+    def __init__(
+        self, store: TieredStore, limits: Limits, counters: Counters, tenants: TenantRegistry | None = None
+    ) -> None:
+        _Checks.__init__(self, limits, counters, tenants)
         self.store = store
         #: what GetBulkEndpoint answers; the server sets it once its bulk channel listens
         self.bulk_endpoint = kvstash_pb2.BulkEndpointResponse()
@@ -175,13 +201,14 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
         """Messages arrive serialized (see ``kvcache_handler``); each piece is copied into place and
         checksummed as it arrives, so the value is verified when the stream ends."""
+        tenant = self.tenant_of(context)
         with self.stream_slot():
             key, value = None, None
             async for message in request_iterator:
                 fields = _parse(message)
                 message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
-                    key = self.check_key(message_key)
+                    key = self.check_access(tenant, self.check_key(message_key), "put")
                     value = ValueAssembler(self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)))
                 elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
@@ -215,7 +242,7 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     @streaming_handler
     async def Get(self, request, context) -> AsyncIterator[bytes]:
         """Streams serialized GetResponse messages (see ``kvcache_handler``) straight from the stored bytes."""
-        key = self.check_key(request.key)
+        key = self.check_access(self.tenant_of(context), self.check_key(request.key), "get")
         with self.stream_slot():
             self.counters.add(num_gets=1)
             stored = await asyncio.to_thread(self.store.get, key)
@@ -236,14 +263,15 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(keys)} keys in one Contains exceeds the limit of {self.limits.max_contains_keys}",
             )
+        tenant = self.tenant_of(context)
         for key in keys:
-            self.check_key(key)
+            self.check_access(tenant, self.check_key(key), "check")
         num_hits = await asyncio.to_thread(self.store.contains, keys) if keys else 0
         return kvstash_pb2.ContainsResponse(num_hits=num_hits)
 
     @unary_handler
     async def Delete(self, request, context) -> kvstash_pb2.DeleteResponse:
-        key = self.check_key(request.key)
+        key = self.check_access(self.tenant_of(context), self.check_key(request.key), "delete")
         if not await asyncio.to_thread(self.store.delete, key):
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
         return kvstash_pb2.DeleteResponse()
@@ -256,12 +284,15 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
 class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
     """Control plane for ``kvstash admin``."""
 
-    def __init__(self, store: TieredStore, limits: Limits, counters: Counters) -> None:
-        _Checks.__init__(self, limits, counters)
+    def __init__(
+        self, store: TieredStore, limits: Limits, counters: Counters, tenants: TenantRegistry | None = None
+    ) -> None:
+        _Checks.__init__(self, limits, counters, tenants)
         self.store = store
 
     @unary_handler
     async def Stats(self, request, context) -> kvstash_pb2.StatsResponse:
+        self.check_admin(self.tenant_of(context), "read the server-wide stats")
         tier_stats = await asyncio.to_thread(self.store.stats)
         counters = self.counters
         return kvstash_pb2.StatsResponse(
@@ -286,7 +317,9 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
                 f"page_size {page_size} exceeds the limit of {self.limits.max_page_size}",
             )
         after = _decode_page_token(request.page_token)
-        key_to_tier = await asyncio.to_thread(self.store.key_to_tier, request.prefix)
+        key_to_tier = await asyncio.to_thread(
+            self._visible_key_to_tier, self.tenant_of(context), request.prefix, "list keys under"
+        )
         # Paging by "keys after the last one returned" stays correct while keys come and go.
         remaining = sorted(key for key in key_to_tier if after is None or key > after)
         page = remaining[:page_size]
@@ -298,7 +331,7 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
 
     @unary_handler
     async def Info(self, request, context) -> kvstash_pb2.InfoResponse:
-        key = self.check_key(request.key)
+        key = self.check_access(self.tenant_of(context), self.check_key(request.key), "read")
         stored = await asyncio.to_thread(self.store.peek, key)
         if stored is None:
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
@@ -317,16 +350,35 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
     async def Evict(self, request, context) -> kvstash_pb2.EvictResponse:
         if bool(request.key) == bool(request.prefix):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of key or prefix")
+        tenant = self.tenant_of(context)
         if request.key:
-            key = self.check_key(request.key)
+            key = self.check_access(tenant, self.check_key(request.key), "evict")
             if not await asyncio.to_thread(self.store.delete, key):
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
             return kvstash_pb2.EvictResponse(num_evicted=1)
+        if not tenant.may_list_prefix(request.prefix):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED, tenant.denied(f"evict keys under {request.prefix!r}")
+            )
         num_evicted = await asyncio.to_thread(self.store.evict_prefix, request.prefix)
         return kvstash_pb2.EvictResponse(num_evicted=num_evicted)
 
+    def _visible_key_to_tier(self, tenant: Tenant, prefix: str, what: str) -> dict[str, str]:
+        """Key -> tier of the keys under ``prefix`` that ``tenant`` may see: with no
+        prefix, a non-admin's keys under each of its prefixes; a prefix that reaches
+        outside the tenant's keys is PERMISSION_DENIED. Runs on a worker thread."""
+        if tenant.admin or prefix:
+            if not tenant.may_list_prefix(prefix):
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, tenant.denied(f"{what} {prefix!r}"))
+            return self.store.key_to_tier(prefix)
+        key_to_tier: dict[str, str] = {}
+        for own_prefix in tenant.prefixes:
+            key_to_tier.update(self.store.key_to_tier(own_prefix))
+        return key_to_tier
+
     @unary_handler
     async def Clear(self, request, context) -> kvstash_pb2.ClearResponse:
+        self.check_admin(self.tenant_of(context), "clear every key")
         num_evicted = await asyncio.to_thread(self.store.evict_prefix, "")
         return kvstash_pb2.ClearResponse(num_evicted=num_evicted)
 

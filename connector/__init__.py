@@ -46,7 +46,9 @@ def create_cache_engine(
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-    token_db = TokenDatabase(namespace, config.chunk_size, config.save_partial_chunks)
+    token_db = TokenDatabase(
+        namespace, config.chunk_size, config.save_partial_chunks, key_prefix=config.key_prefix
+    )
     chunk_shape = (num_layers, 2, config.chunk_size, num_kv_heads, head_dim)
     pin_memory = torch.device(device).type == "cuda"
     tiers = TierManager.from_config(config, chunk_shape, dtype, pin_memory=pin_memory)

@@ -29,6 +29,8 @@ class ConnectorRequest(Protocol):
     num_prompt_tokens: int
     #: tokens whose KV is already in the paged cache (GPU prefix hits + computed + loaded)
     num_computed_tokens: int
+    #: the request's salt (None: none); it seeds the chain of its chunk keys (DESIGN §5)
+    cache_salt: str | None
 
 
 class ScheduledRequest(NamedTuple):
@@ -51,6 +53,7 @@ class LoadSpec(NamedTuple):
     slot_mapping: torch.Tensor  # int64 [num_load_end]; slot = block_id * block_size + offset
     num_load_start: int
     num_load_end: int
+    cache_salt: str | None = None  # the request's, selects its chain of chunk keys
 
 
 class SaveSpec(NamedTuple):
@@ -61,6 +64,7 @@ class SaveSpec(NamedTuple):
     slot_mapping: torch.Tensor  # int64 [num_save_end]
     num_save_start: int
     num_save_end: int
+    cache_salt: str | None = None  # the request's, selects its chain of chunk keys
 
 
 @dataclass

@@ -76,11 +76,12 @@ class CacheEngine:
         self._stores_in_flight: list[tuple[torch.cuda.Event | None, PendingStore, Callable[[int], None]]] = []
 
     # ---- public API ----------------------------------------------------------
-    def lookup(self, tokens: Tokens, pin: bool = False) -> int:
+    def lookup(self, tokens: Tokens, pin: bool = False, *, cache_salt: str | None = None) -> int:
         """Number of leading tokens whose KV some tier holds (stops at the first missing
         chunk). ``pin=True`` keeps those chunks from eviction until the next retrieve of
-        these tokens or the pin timeout. Otherwise side-effect free."""
-        spans = self.token_db.chunk_spans(tokens)
+        these tokens or the pin timeout. Otherwise side-effect free. ``cache_salt`` (the
+        request's; every method here takes it) selects the salted chain of keys."""
+        spans = self.token_db.chunk_spans(tokens, cache_salt)
         self.publish_finished_stores()
         self.tiers.expire_pins()
         keys = [span.key for span in spans]
@@ -96,11 +97,14 @@ class CacheEngine:
         *,
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [len(tokens)]
+        cache_salt: str | None = None,
     ) -> int:
         """Store every chunk that overlaps the mask's True region (whole chunks, read
         from the paged cache at ``slot_mapping``). Returns the tokens newly stored."""
         start = self._check(tokens, mask, kv_caches, slot_mapping)
-        pending = self.begin_store(tokens, start, kv_caches=kv_caches, slot_mapping=slot_mapping)
+        pending = self.begin_store(
+            tokens, start, kv_caches=kv_caches, slot_mapping=slot_mapping, cache_salt=cache_salt
+        )
         self.mover(kv_caches).synchronize()
         return self.finish_store(pending)
 
@@ -111,6 +115,7 @@ class CacheEngine:
         *,
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [len(tokens)]
+        cache_salt: str | None = None,
     ) -> torch.Tensor:
         """Write the True tokens' KV from the tiers into the paged cache; returns the
         CPU bool mask [len(tokens)] of the tokens now there from the store."""
@@ -119,7 +124,9 @@ class CacheEngine:
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         if start == num_tokens:
             return ret_mask
-        plan = self.plan_load(tokens, start, num_tokens, kv_caches=kv_caches, slot_mapping=slot_mapping)
+        plan = self.plan_load(
+            tokens, start, num_tokens, kv_caches=kv_caches, slot_mapping=slot_mapping, cache_salt=cache_salt
+        )
         self.mover(kv_caches).wait_for_compute()
         self.move_load(plan, kv_caches)
         self.finish_load(plan)
@@ -141,11 +148,12 @@ class CacheEngine:
         *,
         kv_caches: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [end]
+        cache_salt: str | None = None,
     ) -> LoadPlan:
         """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
         come from all of ``tokens``, which may run past ``end``). Stops at the first
         missing or corrupt chunk. Releases the lookup pins of the chunks up to ``end``."""
-        covering = [span for span in self.token_db.chunk_spans(tokens) if span.start < end]
+        covering = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.start < end]
         # The lookup pinned every chunk up to its hit, also those before ``start``.
         self.tiers.unpin([span.key for span in covering])
         spans = [span for span in covering if span.end > start]
@@ -186,10 +194,11 @@ class CacheEngine:
         *,
         kv_caches: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [len(tokens)], valid for every token of the stored chunks
+        cache_salt: str | None = None,
     ) -> PendingStore:
         """Queue copies of every chunk of ``tokens`` overlapping ``[start, len(tokens))``
         into host buffers (CPU-tier slots). Chunks the CPU tier already holds are skipped."""
-        spans = [span for span in self.token_db.chunk_spans(tokens) if span.end > start]
+        spans = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.end > start]
         if not spans:
             return PendingStore([], 0)
         self.tiers.expire_pins()  # stale pins must not keep slots from this store

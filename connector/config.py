@@ -24,6 +24,8 @@ CODECS = ("none", "lz4")
 
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
 ENV_PREFIX = "KVSTASH_KV_OFFLOAD_"
+#: longest ``key_prefix``, in characters (the cache server's keys are at most 1 KiB)
+MAX_KEY_PREFIX_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class OffloadConfig:
     save_queue_size: int = 256
     #: seconds after which a pin taken by ``lookup(pin=True)`` is released if no retrieve came
     pin_timeout_s: float = 30.0
+    #: text put in front of every chunk key the engine reads or writes, in every tier: the
+    #: tenant's prefix on a cache server started with ``--tenants`` (e.g. ``"tenant-a/"``)
+    key_prefix: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -82,6 +87,7 @@ class OffloadConfig:
             raise ValueError(
                 f"pin_timeout_s must be a positive number of seconds, got {self.pin_timeout_s!r}"
             )
+        check_key_prefix(self.key_prefix)
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ValueError("no tier configured: set cpu_bytes > 0, disk_path or remote_url")
 
@@ -101,6 +107,18 @@ class OffloadConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OffloadConfig:
         """Read ``KVSTASH_KV_OFFLOAD_<FIELD>`` variables (e.g. ``KVSTASH_KV_OFFLOAD_CPU_GB=8``)."""
         return cls.from_mapping(env_values(os.environ if environ is None else environ), source="environment")
+
+
+def check_key_prefix(key_prefix: object) -> None:
+    """ValueError unless ``key_prefix`` is printable ASCII (no spaces) of at most
+    ``MAX_KEY_PREFIX_CHARS`` characters; keys travel in URLs, logs and admin tables."""
+    if not isinstance(key_prefix, str):
+        raise ValueError(f"key_prefix must be a string, got {key_prefix!r}")
+    if len(key_prefix) > MAX_KEY_PREFIX_CHARS:
+        raise ValueError(f"key_prefix has {len(key_prefix)} characters, more than {MAX_KEY_PREFIX_CHARS}")
+    bad = next((char for char in key_prefix if not "!" <= char <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"key_prefix must be printable ASCII without spaces, got {bad!r} in {key_prefix!r}")
 
 
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(OffloadConfig)}

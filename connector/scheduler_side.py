@@ -39,6 +39,8 @@ class _SaveState:
     num_saved: int
     #: num_computed_tokens the request should show next step (None before its first step)
     num_expected_computed: int | None = None
+    #: the request's salt: its chunk keys are those of this salted chain
+    cache_salt: str | None = None
 
 
 class OffloadScheduler(KVConnectorScheduler):
@@ -63,7 +65,7 @@ class OffloadScheduler(KVConnectorScheduler):
         return tuple(request.all_token_ids[: request.num_prompt_tokens])
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
-        num_hit = self.cache_engine.lookup(self._prompt(request))
+        num_hit = self.cache_engine.lookup(self._prompt(request), cache_salt=request.cache_salt)
         self._request_id_to_match[request.request_id] = (num_computed_tokens, num_hit)
         # The last prompt token is always computed: its logits give the first output token.
         return max(0, min(num_hit, request.num_prompt_tokens - 1) - num_computed_tokens)
@@ -79,11 +81,14 @@ class OffloadScheduler(KVConnectorScheduler):
         num_stored = num_hit if num_hit == len(prompt) else num_hit - num_hit % self.chunk_size
         state = self._request_id_to_save.get(request.request_id)
         if state is None:
-            self._request_id_to_save[request.request_id] = _SaveState(prompt, num_stored)
+            self._request_id_to_save[request.request_id] = _SaveState(
+                prompt, num_stored, cache_salt=request.cache_salt
+            )
         if num_external_tokens <= 0:
             return
         num_load_end = num_gpu_hit + num_external_tokens
-        self.cache_engine.lookup(prompt, pin=True)  # released by the load's retrieve or the pin timeout
+        # Pinned until the load's retrieve or the pin timeout.
+        self.cache_engine.lookup(prompt, pin=True, cache_salt=request.cache_salt)
         self._pending_loads.append(
             LoadSpec(
                 request.request_id,
@@ -91,6 +96,7 @@ class OffloadScheduler(KVConnectorScheduler):
                 slot_mapping_for(block_ids, self.block_size, num_load_end),
                 num_gpu_hit,
                 num_load_end,
+                request.cache_salt,
             )
         )
 
@@ -122,6 +128,7 @@ class OffloadScheduler(KVConnectorScheduler):
                     slot_mapping_for(entry.block_ids, self.block_size, num_save_end),
                     state.num_saved,
                     num_save_end,
+                    state.cache_salt,
                 )
             )
             self.tracker.save_issued(entry.request_id)

@@ -1,12 +1,22 @@
 """Token database: cut token ids into chunks and name each chunk (DESIGN §5).
 
 Chunk ``i`` covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``; its key is
-``namespace:hex(h_i)`` with the chain hash ``h_i = blake2b(h_{i-1} || ids_i)``
-over the chunk's token ids as little-endian uint32, so a key names the whole
-prefix up to the chunk's end, not just the chunk's own tokens. Keys are equal
-across processes and machines (no Python ``hash()``) and cannot be forged
-without a blake2b collision. A trailing partial chunk hashes fewer bytes than a
-full one, so it can never share a full chunk's key.
+``key_prefix + namespace:hex(h_i)`` with the chain hash
+``h_i = blake2b(h_{i-1} || ids_i)`` over the chunk's token ids as little-endian
+uint32, so a key names the whole prefix up to the chunk's end, not just the
+chunk's own tokens. Keys are equal across processes and machines (no Python
+``hash()``) and cannot be forged without a blake2b collision. A trailing
+partial chunk hashes fewer bytes than a full one, so it can never share a full
+chunk's key.
+
+The chain starts from ``h_{-1} = b""``, or, for a request with a ``cache_salt``,
+from ``blake2b(SALT_DOMAIN || salt)``: requests with different salts share no
+key (so they cannot hit or probe each other's chunks), and keys without a salt
+stay those of earlier releases (stored caches stay valid).
+
+``key_prefix`` (``OffloadConfig.key_prefix``, a tenant's prefix on a shared
+cache server) is plain text in front of every key; the chain hash does not
+depend on it.
 """
 
 from __future__ import annotations
@@ -32,6 +42,34 @@ _MAX_TOKEN_ID = (1 << 32) - 1
 NUM_RECENT_SEQUENCES = 64
 #: array typecode of a 4-byte unsigned int
 _UINT32 = next(code for code in ("I", "L") if array.array(code).itemsize == 4)
+#: domain separator of a salted chain's seed (never equal to an unsalted chain's empty seed)
+SALT_DOMAIN = b"kvstash-cache-salt-v1\0"
+#: longest ``cache_salt`` accepted, in UTF-8 bytes
+MAX_CACHE_SALT_BYTES = 1024
+
+
+def check_cache_salt(cache_salt: object) -> str | None:
+    """``cache_salt`` when it is None or a non-empty string of at most ``MAX_CACHE_SALT_BYTES``
+    UTF-8 bytes; ``ValueError`` otherwise. Called where a request enters the engine."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must not be empty (leave it out for no salt)")
+    num_bytes = len(cache_salt.encode("utf-8", errors="surrogatepass"))
+    if num_bytes > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt has {num_bytes} bytes, more than the limit of {MAX_CACHE_SALT_BYTES}")
+    return cache_salt
+
+
+def salt_seed(cache_salt: str | None) -> bytes:
+    """The chain's first parent hash: empty without a salt (the keys of every earlier
+    release), else a digest of the salt under a domain separator."""
+    if cache_salt is None:
+        return b""
+    encoded = cache_salt.encode("utf-8", errors="surrogatepass")
+    return hashlib.blake2b(SALT_DOMAIN + encoded, digest_size=DIGEST_BYTES).digest()
 
 
 class ChunkSpan(NamedTuple):
@@ -100,37 +138,44 @@ class TokenDatabase:
     """Maps token sequences to chunk spans and keys. Thread-safe; called by the cache
     engine on every lookup, store and retrieve — one request hashes the same prompt
     several times (match, pin, load, saves), so recent results are kept in a small
-    cache keyed by the token bytes."""
+    cache keyed by the token bytes and the salt."""
 
-    def __init__(self, namespace: str, chunk_size: int, save_partial_chunks: bool) -> None:
+    def __init__(
+        self, namespace: str, chunk_size: int, save_partial_chunks: bool, *, key_prefix: str = ""
+    ) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.namespace = namespace
+        self.key_prefix = key_prefix
         self.chunk_size = chunk_size
         self.save_partial_chunks = save_partial_chunks
-        self._recent: OrderedDict[bytes, tuple[ChunkSpan, ...]] = OrderedDict()
+        self._recent: OrderedDict[tuple[bytes, str | None], tuple[ChunkSpan, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def chunk_spans(self, tokens: Sequence[int] | torch.Tensor) -> list[ChunkSpan]:
+    def chunk_spans(
+        self, tokens: Sequence[int] | torch.Tensor, cache_salt: str | None = None
+    ) -> list[ChunkSpan]:
         """Spans of every keyed chunk of ``tokens`` in order: all full chunks, then the
-        trailing partial chunk when ``save_partial_chunks`` (else it is left out)."""
-        data = token_ids_to_bytes(tokens).tobytes()
+        trailing partial chunk when ``save_partial_chunks`` (else it is left out).
+        ``cache_salt`` (a request's, see :func:`salt_seed`) seeds the chain."""
+        recent_key = (token_ids_to_bytes(tokens).tobytes(), cache_salt)
         with self._lock:
-            spans = self._recent.get(data)
+            spans = self._recent.get(recent_key)
             if spans is not None:
-                self._recent.move_to_end(data)
+                self._recent.move_to_end(recent_key)
                 return list(spans)
-        spans = self._hash_chunks(data)
+        spans = self._hash_chunks(recent_key[0], salt_seed(cache_salt))
         with self._lock:
-            self._recent[data] = spans
+            self._recent[recent_key] = spans
             if len(self._recent) > NUM_RECENT_SEQUENCES:
                 self._recent.popitem(last=False)
         return list(spans)
 
-    def _hash_chunks(self, data: bytes) -> tuple[ChunkSpan, ...]:
+    def _hash_chunks(self, data: bytes, seed: bytes) -> tuple[ChunkSpan, ...]:
         num_tokens = len(data) // 4
         spans = []
-        previous = b""
+        previous = seed
+        key_head = f"{self.key_prefix}{self.namespace}:"
         for start in range(0, num_tokens, self.chunk_size):
             end = min(start + self.chunk_size, num_tokens)
             if end - start < self.chunk_size and not self.save_partial_chunks:
@@ -138,5 +183,5 @@ class TokenDatabase:
             digest = hashlib.blake2b(previous, digest_size=DIGEST_BYTES)
             digest.update(data[4 * start : 4 * end])
             previous = digest.digest()
-            spans.append(ChunkSpan(start, end, f"{self.namespace}:{previous.hex()}"))
+            spans.append(ChunkSpan(start, end, key_head + previous.hex()))
         return tuple(spans)

@@ -95,6 +95,7 @@ class OffloadWorker(KVConnectorWorker):
                 spec.num_load_end,
                 kv_caches=self.kv_cache,
                 slot_mapping=spec.slot_mapping,
+                cache_salt=spec.cache_salt,
             )
             self._loads.append(_Load(spec, plan, time.perf_counter() - began))
             if plan.num_loaded_end < spec.num_load_end:
@@ -180,6 +181,7 @@ class OffloadWorker(KVConnectorWorker):
                 spec.num_save_start,
                 kv_caches=self.kv_cache,
                 slot_mapping=spec.slot_mapping,
+                cache_salt=spec.cache_salt,
             )
             engine.finish_store_later(store, self._on_saved(spec.request_id))
             self._num_saves_queued += 1

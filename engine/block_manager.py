@@ -18,6 +18,17 @@ import numpy as np
 from engine.request import Request
 
 _ROOT_HASH = b"kvstash-gpu-prefix-v1"
+#: domain separator of a salted chain's root (DESIGN §5: salts never share blocks)
+_SALT_DOMAIN = b"kvstash-gpu-prefix-salt-v1\0"
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: the same for every unsalted request,
+    one per salt otherwise, so blocks of different salts never match."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    encoded = cache_salt.encode("utf-8", errors="surrogatepass")
+    return hashlib.blake2b(_SALT_DOMAIN + encoded, digest_size=16).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -57,7 +68,7 @@ class BlockManager:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
             hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, request: Request) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from connector.token_db import check_cache_salt
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, ModelConfig, SamplingParams
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -177,11 +178,22 @@ class EngineCore:
 
     # --- the driver API -----------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Validate and queue one request. Raises ValueError (nothing is queued) for
-        a duplicate id, an empty or too long prompt, or token ids outside the vocab."""
+        a duplicate id, an empty or too long prompt, token ids outside the vocab or a
+        bad ``cache_salt`` (a request shares cached KV only with requests of its salt)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        try:
+            check_cache_salt(cache_salt)
+        except ValueError as error:
+            raise ValueError(f"request {request_id!r}: {error}") from None
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -216,6 +228,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids | self._tokenizer_eos_ids(),
             max_model_len=self.max_model_len,
             generator=generator,
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from connector.token_db import check_cache_salt
 from engine.config import EngineArgs, SamplingParams
 from engine.engine_core import EngineCore, EngineStats
 from engine.request import RequestOutput
+
+#: keys a dict prompt may hold (vLLM's TextPrompt / TokensPrompt)
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
@@ -49,15 +55,38 @@ class LLM:
             return list(self.engine.tokenizer.encode(prompt))
         return list(prompt)
 
+    def _split_prompt(self, prompt: Prompt, index: int) -> tuple[str | Sequence[int], str | None]:
+        """(text or token ids, cache salt) of one prompt. A dict prompt is vLLM's form:
+        ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``, with an optional
+        ``"cache_salt"``; anything else is a ValueError naming the prompt."""
+        if not isinstance(prompt, Mapping):
+            return prompt, None
+        unknown = sorted(set(prompt) - PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"prompt {index}: unknown key(s) {', '.join(map(repr, unknown))}")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"prompt {index}: give exactly one of 'prompt' and 'prompt_token_ids'")
+        if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt {index}: 'prompt' must be a string")
+        if "prompt_token_ids" in prompt and isinstance(prompt["prompt_token_ids"], str | bytes | Mapping):
+            raise ValueError(f"prompt {index}: 'prompt_token_ids' must be a list of token ids")
+        try:
+            cache_salt = check_cache_salt(prompt.get("cache_salt"))
+        except ValueError as error:
+            raise ValueError(f"prompt {index}: {error}") from None
+        return prompt.get("prompt", prompt.get("prompt_token_ids")), cache_salt
+
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. Prompts are
-        strings or lists of token ids. Raises ValueError before queuing anything
-        when a prompt or its params are invalid."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion; outputs in prompt order. A prompt is a
+        string, a list of token ids, or a dict ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}`` with an optional ``"cache_salt"`` (requests
+        share cached KV only with requests of the same salt). Raises ValueError before
+        queuing anything when a prompt or its params are invalid."""
+        if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -68,12 +97,16 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        token_id_lists = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
+        split = [self._split_prompt(p, i) for i, p in enumerate(prompts)]
+        token_id_lists = [self._to_token_ids(p, i) for i, (p, _) in enumerate(split)]
+        cache_salts = [cache_salt for _, cache_salt in split]
         for index, (token_ids, params) in enumerate(zip(token_id_lists, params_list, strict=True)):
             self._check_prompt(index, token_ids, params)
         request_ids = [f"gen-{next(self._request_counter)}" for _ in prompts]
-        for request_id, token_ids, params in zip(request_ids, token_id_lists, params_list, strict=True):
-            self.engine.add_request(request_id, token_ids, params)
+        for request_id, token_ids, params, cache_salt in zip(
+            request_ids, token_id_lists, params_list, cache_salts, strict=True
+        ):
+            self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(request_ids):
             for output in self.engine.step():

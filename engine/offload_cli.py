@@ -24,6 +24,7 @@ _OPTION_TO_SETTING = {
     "kv_offload_remote": "remote_url",
     "kv_offload_chunk_size": "chunk_size",
     "kv_offload_codec": "codec",
+    "kv_offload_key_prefix": "key_prefix",
 }
 _SWITCH_ENV = "KVSTASH_KV_OFFLOAD"
 _CONFIG_ENV = "KVSTASH_KV_OFFLOAD_CONFIG"
@@ -65,6 +66,12 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-offload-codec", type=click.Choice(CODECS), default=None, help="Codec of disk and remote values."
+    ),
+    click.option(
+        "--kv-offload-key-prefix",
+        metavar="TEXT",
+        default=None,
+        help="Text put in front of every chunk key (the tenant's prefix on a cache server with --tenants).",
     ),
     click.option(
         "--kv-offload-config",

@@ -71,6 +71,9 @@ class Request:
     generator: torch.Generator | None = None
     #: output text up to now (maintained by the engine core when a tokenizer exists)
     text: str = ""
+    #: the request's cache salt (None: none). Requests share GPU prefix-cache blocks and
+    #: offloaded chunks only with requests of the same salt (DESIGN §5)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -502,7 +502,8 @@ class GrpcBackend(StorageBackend):
             raise self._error("keys", error) from None
 
     def stats(self) -> dict[str, Any]:
-        """Client-side counters plus the server's memory-tier gauges (None when unreachable)."""
+        """Client-side counters plus the server's memory-tier gauges (None when unreachable, or
+        when the token is a non-admin tenant's)."""
         with self._lock:
             result: dict[str, Any] = dict(self._counts)
         result.update(num_keys=None, bytes_used=None, capacity_bytes=None, evictions=None)
@@ -512,9 +513,11 @@ class GrpcBackend(StorageBackend):
             server = self._admin.Stats(
                 kvstash_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
             )
-        except grpc.RpcError:
-            self._count("errors")
-            result["errors"] += 1
+        except grpc.RpcError as error:
+            # Server-wide gauges are admin-only on a server with tenants: unknown, not an error.
+            if error.code() != grpc.StatusCode.PERMISSION_DENIED:
+                self._count("errors")
+                result["errors"] += 1
             return result
         if server.tiers:
             memory = server.tiers[0]

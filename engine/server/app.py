@@ -159,7 +159,7 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     ) -> Response:
         request_id = builder.response_id
         try:
-            outputs = await async_engine.add_request(request_id, prompt_token_ids, params)
+            outputs = await async_engine.add_request(request_id, prompt_token_ids, params, body.cache_salt)
         except ValueError as error:
             raise bad_request(str(error)) from error
         except EngineDeadError as error:

@@ -57,6 +57,7 @@ class _Submission:
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future  # set to None once queued in the engine, or to the ValueError
     outputs: asyncio.Queue  # RequestOutput items (the last one finished), or an exception on failure
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -122,11 +123,15 @@ class AsyncEngine:
         self._thread.join(timeout_s)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit the request, then yield its cumulative outputs until it finishes.
         Raises ValueError before yielding anything when the engine rejects it."""
-        outputs = await self.add_request(request_id, prompt_token_ids, params)
+        outputs = await self.add_request(request_id, prompt_token_ids, params, cache_salt)
         async for output in self.stream_outputs(request_id, outputs):
             yield output
 
@@ -149,13 +154,24 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> asyncio.Queue:
         """Queue one request for the engine thread and wait until it is admitted.
-        Returns the queue its outputs arrive on; raises ValueError when rejected."""
+        Returns the queue its outputs arrive on; raises ValueError when rejected
+        (``cache_salt``: see ``EngineCore.add_request``)."""
         loop = asyncio.get_running_loop()
         submission = _Submission(
-            request_id, list(prompt_token_ids), params, loop, loop.create_future(), asyncio.Queue()
+            request_id,
+            list(prompt_token_ids),
+            params,
+            loop,
+            loop.create_future(),
+            asyncio.Queue(),
+            cache_salt,
         )
         with self._lock:
             if self._thread is None or self._closed:
@@ -253,7 +269,12 @@ class AsyncEngine:
 
     def _admit(self, submission: _Submission) -> None:
         try:
-            self.engine.add_request(submission.request_id, submission.prompt_token_ids, submission.params)
+            self.engine.add_request(
+                submission.request_id,
+                submission.prompt_token_ids,
+                submission.params,
+                cache_salt=submission.cache_salt,
+            )
         except ValueError as error:
             _resolve(submission, error)
             return

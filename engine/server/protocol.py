@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from connector.token_db import check_cache_salt
 from engine.config import SamplingParams
 
 
@@ -37,6 +38,14 @@ class SamplingFields(BaseModel):
     #: not in the OpenAI API: keep generating past EOS (benchmarks)
     ignore_eos: bool = False
     logprobs: int | bool | None = None
+    #: not in the OpenAI API (vLLM's name): requests share cached KV (GPU prefix cache and
+    #: offload tiers) only with requests of the same salt; absent = shared with every unsalted one
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value: str | None) -> str | None:
+        return check_cache_salt(value)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a request this server cannot honour, else None."""

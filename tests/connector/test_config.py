@@ -92,6 +92,7 @@ def no_flags(**flags):
         "kv_offload_remote": None,
         "kv_offload_chunk_size": None,
         "kv_offload_codec": None,
+        "kv_offload_key_prefix": None,
         "kv_offload_config": None,
     }
     options.update(flags)
@@ -114,6 +115,17 @@ def test_precedence_is_flags_then_yaml_then_environment(tmp_path):
     assert yaml_over_env.chunk_size == 128
     env_only = offload_config_from_options(no_flags(), environ)
     assert (env_only.chunk_size, env_only.codec) == (64, "none")
+
+
+def test_key_prefix_flag_wins_over_the_environment():
+    environ = {"KVSTASH_KV_OFFLOAD_KEY_PREFIX": "team-b/"}
+    assert (
+        offload_config_from_options(no_flags(kv_offload_key_prefix="team-a/"), environ).key_prefix
+        == "team-a/"
+    )
+    assert offload_config_from_options(no_flags(kv_offload=True), environ).key_prefix == "team-b/"
+    with pytest.raises(ValueError, match="printable ASCII"):
+        offload_config_from_options(no_flags(kv_offload_key_prefix="team a/"), {})
 
 
 def test_offload_is_off_unless_asked_for():
@@ -142,6 +154,7 @@ def test_generate_lists_the_offload_flags():
         "--kv-offload-remote",
         "--kv-offload-chunk-size",
         "--kv-offload-codec",
+        "--kv-offload-key-prefix",
         "--kv-offload-config",
     ):
         assert flag in result.output

@@ -25,6 +25,7 @@ class FakeRequest:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def roles(layerwise=False):

@@ -108,13 +108,19 @@ def _child(args: argparse.Namespace) -> dict:
         ttft = None
         last = time.perf_counter()
         gap = 0.0
+        steps = []  # (ms, tokens computed) of each step until the long prompt's first token
         while engine.has_unfinished_requests():
+            computed = engine.stats.num_computed_tokens_total
             for output in engine.step():
                 if output.request_id == "long" and output.metrics.ttft_s is not None:
                     ttft = output.metrics.ttft_s
             now = time.perf_counter()
+            if ttft is None or len(steps) < 4:
+                steps.append(
+                    (round((now - last) * 1e3, 1), engine.stats.num_computed_tokens_total - computed)
+                )
             gap, last = max(gap, now - last), now
-        return {"ttft_s": ttft, "decode_max_gap_s": gap}
+        return {"ttft_s": ttft, "decode_max_gap_s": gap, "steps": steps}
 
     first = scenario()
     later = scenario()

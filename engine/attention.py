@@ -74,12 +74,15 @@ def dense_causal_attention(
 
 
 def _padded_heads_first(x: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """[n, heads, D] -> [1, heads, padded_len, D], zeros after row n."""
+    """[n, heads, D] (any strides) -> a new contiguous [1, heads, padded_len, D], zeros
+    after row n. Always a copy: the backend's plans are keyed by strides too, so every
+    call at one bucket must look alike (a view of the fused QKV projection has other
+    strides than a padded buffer, and would miss the plan the warm-up made)."""
     num_tokens, num_heads, head_dim = x.shape
-    if padded_len == num_tokens:
-        return x.transpose(0, 1).unsqueeze(0)
-    out = x.new_zeros((1, num_heads, padded_len, head_dim))
+    out = x.new_empty((1, num_heads, padded_len, head_dim))
     out[0, :, :num_tokens].copy_(x.transpose(0, 1))
+    if padded_len > num_tokens:
+        out[0, :, num_tokens:].zero_()
     return out
 
 

@@ -126,6 +126,11 @@ def _step_plans(factory: _SyntheticRequests, limits: WarmupLimits) -> list[Sched
             ]
         ),
     ]
+    # the paged kernel's tile variants: every query-tile size a step of q new tokens per
+    # sequence picks, over a long context (split-KV) and a short one (one split)
+    for q in (1, 2, 4, 8, 16):
+        plans.append(_plan([make(longest, longest - q, _GREEDY)]))
+        plans.append(_plan([make(q + 40, 40, _GREEDY), make(q + 7, 7, _SAMPLED)]))
     # eager decode batches (graphs cover the common ones; these cover steps with loads,
     # batches past the largest graph and the first replays)
     for num_seqs in sorted({1, 3, min(limits.max_num_seqs, 64)}):

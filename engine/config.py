@@ -71,6 +71,9 @@ class EngineArgs:
     seed: int = 0
     #: never use CUDA graphs (they replay pure-decode steps on CUDA)
     enforce_eager: bool = False
+    #: compile and plan every kernel variant and shape class at start-up on CUDA
+    #: (engine.warmup); off, the first requests of each shape pay it
+    warmup: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

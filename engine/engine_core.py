@@ -23,6 +23,7 @@ from engine.models import load_model
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer, SpecDecodeStats
+from engine.warmup import WarmupLimits, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,17 @@ class EngineCore:
             cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
             max_model_len=self.max_model_len,
         )
+        if args.warmup and self.device.type == "cuda":
+            warm_up(
+                self.runner,
+                WarmupLimits(
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=self.max_model_len,
+                    max_num_seqs=args.max_num_seqs,
+                    num_speculative_tokens=args.num_speculative_tokens if args.speculative else 0,
+                    chunk_size=args.kv_offload.chunk_size if args.kv_offload is not None else 0,
+                ),
+            )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         logger.info(

@@ -31,6 +31,7 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "load_format": (click.Choice(["auto", "dummy"]), "'dummy' = random weights."),
     "seed": (int, "Engine seed."),
     "enforce_eager": (bool, "Never use CUDA graphs for decode steps."),
+    "warmup": (bool, "Compile and plan every kernel shape at start-up (CUDA)."),
 }
 
 

@@ -37,7 +37,8 @@ _BYTES_PER_PROGRAM = 4096
 _MAX_BLOCK_ROW = 1024
 
 
-@triton.jit
+# Lengths vary per call: no per-value specialization (one compiled variant per config).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _move_kv_rows_kernel(
     paged_ptr,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], dense from num_blocks on
     packed_ptr,  # [num_layers, 2, num_tokens, num_kv_heads, head_dim], contiguous

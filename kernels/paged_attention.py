@@ -36,7 +36,9 @@ from kernels.launch import check_kernel_device, next_power_of_2
 _LOG2_E = 1.4426950408889634
 
 
-@triton.jit
+# Batch sizes, split counts and block-table widths vary per step: Triton would otherwise compile one variant
+# per value class (== 1, multiple of 16) at the first step that meets it.
+@triton.jit(do_not_specialize=["num_seqs", "num_kv_splits", "stride_tables_seq"])
 def _paged_attention_kernel(
     out_ptr,  # [num_new_tokens_total, num_heads, head_dim]
     split_out_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits, head_dim] (SPLIT only)
@@ -181,7 +183,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_kv_splits"])
 def _merge_kv_splits_kernel(
     out_ptr,  # [num_new_tokens_total, num_heads, head_dim]
     split_out_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits, head_dim]

@@ -31,7 +31,7 @@ from kernels.launch import check_kernel_device, next_power_of_2
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_spec_len"])
 def _rejection_sample_kernel(
     out_ptr,  # [batch, max_spec_len + 1] int64
     draft_token_ids_ptr,  # [num_draft_tokens_total] int32 or int64

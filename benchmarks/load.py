@@ -119,18 +119,19 @@ class RssMonitor:
 
 
 # ---- part 1: cache server ------------------------------------------------------------
-def make_values(num_values: int, value_bytes: int) -> list[bytes]:
-    """Valid serialized chunks (uint8 [1, 2, T, 1, 1]) of about ``value_bytes`` each."""
+def make_values(num_keys: int, value_bytes: int) -> list[bytes]:
+    """The value of key ``load:{i}`` at index i: a valid serialized chunk (uint8 [1, 2, T, 1, 1])
+    of about ``value_bytes``, bound to its key (16 distinct tensors, reused)."""
     import torch
 
     from storage_backends.chunk import KVChunk, encode_chunk
 
     generator = torch.Generator().manual_seed(0)
     shape = (1, 2, max(1, value_bytes // 2), 1, 1)
-    return [
-        encode_chunk(KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)))
-        for _ in range(num_values)
+    chunks = [
+        KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)) for _ in range(16)
     ]
+    return [encode_chunk(chunks[index % len(chunks)], key=f"load:{index}") for index in range(num_keys)]
 
 
 def cache_client(
@@ -150,7 +151,7 @@ def cache_client(
         while time.monotonic() < deadline:
             index = rng.randrange(num_keys)
             key = f"load:{index}"
-            value = values[index % len(values)]
+            value = values[index]
             roll = rng.random()
             started = time.perf_counter()
             try:
@@ -190,7 +191,7 @@ def cache_client(
 def run_cache_load(
     address: str, num_clients: int, duration_s: float, num_keys: int, value_bytes: int
 ) -> dict:
-    values = make_values(16, value_bytes)
+    values = make_values(num_keys, value_bytes)
     results: dict = {}
     deadline = time.monotonic() + duration_s
     threads = [

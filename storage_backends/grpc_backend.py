@@ -407,7 +407,7 @@ class GrpcBackend(StorageBackend):
             self._count("misses")
             return None
         try:
-            verify_chunk(data)
+            verify_chunk(data, key=key)
         except ChunkFormatError:
             self._count("corrupt")
             return None
@@ -420,7 +420,7 @@ class GrpcBackend(StorageBackend):
             self._count("misses")
             return None
         try:
-            chunk = decode_chunk(data)
+            chunk = decode_chunk(data, key=key)
         except ChunkFormatError:
             self._count("corrupt")
             return None
@@ -458,7 +458,7 @@ class GrpcBackend(StorageBackend):
         self._count("puts")
 
     def put(self, key: str, chunk: KVChunk) -> None:
-        self.put_encoded(key, encode_chunk(chunk, self.codec))
+        self.put_encoded(key, encode_chunk(chunk, self.codec, key=key))
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
         """Concurrent Puts; raises the first failure after every Put has ended."""

@@ -33,7 +33,7 @@ def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> N
                     pass  # the stream ends when the server stops
 
             threading.Thread(target=follow_health, daemon=True).start()
-            value = make_value(5, num_bytes=3 * PIECE_BYTES)
+            value = make_value(5, num_bytes=3 * PIECE_BYTES, key="ns/in-flight")
             release = threading.Event()
 
             def slow_put():
@@ -77,7 +77,7 @@ def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> N
 
 def test_a_restart_with_a_disk_tier_keeps_the_data(tmp_path) -> None:
     disk_args = ("--memory-gb", "0.1", "--disk-path", str(tmp_path / "disk"), "--disk-gb", "0.5")
-    values = {f"ns/{i}": make_value(i, num_bytes=(i + 1) << 20) for i in range(3)}
+    values = {f"ns/{i}": make_value(i, num_bytes=(i + 1) << 20, key=f"ns/{i}") for i in range(3)}
     first = CacheServerProcess(*disk_args).start()
     try:
         with Stubs(first.address) as stubs:
@@ -106,7 +106,7 @@ def test_a_restart_with_a_disk_tier_keeps_the_data(tmp_path) -> None:
 
 
 def test_redis_below_the_server_serves_after_a_restart(redis_url) -> None:
-    value = make_value(11, num_bytes=2 << 20)
+    value = make_value(11, num_bytes=2 << 20, key="ns/r")
     first = CacheServerProcess("--memory-gb", "0.1", "--redis-url", redis_url).start()
     try:
         with Stubs(first.address) as stubs:

@@ -13,6 +13,7 @@ from protos import kvstash_pb2
 from storage_backends.grpc_backend import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests, rpc_error, status_of
 from tests.cache_server.server_process import CacheServerProcess, clear_server
+from tests.storage_backends.helpers import forge_chunk
 
 MAX_STREAMS = 2
 MAX_VALUE_MB = 40
@@ -205,3 +206,26 @@ def test_bad_requests_leave_the_server_serving_and_leak_nothing(server, stubs: S
     )
     stubs.put("ns/after", make_value(9, key="ns/after"))
     assert stubs.get("ns/after") == make_value(9, key="ns/after")
+
+
+def test_hostile_headers_and_misfiled_values_are_invalid_argument_and_store_nothing(stubs: Stubs) -> None:
+    """Issue #17 items 2 and 4: checksummed values whose header lies, or that were serialized
+    for another key, are refused at Put (before: stored, and Info later failed with INTERNAL)."""
+    hostile = {
+        "ns/wrapping-shape": forge_chunk(
+            (1 << 32, 1 << 32, 1), b"LTH", b"", raw_len=0, key="ns/wrapping-shape"
+        ),
+        "ns/huge-lz4": forge_chunk(
+            (1 << 40,), b"T", b"\x00" * 16, raw_len=1 << 40, codec_code=1, key="ns/huge-lz4"
+        ),
+        "ns/bad-layout": forge_chunk((2, 3, 4), b"LK", bytes(24), raw_len=24, key="ns/bad-layout"),
+        "ns/misfiled": make_value(1, key="ns/elsewhere"),
+    }
+    for key, value in hostile.items():
+        error = rpc_error(lambda key=key, value=value: stubs.put(key, value))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (key, error.details())
+    assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
+    # A sound forged header is stored, and Info describes it.
+    stubs.put("ns/sound", forge_chunk((2, 3, 4), b"LTH", bytes(24), raw_len=24, key="ns/sound"))
+    info = stubs.admin.Info(kvstash_pb2.InfoRequest(key="ns/sound"), timeout=10)
+    assert info.layout == "LTH" and list(info.shape) == [2, 3, 4] and info.num_tokens == 3

@@ -119,28 +119,29 @@ class RssMonitor:
 
 
 # ---- part 1: cache server ------------------------------------------------------------
-def make_values(num_keys: int, value_bytes: int) -> list[bytes]:
-    """The value of key ``load:{i}`` at index i: a valid serialized chunk (uint8 [1, 2, T, 1, 1])
-    of about ``value_bytes``, bound to its key (16 distinct tensors, reused)."""
+def make_values(num_values: int, value_bytes: int) -> list:
+    """Chunks (uint8 [1, 2, T, 1, 1]) of about ``value_bytes`` each; key ``load:{i}`` stores
+    chunk ``i % num_values``, serialized for its key by the client before the clock starts."""
     import torch
 
-    from storage_backends.chunk import KVChunk, encode_chunk
+    from storage_backends.chunk import KVChunk
 
     generator = torch.Generator().manual_seed(0)
     shape = (1, 2, max(1, value_bytes // 2), 1, 1)
-    chunks = [
-        KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)) for _ in range(16)
+    return [
+        KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator))
+        for _ in range(num_values)
     ]
-    return [encode_chunk(chunks[index % len(chunks)], key=f"load:{index}") for index in range(num_keys)]
 
 
 def cache_client(
-    address: str, values: list[bytes], num_keys: int, deadline: float, seed: int, results: dict
+    address: str, values: list, num_keys: int, deadline: float, seed: int, results: dict
 ) -> None:
     """One client's loop: 30 % Put, 50 % Get, 20 % Contains of 8 keys, until ``deadline``."""
     import grpc
 
     from protos import kvstash_pb2, kvstash_pb2_grpc
+    from storage_backends.chunk import encode_chunk
     from storage_backends.grpc_backend import PIECE_BYTES, make_channel
 
     rng = random.Random(seed)
@@ -151,7 +152,7 @@ def cache_client(
         while time.monotonic() < deadline:
             index = rng.randrange(num_keys)
             key = f"load:{index}"
-            value = values[index]
+            value = encode_chunk(values[index % len(values)], key=key)  # a value is bound to its key
             roll = rng.random()
             started = time.perf_counter()
             try:
@@ -191,7 +192,7 @@ def cache_client(
 def run_cache_load(
     address: str, num_clients: int, duration_s: float, num_keys: int, value_bytes: int
 ) -> dict:
-    values = make_values(num_keys, value_bytes)
+    values = make_values(16, value_bytes)
     results: dict = {}
     deadline = time.monotonic() + duration_s
     threads = [
@@ -226,7 +227,7 @@ def run_cache_load(
         "num_clients": num_clients,
         "duration_s": round(elapsed, 2),
         "num_keys": num_keys,
-        "value_bytes": len(values[0]),
+        "value_bytes": values[0].nbytes,
         "num_ops": sum(op["count"] for op in ops.values()),
         "num_errors": sum(errors.values()),
         "errors": errors,

@@ -408,7 +408,8 @@ class GrpcBackend(StorageBackend):
             return None
         try:
             verify_chunk(data, key=key)
-        except ChunkFormatError:
+        except ChunkFormatError as error:
+            logger.warning("grpc tier: corrupt value for key %r (treated as a miss): %s", key, error)
             self._count("corrupt")
             return None
         self._count("hits")
@@ -421,7 +422,8 @@ class GrpcBackend(StorageBackend):
             return None
         try:
             chunk = decode_chunk(data, key=key)
-        except ChunkFormatError:
+        except ChunkFormatError as error:
+            logger.warning("grpc tier: corrupt value for key %r (treated as a miss): %s", key, error)
             self._count("corrupt")
             return None
         self._count("hits")

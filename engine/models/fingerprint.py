@@ -108,6 +108,10 @@ class WeightHashCache:
         self.num_files_hashed += 1
         # A file that changed while it was read gets no entry (its identity moved on).
         if self._identity(path) == identity:
+            # One entry per path: the file's older identities can never match again.
+            path_prefix = identity.rsplit("|", 3)[0] + "|"
+            for stale in [key for key in self._identity_to_digest if key.startswith(path_prefix)]:
+                del self._identity_to_digest[stale]
             self._identity_to_digest[identity] = digest
         return digest
 

@@ -135,6 +135,7 @@ def test_changed_mtime_or_size_hashes_again_and_a_corrupt_cache_is_ignored(tmp_p
     os.utime(weights, ns=(status.st_atime_ns, status.st_mtime_ns + 1_000_000_000))
     cache = WeightHashCache(cache_dir)
     assert model_fingerprint(model_dir, cache) != fingerprint and cache.num_files_hashed == 1
+    assert len(WeightHashCache(cache_dir)._load()) == 1  # the file's older identities were dropped
 
     for garbage in (
         "not json",

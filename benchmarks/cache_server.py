@@ -58,12 +58,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_value(num_bytes: int, seed: int) -> bytes:
-    """A valid serialized chunk of about ``num_bytes`` (the server refuses anything else)."""
+def make_value(num_bytes: int, seed: int) -> KVChunk:
+    """A chunk of about ``num_bytes``; serialized per key by :func:`measure` (a value is bound to its key)."""
     generator = torch.Generator().manual_seed(seed)
     num_tokens = max(1, num_bytes // 2)  # layout [layers=1, K/V=2, tokens, heads=1, dim=1] of uint8
     tensor = torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator)
-    return encode_chunk(KVChunk(tensor))
+    return KVChunk(tensor)
 
 
 def start_cache_server(memory_gb: float, bulk: str) -> tuple[subprocess.Popen, str]:
@@ -148,9 +148,10 @@ class RedisClient:
 
 
 def run_phase(
-    clients: list, call: Callable, keys_per_client: list[list[str]], value: bytes | None
+    clients: list, call: Callable, keys_per_client: list[list[str]], key_to_value: dict[str, bytes] | None
 ) -> list[float]:
-    """Every client runs its keys in order; returns all per-call latencies (seconds)."""
+    """Every client runs its keys in order (puts ``key_to_value[key]`` when given, else gets);
+    returns all per-call latencies (seconds)."""
     latencies: list[float] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -162,9 +163,9 @@ def run_phase(
             barrier.wait()
             for key in keys:
                 start = time.perf_counter()
-                result = call(client, key) if value is None else call(client, key, value)
+                result = call(client, key) if key_to_value is None else call(client, key, key_to_value[key])
                 own.append(time.perf_counter() - start)
-                if value is None and (result is None or len(result) == 0):
+                if key_to_value is None and (result is None or len(result) == 0):
                     raise RuntimeError(f"get of {key} returned nothing")
         except BaseException as exc:  # noqa: BLE001 - reported after the join
             errors.append(exc)
@@ -193,7 +194,7 @@ def measure(
     system: str,
     make_client: Callable,
     server_process,
-    value: bytes,
+    chunk: KVChunk,
     num_clients: int,
     ops_per_client: int,
     round_index: int,
@@ -201,14 +202,17 @@ def measure(
     """Puts then Gets of distinct keys by ``num_clients`` threads; one row per op."""
     clients = [make_client() for _ in range(num_clients)]
     keys = [
-        [f"bench/{system}/{len(value)}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
+        [f"bench/{system}/{chunk.nbytes}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
     ]
+    # Serialized before the clock starts: each value carries the hash of its own key.
+    key_to_value = {key: encode_chunk(chunk, key=key) for client_keys in keys for key in client_keys}
+    value = next(iter(key_to_value.values()))
     rows = []
     try:
         for op in ("put", "get"):
             call = (lambda cl, k, v: cl.put(k, v)) if op == "put" else (lambda cl, k: cl.get(k))
             cpu_start, start = server_cpu_s(server_process), time.perf_counter()
-            latencies = run_phase(clients, call, keys, value if op == "put" else None)
+            latencies = run_phase(clients, call, keys, key_to_value if op == "put" else None)
             elapsed = time.perf_counter() - start
             cpu_s = server_cpu_s(server_process) - cpu_start
             num_bytes = len(value) * len(latencies)

@@ -119,27 +119,29 @@ class RssMonitor:
 
 
 # ---- part 1: cache server ------------------------------------------------------------
-def make_values(num_values: int, value_bytes: int) -> list[bytes]:
-    """Valid serialized chunks (uint8 [1, 2, T, 1, 1]) of about ``value_bytes`` each."""
+def make_values(num_values: int, value_bytes: int) -> list:
+    """Chunks (uint8 [1, 2, T, 1, 1]) of about ``value_bytes`` each; key ``load:{i}`` stores
+    chunk ``i % num_values``, serialized for its key by the client before the clock starts."""
     import torch
 
-    from storage_backends.chunk import KVChunk, encode_chunk
+    from storage_backends.chunk import KVChunk
 
     generator = torch.Generator().manual_seed(0)
     shape = (1, 2, max(1, value_bytes // 2), 1, 1)
     return [
-        encode_chunk(KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)))
+        KVChunk(torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator))
         for _ in range(num_values)
     ]
 
 
 def cache_client(
-    address: str, values: list[bytes], num_keys: int, deadline: float, seed: int, results: dict
+    address: str, values: list, num_keys: int, deadline: float, seed: int, results: dict
 ) -> None:
     """One client's loop: 30 % Put, 50 % Get, 20 % Contains of 8 keys, until ``deadline``."""
     import grpc
 
     from protos import kvstash_pb2, kvstash_pb2_grpc
+    from storage_backends.chunk import encode_chunk
     from storage_backends.grpc_backend import PIECE_BYTES, make_channel
 
     rng = random.Random(seed)
@@ -150,7 +152,7 @@ def cache_client(
         while time.monotonic() < deadline:
             index = rng.randrange(num_keys)
             key = f"load:{index}"
-            value = values[index % len(values)]
+            value = encode_chunk(values[index % len(values)], key=key)  # a value is bound to its key
             roll = rng.random()
             started = time.perf_counter()
             try:
@@ -225,7 +227,7 @@ def run_cache_load(
         "num_clients": num_clients,
         "duration_s": round(elapsed, 2),
         "num_keys": num_keys,
-        "value_bytes": len(values[0]),
+        "value_bytes": values[0].nbytes,
         "num_ops": sum(op["count"] for op in ops.values()),
         "num_errors": sum(errors.values()),
         "errors": errors,

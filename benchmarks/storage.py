@@ -136,7 +136,7 @@ def run_tiers(sizes: list[int], repeats: int, batch: int, workdir: str) -> list[
     try:
         for size in sizes:
             chunk = make_chunk(size, seed=size)
-            encoded = encode_chunk(chunk)
+            encoded = encode_chunk(chunk, key="bench:raw")
 
             def same_chunk(result: KVChunk | None, chunk: KVChunk = chunk) -> bool:
                 return result is not None and result.equal(chunk)
@@ -195,17 +195,23 @@ def run_tiers(sizes: list[int], repeats: int, batch: int, workdir: str) -> list[
 
 def measure_codec(name: str, chunk: KVChunk, codec: str, repeats: int) -> dict:
     """Serialization alone: best encode and decode MB/s (of uncompressed bytes) and the size ratio."""
-    encoded = encode_chunk(chunk, codec)
+    encoded = encode_chunk(chunk, codec, key="bench:codec")
     num_calls = max(2, BYTES_PER_SIZE_RUN // max(chunk.nbytes, 1) // 4)
     encode_rates, decode_rates = [], []
     for _ in range(repeats):
         encode_rates.append(
-            mb_per_s(chunk.nbytes * num_calls, time_calls([lambda: encode_chunk(chunk, codec)] * num_calls))
+            mb_per_s(
+                chunk.nbytes * num_calls,
+                time_calls([lambda: encode_chunk(chunk, codec, key="bench:codec")] * num_calls),
+            )
         )
         decode_rates.append(
-            mb_per_s(chunk.nbytes * num_calls, time_calls([lambda: decode_chunk(encoded)] * num_calls))
+            mb_per_s(
+                chunk.nbytes * num_calls,
+                time_calls([lambda: decode_chunk(encoded, key="bench:codec")] * num_calls),
+            )
         )
-    if not decode_chunk(encoded).equal(chunk):
+    if not decode_chunk(encoded, key="bench:codec").equal(chunk):
         raise RuntimeError(f"{name}: decode(encode(x)) differs from x")
     return {
         "tier": name,

@@ -224,7 +224,7 @@ class BulkServer:
         try:
             with service.stream_slot():
                 key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "put")
-                assembler = ValueAssembler(service.check_size(value_len))
+                assembler = ValueAssembler(service.check_size(value_len), key)
                 sock.sendall(wire.encode_reply(wire.STATUS_OK))
                 data = _receive_value(sock, assembler)
                 service.store.put_verified(key, data)

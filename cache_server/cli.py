@@ -33,7 +33,7 @@ __all__ = ["admin", "cache_server"]
 @click.option(
     "--disk-path", type=click.Path(file_okay=False), help="Folder of the disk tier (kept across restarts)."
 )
-@click.option("--disk-gb", type=float, help="Byte cap of the disk tier, GiB (default: unbounded).")
+@click.option("--disk-gb", type=float, help="Byte cap of the disk tier, GiB (required with --disk-path).")
 @click.option("--redis-url", help="Redis below the disk tier, e.g. redis://redis:6379/0.")
 @click.option(
     "--auth-token",

@@ -78,6 +78,9 @@ class ServerConfig:
             raise ValueError(f"disk capacity must be positive, got {self.disk_bytes} bytes")
         if self.disk_bytes is not None and self.disk_path is None:
             raise ValueError("a disk capacity was given without a disk path")
+        if self.disk_path is not None and self.disk_bytes is None:
+            # The disk tier always has a cap (it evicts to respect it): no silent unbounded default.
+            raise ValueError("--disk-path needs --disk-gb, the disk tier's cap in GiB")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
         for path in (self.tls_cert, self.tls_key):

@@ -55,12 +55,12 @@ class EncodedMemoryTier(StorageBackend):
 
     def get(self, key: str) -> KVChunk | None:
         data = self.get_encoded(key)
-        return None if data is None else decode_chunk(data)
+        return None if data is None else decode_chunk(data, key=key)
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
         """Verify then store; ValueError for a corrupt value or one larger than the whole tier."""
-        verify_chunk(data)
+        verify_chunk(data, key=key)
         self.put_verified(key, bytes(data))
 
     def put_verified(self, key: str, data: bytes | memoryview) -> None:
@@ -88,7 +88,7 @@ class EncodedMemoryTier(StorageBackend):
         self._counters.add("puts")
 
     def put(self, key: str, chunk: KVChunk) -> None:
-        self.put_encoded(key, encode_chunk(chunk))
+        self.put_encoded(key, encode_chunk(chunk, key=key))
 
     def delete(self, key: str) -> bool:
         with self._lock:

@@ -209,7 +209,7 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                 message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
                     key = self.check_access(tenant, self.check_key(message_key), "put")
-                    value = ValueAssembler(self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)))
+                    value = ValueAssembler(self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)), key)
                 elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
                 value.add(_bytes_field(fields, PUT_DATA_FIELD))
@@ -335,7 +335,7 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
         stored = await asyncio.to_thread(self.store.peek, key)
         if stored is None:
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
-        header = await asyncio.to_thread(verify_chunk, stored.data)
+        header = await asyncio.to_thread(verify_chunk, stored.data, key=key)
         return kvstash_pb2.InfoResponse(
             entry=kvstash_pb2.KeyEntry(key=key, tier=stored.tier),
             size_bytes=len(stored.data),

@@ -5,7 +5,7 @@ once per received piece (on the event loop) and :meth:`~ValueAssembler.finish` o
 end; the bulk channel receives straight into :meth:`~ValueAssembler.next_space` and calls
 :meth:`~ValueAssembler.advance` (on its connection's thread). Each piece is copied once, into a buffer of the announced size, and its share of the
 chunk's CRC-32 is computed while it is in cache, so the checks that ``verify_chunk`` makes
-(header, length, checksum) are done when the last piece lands: no join and no second pass
+(header, key hash, length, checksum) are done when the last piece lands: no join and no second pass
 over tens of MiB.
 
 Measured on the Put path (docs/benchmarks.md), filling fresh memory that is kept: the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from zlib_ng import zlib_ng
 
-from storage_backends.chunk import ChunkFormatError, ChunkHeader, header_checksum, parse_header
+from storage_backends.chunk import ChunkFormatError, ChunkHeader, check_key, header_checksum, parse_header
 
 #: a chunk header is never longer (its length field is a u16), so once this many bytes
 #: (or the whole value) have arrived the header can be parsed
@@ -30,9 +30,11 @@ MAX_HEADER_BYTES = 1 << 16
 
 
 class ValueAssembler:
-    """Buffer and running checksum of one value of ``total_size`` bytes (> 0)."""
+    """Buffer and running checksum of one value of ``total_size`` bytes (> 0) to be stored
+    under ``key``: a header written for another key is refused like a bad checksum."""
 
-    def __init__(self, total_size: int) -> None:
+    def __init__(self, total_size: int, key: str) -> None:
+        self.key = key
         self._buffer = torch.empty(total_size, dtype=torch.uint8).numpy()  # [total_size], not zeroed
         self._view = memoryview(self._buffer)
         self.total_size = total_size
@@ -73,6 +75,7 @@ class ValueAssembler:
             raise ChunkFormatError(
                 f"announced {len(self._buffer)} bytes, but the chunk header says {header.total_len}"
             )
+        check_key(header, self.key)
         self._header = header
         self._checksum = header_checksum(self._view, header)
         self._num_checked = header.header_len

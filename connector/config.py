@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 GIB = 1 << 30
 
 #: schemes accepted for ``remote_url`` (the storage backends implement each)
-REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "grpc", "grpcs")
+REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs")
 CODECS = ("none", "lz4")
 
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
@@ -40,7 +40,8 @@ class OffloadConfig:
     disk_path: str | None = None
     #: byte cap of the local-disk tier
     disk_bytes: int = 16 * GIB
-    #: remote tier: redis://, rediss://, redis+cluster://, grpc:// or grpcs:// URL; None disables it
+    #: remote tier: redis://, rediss://, redis+cluster://, rediss+cluster:// (TLS), grpc:// or grpcs://
+    #: URL; None disables it
     remote_url: str | None = None
     #: serialization codec for disk and remote tiers
     codec: str = "none"
@@ -96,7 +97,7 @@ class OffloadConfig:
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
         """Build from field names (plus ``cpu_gb``/``disk_gb`` in GiB); values may be
         strings (as in env vars) and are converted to each field's type."""
-        return cls(**parse_fields(values, source=source))
+        return config_from_fields(parse_fields(values, source=source), source=source)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> OffloadConfig:
@@ -122,6 +123,22 @@ def check_key_prefix(key_prefix: object) -> None:
 
 
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(OffloadConfig)}
+
+
+def config_from_fields(fields: Mapping[str, Any], *, source: str) -> OffloadConfig:
+    """``OffloadConfig(**fields)`` for settings read from text sources (merged by the caller).
+
+    A disk size given without a disk folder would silently give no disk tier, so it is an
+    error here (the dataclass itself cannot tell a given size from its default).
+    """
+    if "disk_bytes" in fields and fields.get("disk_path") is None:
+        raise ValueError(
+            f"{source}: a disk tier size (disk_gb / disk_bytes, --kv-offload-disk-gb) is set but no "
+            "disk folder: set disk_path (--kv-offload-disk-path, KVSTASH_KV_OFFLOAD_DISK_PATH) too"
+        )
+    return OffloadConfig(**fields)
+
+
 _GIB_ALIASES = {"cpu_gb": "cpu_bytes", "disk_gb": "disk_bytes"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -116,7 +116,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             return None
         try:
             chunk = self.get(key)
-            return None if chunk is None else encode_chunk(chunk)
+            return None if chunk is None else encode_chunk(chunk, key=key)
         finally:
             self.unpin([key])
 
@@ -178,7 +178,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self.publish(key)
 
     def put_encoded(self, key: str, data: bytes) -> None:
-        self.put(key, decode_chunk(data))
+        self.put(key, decode_chunk(data, key=key))
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` unless a reader holds a pin on it (its view must stay valid)."""

@@ -68,6 +68,10 @@ class EngineArgs:
     ngram_min_n: int = 2
     ngram_max_n: int = 4
     load_format: str = "auto"
+    #: the model's identity in the KV offload namespace instead of the hash of its weights
+    #: (no weight byte is read). The operator's responsibility: two different checkpoints
+    #: given one id share KV, and would serve each other wrong tokens.
+    model_id: str | None = None
     seed: int = 0
     #: never use CUDA graphs (they replay pure-decode steps on CUDA)
     enforce_eager: bool = False
@@ -92,6 +96,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.model_id is not None and not (isinstance(self.model_id, str) and self.model_id.strip()):
+            raise ValueError(f"model_id must be a non-empty string when given, got {self.model_id!r}")
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}"

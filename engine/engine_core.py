@@ -95,11 +95,15 @@ class EngineCore:
             from connector import create_kv_connector
             from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
 
+            if args.model_id is not None:
+                model_id = "operator-" + args.model_id  # never equal to a weight hash
+            elif self.model_dir is not None:
+                model_id = model_fingerprint(self.model_dir)
+            else:
+                model_id = dummy_model_fingerprint(model)
             scheduler_connector, worker_connector = create_kv_connector(
                 args.kv_offload,
-                model_id=model_fingerprint(self.model_dir)
-                if self.model_dir is not None
-                else dummy_model_fingerprint(model),
+                model_id=model_id,
                 dtype=self.dtype,
                 num_layers=config.num_layers,
                 num_kv_heads=config.num_kv_heads,

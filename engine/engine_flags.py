@@ -29,6 +29,11 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "ngram_min_n": (int, "Shortest n-gram the ngram proposer matches."),
     "ngram_max_n": (int, "Longest n-gram the ngram proposer matches (tried first)."),
     "load_format": (click.Choice(["auto", "dummy"]), "'dummy' = random weights."),
+    "model_id": (
+        str,
+        "Model identity for the KV offload namespace instead of the hash of the weight files "
+        "(the operator's responsibility: checkpoints given one id share KV).",
+    ),
     "seed": (int, "Engine seed."),
     "enforce_eager": (bool, "Never use CUDA graphs for decode steps."),
     "warmup": (bool, "Compile and plan every kernel shape at start-up (CUDA)."),

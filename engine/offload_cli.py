@@ -14,7 +14,15 @@ from typing import Any
 
 import click
 
-from connector.config import CODECS, GIB, OffloadConfig, env_values, parse_fields, read_yaml
+from connector.config import (
+    CODECS,
+    GIB,
+    OffloadConfig,
+    config_from_fields,
+    env_values,
+    parse_fields,
+    read_yaml,
+)
 
 #: option name -> OffloadConfig setting (values in the settings' user-facing units)
 _OPTION_TO_SETTING = {
@@ -50,13 +58,13 @@ _OPTIONS = [
         "--kv-offload-disk-gb",
         type=float,
         default=None,
-        help=f"Disk tier size in GiB [default: {OffloadConfig.disk_bytes / GIB:g}].",
+        help=f"Disk tier size in GiB; needs --kv-offload-disk-path [default: {OffloadConfig.disk_bytes / GIB:g}].",
     ),
     click.option(
         "--kv-offload-remote",
         metavar="URL",
         default=None,
-        help="Remote tier: redis://, rediss://, redis+cluster://, grpc:// or grpcs:// URL.",
+        help="Remote tier: redis://, rediss://, redis+cluster://, rediss+cluster://, grpc:// or grpcs:// URL.",
     ),
     click.option(
         "--kv-offload-chunk-size",
@@ -112,4 +120,4 @@ def offload_config_from_options(
     if config_path:
         settings.update(parse_fields(read_yaml(config_path), source=str(config_path)))
     settings.update(parse_fields(flag_settings, source="command line"))
-    return OffloadConfig(**settings)
+    return config_from_fields(settings, source="offload settings")

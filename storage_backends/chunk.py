@@ -12,20 +12,35 @@ Serialized chunk = fixed header + shape + layout + payload::
     11     1     layout name length
     12     8     payload length: stored (possibly compressed) bytes (u64)
     20     8     raw length: uncompressed tensor bytes (u64)
-    28     4     CRC-32 of the header bytes before this field plus the shape,
+    28     16    key hash: BLAKE2b-128 of the UTF-8 key the chunk is stored under
+    44     4     CRC-32 of the header bytes before this field plus the shape,
                  layout and payload (CRC-32 as zlib.crc32 computes it, through zlib-ng's
                  SIMD code: about 14 GB/s on one core against zlib's 2.4)
-    32     8*n   shape (u64 each)
+    48     8*n   shape (u64 each)
     ..     k     layout name (ASCII, e.g. "LKTHD")
     ..           payload
 
 The checksum covers the header too, so a flipped dtype or shape byte is caught
 like a flipped payload byte. CRC-32 detects every error burst of up to 32 bits,
 hence every single changed byte.
+
+The key hash binds a value to its key: every read names the key it asked for
+(``verify_chunk(data, key=...)``) and a value filed under another key (swapped,
+copied or misfiled by a bug or an attacker with write access to the store) is a
+:class:`ChunkFormatError`, i.e. a miss, never another prompt's KV. Version 1
+(no key hash) is a :class:`ChunkVersionError` for this build.
+
+The header is checked before any allocation: the element count is computed
+exactly (no wrap-around), the layout must name every dimension, and an lz4 raw
+length must be reachable from the payload (LZ4 expands at most 255x), so a
+hostile header is a :class:`ChunkFormatError`, never an ``OverflowError`` or a
+huge allocation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,13 +50,19 @@ import torch
 from zlib_ng.zlib_ng import crc32
 
 MAGIC = b"KVSC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_LAYOUT = "LKTHD"  # [num_layers, 2 (K, V), num_tokens, num_kv_heads, head_dim]
 CODECS = ("none", "lz4")
 
-_FIXED = struct.Struct("<4sHHBBBBQQ")  # everything before the checksum
+KEY_HASH_BYTES = 16
+_FIXED = struct.Struct(f"<4sHHBBBBQQ{KEY_HASH_BYTES}s")  # everything before the checksum
 _CHECKSUM = struct.Struct("<I")
-_PREFIX_BYTES = _FIXED.size + _CHECKSUM.size  # 32
+_PREFIX_BYTES = _FIXED.size + _CHECKSUM.size  # 48
+#: LZ4's best case: one match byte per 255 output bytes (a block of zeros), so a larger
+#: announced raw length cannot be real and must not be allocated
+_LZ4_MAX_EXPANSION = 255
+#: lz4.block takes the raw length as a C int
+_LZ4_MAX_RAW_BYTES = (1 << 31) - 1
 _DIM = struct.Struct("<Q")
 
 # float8 types exist only in newer torch builds, hence getattr.
@@ -71,6 +92,27 @@ class ChunkFormatError(ValueError):
 
 class ChunkVersionError(ChunkFormatError):
     """A kvstash chunk of another format version: valid for some build, not readable by this one."""
+
+
+class ChunkKeyError(ChunkFormatError):
+    """An intact chunk that was serialized for another key (a misfiled value): a miss."""
+
+
+def key_hash(key: str) -> bytes:
+    """The 16-byte hash of ``key`` that a serialized chunk carries (BLAKE2b-128 of its UTF-8)."""
+    if not isinstance(key, str):
+        raise TypeError(f"chunk key must be a str, got {type(key).__name__}")
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=KEY_HASH_BYTES).digest()
+
+
+def check_key(header: ChunkHeader, key: str) -> None:
+    """Raise :class:`ChunkKeyError` unless ``header`` was written for ``key``.
+
+    Every reader calls it (through :func:`verify_chunk`, or directly when it
+    verifies piece by piece) with the key it asked for.
+    """
+    if header.key_hash != key_hash(key):
+        raise ChunkKeyError(f"chunk was stored for another key (key hash {header.key_hash.hex()})")
 
 
 @dataclass(frozen=True)
@@ -131,6 +173,7 @@ class ChunkHeader(NamedTuple):
     layout: str
     payload_len: int
     raw_len: int
+    key_hash: bytes
     checksum: int
 
     @property
@@ -145,10 +188,11 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def encode_chunk(chunk: KVChunk, codec: str = "none") -> bytes:
-    """Serialize ``chunk`` (a CPU tensor) with ``codec`` ("none" or "lz4").
+def encode_chunk(chunk: KVChunk, codec: str = "none", *, key: str) -> bytes:
+    """Serialize ``chunk`` (a CPU tensor) with ``codec`` ("none" or "lz4") for storage under ``key``.
 
-    Called on every store to a byte tier. The tensor's bytes are read through a
+    Called on every store to a byte tier; ``key`` is the key the value is filed
+    under (its hash goes into the header, and every read checks it). The tensor's bytes are read through a
     memoryview; with codec "none" the only copy is the final join.
     """
     if codec not in _CODEC_TO_CODE:
@@ -176,6 +220,7 @@ def encode_chunk(chunk: KVChunk, codec: str = "none") -> bytes:
         len(layout),
         len(payload),
         len(raw),
+        key_hash(key),
     )
     tail = b"".join(_DIM.pack(size) for size in shape) + layout
     checksum = crc32(payload, crc32(tail, crc32(fixed)))
@@ -194,9 +239,18 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
         raise ChunkFormatError(
             f"truncated chunk: {len(view)} bytes is shorter than the {_PREFIX_BYTES}-byte header"
         )
-    magic, version, header_len, dtype_code, codec_code, ndim, layout_len, payload_len, raw_len = (
-        _FIXED.unpack_from(view)
-    )
+    (
+        magic,
+        version,
+        header_len,
+        dtype_code,
+        codec_code,
+        ndim,
+        layout_len,
+        payload_len,
+        raw_len,
+        stored_key_hash,
+    ) = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise ChunkFormatError(f"not a kvstash chunk: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -215,18 +269,32 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     shape = tuple(_DIM.unpack_from(view, _PREFIX_BYTES + _DIM.size * i)[0] for i in range(ndim))
     layout_start = _PREFIX_BYTES + _DIM.size * ndim
     layout_bytes = bytes(view[layout_start : layout_start + layout_len])
-    if not layout_bytes.isascii():
-        raise ChunkFormatError("chunk layout name is not ASCII")
+    layout = _parse_layout(layout_bytes, ndim)
     dtype = _CODE_TO_DTYPE[dtype_code]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if raw_len != int(np.prod(shape, dtype=np.uint64)) * itemsize:
+    # Python ints: the element count cannot wrap (numpy's uint64 product did, for (2^32, 2^32, 1)).
+    if raw_len != math.prod(shape) * itemsize:
         raise ChunkFormatError(f"chunk raw length {raw_len} does not match shape {shape} of {dtype}")
     codec = _CODE_TO_CODEC[codec_code]
     if codec == "none" and payload_len != raw_len:
         raise ChunkFormatError(f"uncompressed chunk payload {payload_len} bytes, expected {raw_len}")
+    if codec == "lz4" and (raw_len > _LZ4_MAX_RAW_BYTES or raw_len > _LZ4_MAX_EXPANSION * payload_len + 16):
+        raise ChunkFormatError(f"lz4 payload of {payload_len} bytes cannot decompress to {raw_len} bytes")
     return ChunkHeader(
-        version, header_len, dtype, codec, shape, layout_bytes.decode("ascii"), payload_len, raw_len, checksum
+        version, header_len, dtype, codec, shape, layout, payload_len, raw_len, stored_key_hash, checksum
     )
+
+
+def _parse_layout(layout_bytes: bytes, ndim: int) -> str:
+    """The layout name when it is what :class:`KVChunk` accepts for ``ndim`` dimensions."""
+    if not layout_bytes.isascii() or not layout_bytes.isalpha():
+        raise ChunkFormatError(f"chunk layout name {layout_bytes!r} is not ASCII letters")
+    layout = layout_bytes.decode("ascii")
+    if len(layout) != ndim or "T" not in layout or len(set(layout)) != len(layout):
+        raise ChunkFormatError(
+            f"chunk layout {layout!r} must name each of the {ndim} dimensions once and contain 'T'"
+        )
+    return layout
 
 
 def header_checksum(data: bytes | bytearray | memoryview, header: ChunkHeader) -> int:
@@ -240,13 +308,16 @@ def header_checksum(data: bytes | bytearray | memoryview, header: ChunkHeader) -
     return crc32(view[_PREFIX_BYTES : header.header_len], crc32(view[: _FIXED.size]))
 
 
-def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
-    """Check header, length and checksum of a whole serialized chunk without decoding tensors.
+def verify_chunk(data: bytes | bytearray | memoryview, *, key: str) -> ChunkHeader:
+    """Check header, key, length and checksum of a whole serialized chunk without decoding tensors.
 
-    Used before storing already-encoded bytes (``put_encoded``) and by :func:`decode_chunk`.
+    ``key``: the key the caller reads or stores the value under; a value serialized for
+    another key is a :class:`ChunkKeyError`. Used before storing already-encoded bytes
+    (``put_encoded``), on every read of a byte tier, and by :func:`decode_chunk`.
     """
     view = memoryview(data)
     header = parse_header(view)
+    check_key(header, key)
     if len(view) != header.total_len:
         what = "truncated" if len(view) < header.total_len else "oversized"
         raise ChunkFormatError(f"{what} chunk: {len(view)} bytes, header says {header.total_len}")
@@ -258,13 +329,14 @@ def verify_chunk(data: bytes | bytearray | memoryview) -> ChunkHeader:
     return header
 
 
-def decode_chunk(data: bytes | bytearray | memoryview) -> KVChunk:
-    """Verify and deserialize a chunk; the result owns its (writable) tensor.
+def decode_chunk(data: bytes | bytearray | memoryview, *, key: str) -> KVChunk:
+    """Verify and deserialize a chunk read under ``key``; the result owns its (writable) tensor.
 
-    Raises :class:`ChunkFormatError` for anything but an intact chunk of this format version.
+    Raises :class:`ChunkFormatError` for anything but an intact chunk of this format
+    version serialized for ``key``.
     """
     view = memoryview(data)
-    return decode_verified_chunk(view, verify_chunk(view))
+    return decode_verified_chunk(view, verify_chunk(view, key=key))
 
 
 def decode_verified_chunk(data: bytes | bytearray | memoryview, header: ChunkHeader) -> KVChunk:
@@ -278,7 +350,7 @@ def decode_verified_chunk(data: bytes | bytearray | memoryview, header: ChunkHea
 
         try:
             raw = lz4.block.decompress(payload, uncompressed_size=header.raw_len, return_bytearray=True)
-        except lz4.block.LZ4BlockError as exc:
+        except (lz4.block.LZ4BlockError, OverflowError, MemoryError) as exc:
             raise ChunkFormatError(f"lz4 payload does not decompress: {exc}") from exc
         if len(raw) != header.raw_len:
             raise ChunkFormatError(f"lz4 payload decompressed to {len(raw)} bytes, expected {header.raw_len}")

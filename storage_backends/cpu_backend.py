@@ -99,7 +99,7 @@ class CPUBackend(SlabTierMixin, StorageBackend):
 
     def get_encoded(self, key: str) -> bytes | None:
         chunk = self.get(key)
-        return None if chunk is None else encode_chunk(chunk)
+        return None if chunk is None else encode_chunk(chunk, key=key)
 
     # ---- writes --------------------------------------------------------------
     def put(self, key: str, chunk: KVChunk) -> None:
@@ -140,7 +140,7 @@ class CPUBackend(SlabTierMixin, StorageBackend):
         self._counters.add("puts")
 
     def put_encoded(self, key: str, data: bytes) -> None:
-        self.put(key, decode_chunk(data))
+        self.put(key, decode_chunk(data, key=key))
 
     def delete(self, key: str) -> bool:
         with self._lock:

@@ -44,6 +44,7 @@ from storage_backends.chunk import (
     ChunkHeader,
     ChunkVersionError,
     KVChunk,
+    check_key,
     decode_verified_chunk,
     encode_chunk,
     parse_header,
@@ -140,6 +141,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             if key_to_filename(key) != name:
                 raise ChunkFormatError(f"record key {key!r} does not belong to file name {name}")
             header = parse_header(memoryview(prefix)[chunk_offset:])
+            check_key(header, key)
             if chunk_offset + header.total_len != size:
                 raise ChunkFormatError(f"file is {size} bytes, header says {chunk_offset + header.total_len}")
         except ChunkVersionError as exc:
@@ -179,7 +181,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             if stored_key != key:
                 raise ChunkFormatError(f"file holds key {stored_key!r}")
             chunk_bytes = memoryview(data)[chunk_offset:]
-            header = verify_chunk(chunk_bytes)
+            header = verify_chunk(chunk_bytes, key=key)
         except (ChunkFormatError, UnicodeDecodeError) as exc:
             logger.warning(
                 "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s",
@@ -206,10 +208,10 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
     def put(self, key: str, chunk: KVChunk) -> None:
         if not isinstance(chunk, KVChunk):
             raise TypeError(f"put needs a KVChunk, got {type(chunk).__name__}")
-        self._write(key, encode_chunk(chunk, self.codec))
+        self._write(key, encode_chunk(chunk, self.codec, key=key))
 
     def put_encoded(self, key: str, data: bytes) -> None:
-        verify_chunk(data)
+        verify_chunk(data, key=key)
         self._write(key, data)
 
     def _write(self, key: str, chunk_bytes: bytes | memoryview) -> None:

@@ -407,8 +407,9 @@ class GrpcBackend(StorageBackend):
             self._count("misses")
             return None
         try:
-            verify_chunk(data)
-        except ChunkFormatError:
+            verify_chunk(data, key=key)
+        except ChunkFormatError as error:
+            logger.warning("grpc tier: corrupt value for key %r (treated as a miss): %s", key, error)
             self._count("corrupt")
             return None
         self._count("hits")
@@ -420,8 +421,9 @@ class GrpcBackend(StorageBackend):
             self._count("misses")
             return None
         try:
-            chunk = decode_chunk(data)
-        except ChunkFormatError:
+            chunk = decode_chunk(data, key=key)
+        except ChunkFormatError as error:
+            logger.warning("grpc tier: corrupt value for key %r (treated as a miss): %s", key, error)
             self._count("corrupt")
             return None
         self._count("hits")
@@ -458,7 +460,7 @@ class GrpcBackend(StorageBackend):
         self._count("puts")
 
     def put(self, key: str, chunk: KVChunk) -> None:
-        self.put_encoded(key, encode_chunk(chunk, self.codec))
+        self.put_encoded(key, encode_chunk(chunk, self.codec, key=key))
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
         """Concurrent Puts; raises the first failure after every Put has ended."""

@@ -165,7 +165,7 @@ class RedisBackend(StorageBackend):
             result = None
             if value is not None:
                 try:
-                    result = (value, verify_chunk(value))
+                    result = (value, verify_chunk(value, key=key))
                 except ChunkFormatError as exc:
                     logger.warning("redis tier: corrupt value for key %r (treated as a miss): %s", key, exc)
                     self._counters.add("corrupt")
@@ -195,10 +195,10 @@ class RedisBackend(StorageBackend):
         for _, chunk in items:
             if not isinstance(chunk, KVChunk):
                 raise TypeError(f"put needs a KVChunk, got {type(chunk).__name__}")
-        self._store_many([(key, encode_chunk(chunk, self.codec)) for key, chunk in items])
+        self._store_many([(key, encode_chunk(chunk, self.codec, key=key)) for key, chunk in items])
 
     def put_encoded(self, key: str, data: bytes) -> None:
-        verify_chunk(data)
+        verify_chunk(data, key=key)
         self._store_many([(key, data)])
 
     def _store_many(self, items: Sequence[tuple[str, bytes]]) -> None:

@@ -25,6 +25,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kvstash_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engines started by tests cache their weight hashes in a session folder, not in ~/.cache."""
+    folder = tmp_path_factory.mktemp("kvstash-cache")
+    previous = os.environ.get("KVSTASH_CACHE_DIR")
+    os.environ["KVSTASH_CACHE_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("KVSTASH_CACHE_DIR", None)
+    else:
+        os.environ["KVSTASH_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

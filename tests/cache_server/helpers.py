@@ -14,12 +14,13 @@ from storage_backends.grpc_backend import PIECE_BYTES, make_channel
 from tests.cache_server.server_process import REPO_ROOT, kvstash_command, repo_env
 
 
-def make_value(seed: int, num_bytes: int = 4096) -> bytes:
-    """A valid serialized chunk of about ``num_bytes`` random bytes (uint8 [1, 2, T, 1, 1])."""
+def make_value(seed: int, num_bytes: int = 4096, *, key: str) -> bytes:
+    """A valid serialized chunk of about ``num_bytes`` random bytes (uint8 [1, 2, T, 1, 1]), for ``key``."""
     generator = torch.Generator().manual_seed(seed)
     num_tokens = max(1, num_bytes // 2)
     return encode_chunk(
-        KVChunk(torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator))
+        KVChunk(torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator)),
+        key=key,
     )
 
 

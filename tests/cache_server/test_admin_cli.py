@@ -26,8 +26,8 @@ def test_every_admin_command(cache_server, cache_server_url) -> None:
     backend = GrpcBackend.from_url(cache_server_url)
     try:
         for i in range(3):
-            backend.put_encoded(f"model-a/{i}", make_value(i))
-        backend.put_encoded("model-b/0", make_value(7, num_bytes=3 << 20))
+            backend.put_encoded(f"model-a/{i}", make_value(i, key=f"model-a/{i}"))
+        backend.put_encoded("model-b/0", make_value(7, num_bytes=3 << 20, key="model-b/0"))
     finally:
         backend.close()
     address = cache_server.address
@@ -55,7 +55,10 @@ def test_every_admin_command(cache_server, cache_server_url) -> None:
     info = runner.invoke(main, ["admin", "--server", address, "info", "model-b/0"])
     assert info.exit_code == 0 and "3.0 MiB" in info.stdout and "LKTHD" in info.stdout
     info_json = admin_json(address, "info", "model-b/0")
-    assert info_json["size_bytes"] == len(make_value(7, num_bytes=3 << 20)) and info_json["tier"] == "memory"
+    assert (
+        info_json["size_bytes"] == len(make_value(7, num_bytes=3 << 20, key="model-b/0"))
+        and info_json["tier"] == "memory"
+    )
 
     evicted = runner.invoke(main, ["admin", "--server", address, "evict", "model-a/0"])
     assert evicted.exit_code == 0 and "evicted 1 keys" in evicted.stdout

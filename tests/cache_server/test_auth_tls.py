@@ -45,7 +45,7 @@ def test_token_from_the_environment_guards_data_and_admin_rpcs_but_not_health(mo
         ):
             for stubs in (anonymous, wrong):
                 for call in (
-                    lambda s=stubs: s.put("ns/k", make_value(1)),
+                    lambda s=stubs: s.put("ns/k", make_value(1, key="ns/k")),
                     lambda s=stubs: s.get("ns/k"),
                     lambda s=stubs: s.kv.Contains(
                         kvstash_pb2.ContainsRequest(keys=["ns/k"]), metadata=s.metadata
@@ -64,8 +64,8 @@ def test_token_from_the_environment_guards_data_and_admin_rpcs_but_not_health(mo
 
         # The grpc tier takes the token from its URL, or from the same environment variable.
         backend = create_backend(f"{server.url}?token={TOKEN}")
-        backend.put_encoded("ns/k", make_value(2))
-        assert backend.get_encoded("ns/k") == make_value(2)
+        backend.put_encoded("ns/k", make_value(2, key="ns/k"))
+        assert backend.get_encoded("ns/k") == make_value(2, key="ns/k")
         backend.close()
         monkeypatch.setenv("KVSTASH_AUTH_TOKEN", TOKEN)
         from_env = create_backend(server.url)
@@ -97,8 +97,8 @@ def test_tls_with_a_self_signed_certificate(tls_files) -> None:
     try:
         assert server.url.startswith("grpcs://")
         backend = create_backend(f"{server.url}?ca={cert}&token={TOKEN}")
-        backend.put_encoded("ns/tls", make_value(3, num_bytes=2 << 20))
-        assert backend.get_encoded("ns/tls") == make_value(3, num_bytes=2 << 20)
+        backend.put_encoded("ns/tls", make_value(3, num_bytes=2 << 20, key="ns/tls"))
+        assert backend.get_encoded("ns/tls") == make_value(3, num_bytes=2 << 20, key="ns/tls")
         backend.close()
 
         # A plaintext client cannot talk to the TLS port; a client that does not trust the CA fails too.

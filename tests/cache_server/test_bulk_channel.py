@@ -73,7 +73,7 @@ def test_the_grpc_tier_moves_32_mib_values_over_the_bulk_channel(server, stubs) 
     endpoint = stubs.kv.GetBulkEndpoint(kvstash_pb2.BulkEndpointRequest(), timeout=10)
     assert endpoint.port not in (0, server.port) and not endpoint.tls
     assert endpoint.protocol_version == wire.PROTOCOL_VERSION
-    value = make_value(1, 32 * MIB)
+    value = make_value(1, 32 * MIB, key="ns/big")
     backend = create_backend(server.url)
     try:
         backend.put_encoded("ns/big", value)
@@ -95,14 +95,19 @@ def test_refusals_come_before_the_value_and_leave_the_connection_usable(server, 
     client = BulkClient("127.0.0.1", bulk_port(stubs), token=None, timeout_s=30)
     try:
         cases = [
-            ("k" * 1025, make_value(2), wire.STATUS_INVALID_ARGUMENT, "exceeds the limit of 1024 bytes"),
-            ("", make_value(2), wire.STATUS_INVALID_ARGUMENT, "empty key"),
+            (
+                "k" * 1025,
+                make_value(2, key="k" * 1025),
+                wire.STATUS_INVALID_ARGUMENT,
+                "exceeds the limit of 1024 bytes",
+            ),
+            ("", make_value(2, key=""), wire.STATUS_INVALID_ARGUMENT, "empty key"),
             ("ns/huge", b"x" * (41 * MIB), wire.STATUS_INVALID_ARGUMENT, "exceeds the limit"),
             ("ns/short", b"not a chunk", wire.STATUS_INVALID_ARGUMENT, "truncated chunk"),
             # refused at its first 64 KiB; the server still reads the rest to stay in step
             ("ns/junk", b"x" * (5 * MIB), wire.STATUS_INVALID_ARGUMENT, "not a kvstash chunk"),
         ]
-        corrupt = bytearray(make_value(3, 3 * MIB))
+        corrupt = bytearray(make_value(3, 3 * MIB, key="ns/corrupt"))
         corrupt[-1] ^= 0xFF
         cases.append(("ns/corrupt", bytes(corrupt), wire.STATUS_INVALID_ARGUMENT, "checksum mismatch"))
         for key, value, code, message in cases:
@@ -110,8 +115,8 @@ def test_refusals_come_before_the_value_and_leave_the_connection_usable(server, 
                 client.put(key, value)
             assert refused.value.code == code and message in refused.value.message, (key, refused.value)
             # The same (pooled) connection serves the next request: the stream stayed in step.
-            assert client.put("ns/ok", make_value(4)) == len(make_value(4))
-        assert client.get("ns/ok") == make_value(4)
+            assert client.put("ns/ok", make_value(4, key="ns/ok")) == len(make_value(4, key="ns/ok"))
+        assert client.get("ns/ok") == make_value(4, key="ns/ok")
         with pytest.raises(BulkStatusError) as bad_key:
             client.get("k" * 1025)
         assert bad_key.value.code == wire.STATUS_INVALID_ARGUMENT
@@ -127,7 +132,7 @@ def test_a_value_larger_than_the_memory_tier_is_resource_exhausted() -> None:
     try:
         backend = GrpcBackend(small.address)
         with pytest.raises(BackendError, match="RESOURCE_EXHAUSTED.*larger than the memory tier"):
-            backend.put_encoded("ns/k", make_value(5, 3 * MIB))
+            backend.put_encoded("ns/k", make_value(5, 3 * MIB, key="ns/k"))
         # A corrupt value is a ValueError for the caller, as over gRPC.
         with pytest.raises(ChunkFormatError, match="refused the value"):
             backend.put_encoded("ns/k", b"garbage")
@@ -152,7 +157,7 @@ def test_garbled_and_dropped_connections_never_reach_the_store_or_stop_the_serve
         assert wire.read_reply(sock).status == wire.STATUS_INVALID_ARGUMENT
         assert closed_by_server(sock)
     # A Put that stops half way (the client goes away): nothing is stored.
-    value = make_value(6, 8 * MIB)
+    value = make_value(6, 8 * MIB, key="ns/half")
     with raw_connection(port) as sock:
         sock.sendall(wire.REQUEST.pack(wire.OP_PUT, 7, len(value)) + b"ns/half")
         assert wire.read_reply(sock).status == wire.STATUS_OK
@@ -172,6 +177,7 @@ def test_garbled_and_dropped_connections_never_reach_the_store_or_stop_the_serve
     assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
     assert server.process.poll() is None
     backend = GrpcBackend(server.address)
+    value = make_value(6, 8 * MIB, key="ns/after")
     backend.put_encoded("ns/after", value)
     assert bytes(backend.get_encoded("ns/after")) == value and backend.stats()["bulk_calls"] == 2
     backend.close()
@@ -179,7 +185,7 @@ def test_garbled_and_dropped_connections_never_reach_the_store_or_stop_the_serve
 
 def test_concurrent_clients_each_read_back_their_own_values(server, stubs) -> None:
     backend = GrpcBackend(server.address, concurrency=8)
-    values = {f"ns/{i}": make_value(100 + i, (i % 4 + 1) * MIB) for i in range(24)}
+    values = {f"ns/{i}": make_value(100 + i, (i % 4 + 1) * MIB, key=f"ns/{i}") for i in range(24)}
 
     def round_trip(key: str) -> bool:
         backend.put_encoded(key, values[key])
@@ -203,10 +209,12 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc() -> N
             port = bulk_port(stubs)
             held = [raw_connection(port), socket.create_connection(("127.0.0.1", port), timeout=10)]
             with pytest.raises(wire.BulkUnavailable):
-                BulkClient("127.0.0.1", port, token=None, timeout_s=10).put("ns/k", make_value(14))
+                BulkClient("127.0.0.1", port, token=None, timeout_s=10).put(
+                    "ns/k", make_value(14, key="ns/k")
+                )
             backend = GrpcBackend(limited.address)
-            backend.put_encoded("ns/k", make_value(14, 2 * MIB))
-            assert bytes(backend.get_encoded("ns/k")) == make_value(14, 2 * MIB)
+            backend.put_encoded("ns/k", make_value(14, 2 * MIB, key="ns/k"))
+            assert bytes(backend.get_encoded("ns/k")) == make_value(14, 2 * MIB, key="ns/k")
             assert backend.stats()["bulk_calls"] == 0 and backend.stats()["bulk_failures"] == 1
             backend.close()
             for sock in held:
@@ -217,7 +225,7 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc() -> N
             while True:
                 try:
                     assert BulkClient("127.0.0.1", port, token=None, timeout_s=10).get("ns/k") == make_value(
-                        14, 2 * MIB
+                        14, 2 * MIB, key="ns/k"
                     )
                     break
                 except wire.BulkUnavailable:
@@ -236,14 +244,16 @@ def test_the_token_is_checked_on_connect() -> None:
             port = bulk_port(stubs)
             for token in (None, "wrong", TOKEN + "x"):
                 with pytest.raises(BulkStatusError) as refused:
-                    BulkClient("127.0.0.1", port, token=token, timeout_s=10).put("ns/k", make_value(7))
+                    BulkClient("127.0.0.1", port, token=token, timeout_s=10).put(
+                        "ns/k", make_value(7, key="ns/k")
+                    )
                 assert refused.value.code == wire.STATUS_UNAUTHENTICATED
                 assert refused.value.message == "missing or wrong bearer token"
             with pytest.raises(BackendError, match="refused the auth token"):
-                GrpcBackend(secured.address, token="wrong").put_encoded("ns/k", make_value(7))
+                GrpcBackend(secured.address, token="wrong").put_encoded("ns/k", make_value(7, key="ns/k"))
             backend = GrpcBackend(secured.address, token=TOKEN)
-            backend.put_encoded("ns/k", make_value(7))
-            assert bytes(backend.get_encoded("ns/k")) == make_value(7)
+            backend.put_encoded("ns/k", make_value(7, key="ns/k"))
+            assert bytes(backend.get_encoded("ns/k")) == make_value(7, key="ns/k")
             assert backend.stats()["bulk_calls"] == 2
             backend.close()
             assert server_stats(stubs).num_puts == 1
@@ -257,7 +267,7 @@ def test_tls_bulk_channel(tls_files) -> None:  # noqa: F811 - the fixture import
     secure = CacheServerProcess("--memory-gb", "0.1", "--tls-cert", cert, "--tls-key", key).start(tls_ca=cert)
     try:
         backend = create_backend(f"grpcs://{secure.address}?ca={cert}")
-        value = make_value(8, 5 * MIB)
+        value = make_value(8, 5 * MIB, key="ns/tls")
         backend.put_encoded("ns/tls", value)
         assert bytes(backend.get_encoded("ns/tls")) == value
         assert backend.stats()["bulk_calls"] == 2 and backend.stats()["bulk_failures"] == 0
@@ -283,8 +293,8 @@ def test_tls_bulk_channel(tls_files) -> None:  # noqa: F811 - the fixture import
 
 def test_a_client_can_turn_the_bulk_channel_off(server, stubs) -> None:
     backend = create_backend(f"{server.url}?bulk=off")
-    backend.put_encoded("ns/k", make_value(9, 2 * MIB))
-    assert bytes(backend.get_encoded("ns/k")) == make_value(9, 2 * MIB)
+    backend.put_encoded("ns/k", make_value(9, 2 * MIB, key="ns/k"))
+    assert bytes(backend.get_encoded("ns/k")) == make_value(9, 2 * MIB, key="ns/k")
     assert backend.stats()["bulk_calls"] == 0
     backend.close()
     with pytest.raises(ValueError, match="bulk must be 'on' or 'off'"):
@@ -295,8 +305,8 @@ def test_off_means_grpc_only() -> None:
     plain = CacheServerProcess("--memory-gb", "0.1", "--bulk-port", "off").start()
     try:
         backend = GrpcBackend(plain.address)
-        backend.put_encoded("ns/k", make_value(9, 2 * MIB))
-        assert bytes(backend.get_encoded("ns/k")) == make_value(9, 2 * MIB)
+        backend.put_encoded("ns/k", make_value(9, 2 * MIB, key="ns/k"))
+        assert bytes(backend.get_encoded("ns/k")) == make_value(9, 2 * MIB, key="ns/k")
         assert backend.stats()["bulk_calls"] == 0
         backend.close()
     finally:
@@ -309,8 +319,8 @@ def test_server_killed_mid_transfer_is_an_error_then_a_restart_is_found_again() 
     process.start()
     backend = GrpcBackend(process.address, timeout_s=10)
     try:
-        backend.put_encoded("ns/first", make_value(10))
-        value = make_value(11, 64 * MIB)
+        backend.put_encoded("ns/first", make_value(10, key="ns/first"))
+        value = make_value(11, 64 * MIB, key="ns/big")
         failures: list[BaseException] = []
 
         def put_big() -> None:
@@ -333,16 +343,16 @@ def test_server_killed_mid_transfer_is_an_error_then_a_restart_is_found_again() 
         deadline = time.monotonic() + 30
         while True:
             try:
-                backend.put_encoded("ns/again", make_value(12))
+                backend.put_encoded("ns/again", make_value(12, key="ns/again"))
                 break
             except BackendError:
                 assert time.monotonic() < deadline, "the tier never reached the restarted server"
                 time.sleep(0.2)
-        assert bytes(backend.get_encoded("ns/again")) == make_value(12)
+        assert bytes(backend.get_encoded("ns/again")) == make_value(12, key="ns/again")
         # After BULK_RETRY_S the tier asks for the new bulk port and uses it again.
         time.sleep(5.2)
         calls_before = backend.stats()["bulk_calls"]
-        backend.put_encoded("ns/bulk-again", make_value(13))
+        backend.put_encoded("ns/bulk-again", make_value(13, key="ns/bulk-again"))
         assert backend.stats()["bulk_calls"] == calls_before + 1
     finally:
         backend.close()
@@ -358,11 +368,11 @@ def test_pooled_connections_closed_by_a_restart_are_replaced_without_an_error() 
             assert bulk_port(stubs) == fixed_port
         client = BulkClient("127.0.0.1", fixed_port, token=None, timeout_s=10)
         with ThreadPoolExecutor(3) as pool:  # three pooled connections
-            list(pool.map(lambda i: client.put(f"ns/{i}", make_value(i)), range(3)))
+            list(pool.map(lambda i: client.put(f"ns/{i}", make_value(i, key=f"ns/{i}")), range(3)))
         assert process.stop() == 0
         process.start()  # same ports, empty
-        assert client.put("ns/again", make_value(20)) == len(make_value(20))
-        assert client.get("ns/again") == make_value(20)
+        assert client.put("ns/again", make_value(20, key="ns/again")) == len(make_value(20, key="ns/again"))
+        assert client.get("ns/again") == make_value(20, key="ns/again")
         client.close()
     finally:
         process.close()
@@ -390,13 +400,13 @@ def test_memory_cap_holds_under_bulk_puts_of_random_sizes() -> None:
     try:
         server_process = psutil.Process(process.process.pid)
         backend = GrpcBackend(process.address)
-        backend.put_encoded("ns/warm", make_value(0, 1024))
+        backend.put_encoded("ns/warm", make_value(0, 1024, key="ns/warm"))
         baseline_rss = server_process.memory_info().rss
         peak_rss = baseline_rss
         rng = random.Random(0)
         num_puts = 300
         for i in range(num_puts):
-            value = make_value(i, rng.randint(4096, 3 * MIB))
+            value = make_value(i, rng.randint(4096, 3 * MIB), key=f"ns/{i}")
             backend.put_encoded(f"ns/{i}", value)
             if i % 50 == 49:
                 assert backend.stats()["bytes_used"] <= cap_bytes

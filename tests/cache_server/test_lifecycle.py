@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -13,7 +14,7 @@ from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.grpc_backend import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
 
 
 def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> None:
@@ -33,7 +34,7 @@ def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> N
                     pass  # the stream ends when the server stops
 
             threading.Thread(target=follow_health, daemon=True).start()
-            value = make_value(5, num_bytes=3 * PIECE_BYTES)
+            value = make_value(5, num_bytes=3 * PIECE_BYTES, key="ns/in-flight")
             release = threading.Event()
 
             def slow_put():
@@ -77,7 +78,7 @@ def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> N
 
 def test_a_restart_with_a_disk_tier_keeps_the_data(tmp_path) -> None:
     disk_args = ("--memory-gb", "0.1", "--disk-path", str(tmp_path / "disk"), "--disk-gb", "0.5")
-    values = {f"ns/{i}": make_value(i, num_bytes=(i + 1) << 20) for i in range(3)}
+    values = {f"ns/{i}": make_value(i, num_bytes=(i + 1) << 20, key=f"ns/{i}") for i in range(3)}
     first = CacheServerProcess(*disk_args).start()
     try:
         with Stubs(first.address) as stubs:
@@ -106,7 +107,7 @@ def test_a_restart_with_a_disk_tier_keeps_the_data(tmp_path) -> None:
 
 
 def test_redis_below_the_server_serves_after_a_restart(redis_url) -> None:
-    value = make_value(11, num_bytes=2 << 20)
+    value = make_value(11, num_bytes=2 << 20, key="ns/r")
     first = CacheServerProcess("--memory-gb", "0.1", "--redis-url", redis_url).start()
     try:
         with Stubs(first.address) as stubs:
@@ -136,3 +137,23 @@ def test_redis_below_the_server_serves_after_a_restart(redis_url) -> None:
         assert redis_tier.contains(["ns/r"]) == 0  # eviction reaches every tier
     finally:
         redis_tier.close()
+
+
+def test_disk_path_without_disk_gb_is_a_usage_error_and_the_help_says_so(tmp_path) -> None:
+    """Issue #17: the help said "default: unbounded", but the server refused to start without it."""
+    command = kvstash_command("cache-server", "--port", "0", "--disk-path", str(tmp_path / "disk"))
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=repo_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr  # click's usage error, before anything is started
+    assert "--disk-path needs --disk-gb" in result.stderr
+    help_text = subprocess.run(
+        kvstash_command("cache-server", "--help"),
+        cwd=REPO_ROOT,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    help_text = " ".join(help_text.split())  # click wraps long help lines
+    assert "required with --disk-path" in help_text and "unbounded" not in help_text

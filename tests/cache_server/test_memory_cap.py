@@ -31,7 +31,9 @@ def test_cap_holds_under_many_random_sized_puts() -> None:
             total_bytes = 0
             for i in range(NUM_PUTS):
                 num_tokens = rng.randint(512, MAX_VALUE_BYTES // 2)  # 1 KiB .. 1 MiB of uint8 KV
-                value = encode_chunk(KVChunk(pool[: 2 * num_tokens].view(1, 2, num_tokens, 1, 1)))
+                value = encode_chunk(
+                    KVChunk(pool[: 2 * num_tokens].view(1, 2, num_tokens, 1, 1)), key=f"ns/{i}"
+                )
                 stubs.put(f"ns/{i}", value)
                 total_bytes += len(value)
                 if i % 50 == 49:

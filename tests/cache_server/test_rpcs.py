@@ -13,6 +13,7 @@ from protos import kvstash_pb2
 from storage_backends.grpc_backend import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests, rpc_error, status_of
 from tests.cache_server.server_process import CacheServerProcess, clear_server
+from tests.storage_backends.helpers import forge_chunk
 
 MAX_STREAMS = 2
 MAX_VALUE_MB = 40
@@ -42,7 +43,7 @@ def stubs(server):
 
 
 def test_a_32_mib_value_round_trips(stubs: Stubs) -> None:
-    value = make_value(1, num_bytes=32 << 20)
+    value = make_value(1, num_bytes=32 << 20, key="ns/big")
     assert len(value) > 32 << 20
     assert stubs.put("ns/big", value).num_bytes == len(value)
     assert stubs.get("ns/big") == value
@@ -53,7 +54,7 @@ def test_a_32_mib_value_round_trips(stubs: Stubs) -> None:
 
 
 def test_get_streams_pieces_no_larger_than_the_piece_size(stubs: Stubs) -> None:
-    value = make_value(2, num_bytes=3 * PIECE_BYTES)
+    value = make_value(2, num_bytes=3 * PIECE_BYTES, key="ns/pieces")
     stubs.put("ns/pieces", value)
     responses = list(stubs.kv.Get(kvstash_pb2.GetRequest(key="ns/pieces"), timeout=10))
     assert len(responses) == -(-len(value) // PIECE_BYTES)
@@ -63,7 +64,7 @@ def test_get_streams_pieces_no_larger_than_the_piece_size(stubs: Stubs) -> None:
 
 def test_contains_counts_the_leading_present_keys(stubs: Stubs) -> None:
     for key in ("ns/0", "ns/1", "ns/3"):
-        stubs.put(key, make_value(len(key)))
+        stubs.put(key, make_value(len(key), key=key))
     keys = ["ns/0", "ns/1", "ns/2", "ns/3"]
     assert stubs.kv.Contains(kvstash_pb2.ContainsRequest(keys=keys), timeout=10).num_hits == 2
     assert stubs.kv.Contains(kvstash_pb2.ContainsRequest(keys=["ns/2", "ns/0"]), timeout=10).num_hits == 0
@@ -71,9 +72,9 @@ def test_contains_counts_the_leading_present_keys(stubs: Stubs) -> None:
 
 
 def test_put_replaces_and_delete_removes(stubs: Stubs) -> None:
-    stubs.put("ns/k", make_value(1))
-    stubs.put("ns/k", make_value(2, num_bytes=100))
-    assert stubs.get("ns/k") == make_value(2, num_bytes=100)
+    stubs.put("ns/k", make_value(1, key="ns/k"))
+    stubs.put("ns/k", make_value(2, num_bytes=100, key="ns/k"))
+    assert stubs.get("ns/k") == make_value(2, num_bytes=100, key="ns/k")
     stubs.kv.Delete(kvstash_pb2.DeleteRequest(key="ns/k"), timeout=10)
     error = rpc_error(lambda: stubs.kv.Delete(kvstash_pb2.DeleteRequest(key="ns/k"), timeout=10))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "ns/k" in error.details()
@@ -85,7 +86,7 @@ def test_stats_list_info_evict_and_clear(stubs: Stubs) -> None:
     before = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
     keys_a = [f"model-a/{i:02d}" for i in range(5)]
     for i, key in enumerate([*keys_a, "model-b/00", "model-b/01"]):
-        stubs.put(key, make_value(i))
+        stubs.put(key, make_value(i, key=key))
     stubs.get("model-a/00")
     status_of(lambda: stubs.get("model-a/99"))
     stats = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
@@ -114,7 +115,7 @@ def test_stats_list_info_evict_and_clear(stubs: Stubs) -> None:
     assert status_of(lambda: stubs.admin.ListKeys(too_big, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
 
     assert stubs.admin.Info(kvstash_pb2.InfoRequest(key="model-b/00"), timeout=10).size_bytes == len(
-        make_value(5)
+        make_value(5, key="model-b/00")
     )
     missing = kvstash_pb2.InfoRequest(key="nope")
     assert status_of(lambda: stubs.admin.Info(missing, timeout=10)) == grpc.StatusCode.NOT_FOUND
@@ -130,7 +131,7 @@ def test_stats_list_info_evict_and_clear(stubs: Stubs) -> None:
 
 
 def test_corrupt_truncated_or_foreign_values_are_refused_and_store_nothing(stubs: Stubs) -> None:
-    value = bytearray(make_value(3))
+    value = bytearray(make_value(3, key="ns/flipped"))
     value[-1] ^= 0x01
     error = rpc_error(lambda: stubs.put("ns/flipped", bytes(value)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in error.details()
@@ -149,7 +150,7 @@ def test_corrupt_truncated_or_foreign_values_are_refused_and_store_nothing(stubs
 
 def test_limits_give_status_codes_with_clear_messages(server, stubs: Stubs) -> None:
     long_key = "k" * 1025
-    error = rpc_error(lambda: stubs.put(long_key, make_value(1)))
+    error = rpc_error(lambda: stubs.put(long_key, make_value(1, key=long_key)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "1025 bytes exceeds" in error.details()
     assert status_of(lambda: stubs.get("")) == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -164,10 +165,12 @@ def test_limits_give_status_codes_with_clear_messages(server, stubs: Stubs) -> N
 
     # Hold MAX_STREAMS Put streams open; one more stream is refused, then the held ones finish.
     release = threading.Event()
-    value = make_value(4, num_bytes=2 * PIECE_BYTES)
+
+    def value_for(key: str) -> bytes:
+        return make_value(4, num_bytes=2 * PIECE_BYTES, key=key)
 
     def held_put(key: str):
-        requests = put_requests(key, value)
+        requests = put_requests(key, value_for(key))
         yield next(requests)
         release.wait(30)
         yield from requests
@@ -182,14 +185,14 @@ def test_limits_give_status_codes_with_clear_messages(server, stubs: Stubs) -> N
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent streams" in error.details()
     finally:
         release.set()
-    assert [future.result().num_bytes for future in futures] == [len(value)] * MAX_STREAMS
-    assert stubs.get("ns/held1") == value
+    assert [future.result().num_bytes for future in futures] == [len(value_for("ns/held0"))] * MAX_STREAMS
+    assert stubs.get("ns/held1") == value_for("ns/held1")
 
 
 def test_bad_requests_leave_the_server_serving_and_leak_nothing(server, stubs: Stubs) -> None:
     details = []
     for call in (
-        lambda: stubs.put("", make_value(1)),
+        lambda: stubs.put("", make_value(1, key="")),
         lambda: stubs.kv.Put(iter([]), timeout=10),
         lambda: stubs.put("ns/x", b"\x00" * 64),
         lambda: stubs.kv.Put(iter([kvstash_pb2.PutRequest(key="ns/y", data=b"abc")]), timeout=10),
@@ -201,5 +204,28 @@ def test_bad_requests_leave_the_server_serving_and_leak_nothing(server, stubs: S
         health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
         == health_pb2.HealthCheckResponse.SERVING
     )
-    stubs.put("ns/after", make_value(9))
-    assert stubs.get("ns/after") == make_value(9)
+    stubs.put("ns/after", make_value(9, key="ns/after"))
+    assert stubs.get("ns/after") == make_value(9, key="ns/after")
+
+
+def test_hostile_headers_and_misfiled_values_are_invalid_argument_and_store_nothing(stubs: Stubs) -> None:
+    """Issue #17 items 2 and 4: checksummed values whose header lies, or that were serialized
+    for another key, are refused at Put (before: stored, and Info later failed with INTERNAL)."""
+    hostile = {
+        "ns/wrapping-shape": forge_chunk(
+            (1 << 32, 1 << 32, 1), b"LTH", b"", raw_len=0, key="ns/wrapping-shape"
+        ),
+        "ns/huge-lz4": forge_chunk(
+            (1 << 40,), b"T", b"\x00" * 16, raw_len=1 << 40, codec_code=1, key="ns/huge-lz4"
+        ),
+        "ns/bad-layout": forge_chunk((2, 3, 4), b"LK", bytes(24), raw_len=24, key="ns/bad-layout"),
+        "ns/misfiled": make_value(1, key="ns/elsewhere"),
+    }
+    for key, value in hostile.items():
+        error = rpc_error(lambda key=key, value=value: stubs.put(key, value))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (key, error.details())
+    assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
+    # A sound forged header is stored, and Info describes it.
+    stubs.put("ns/sound", forge_chunk((2, 3, 4), b"LTH", bytes(24), raw_len=24, key="ns/sound"))
+    info = stubs.admin.Info(kvstash_pb2.InfoRequest(key="ns/sound"), timeout=10)
+    assert info.layout == "LTH" and list(info.shape) == [2, 3, 4] and info.num_tokens == 3

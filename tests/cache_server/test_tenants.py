@@ -71,8 +71,8 @@ def stubs(server):
         Stubs(server.address, metadata=bearer(AUTH_TOKEN)) as auth_admin,
     ):
         ops.admin.Clear(kvstash_pb2.ClearRequest(), timeout=10, metadata=ops.metadata)
-        a.put("team-a/k1", make_value(1))
-        b.put("team-b/k1", make_value(2))
+        a.put("team-a/k1", make_value(1, key="team-a/k1"))
+        b.put("team-b/k1", make_value(2, key="team-b/k1"))
         yield {"a": a, "b": b, "ops": ops, "auth": auth_admin}
 
 
@@ -87,7 +87,7 @@ def test_a_tenant_cannot_read_overwrite_check_list_or_evict_anothers_keys(stubs)
     b, md = stubs["b"], stubs["b"].metadata
     attacks = {
         "get": lambda: b.get("team-a/k1"),
-        "put": lambda: b.put("team-a/k1", make_value(99)),
+        "put": lambda: b.put("team-a/k1", make_value(99, key="team-a/k1")),
         "contains": lambda: b.kv.Contains(
             kvstash_pb2.ContainsRequest(keys=["team-b/k1", "team-a/k1"]), timeout=10, metadata=md
         ),
@@ -113,14 +113,14 @@ def test_a_tenant_cannot_read_overwrite_check_list_or_evict_anothers_keys(stubs)
         assert "tenant 'team-b' may not" in error.details(), name
         assert TOKEN_B not in error.details()
     # Nothing changed: team-a's value is intact and still there for its owner.
-    assert stubs["a"].get("team-a/k1") == make_value(1)
+    assert stubs["a"].get("team-a/k1") == make_value(1, key="team-a/k1")
     assert listed(stubs["a"]) == ["team-a/k1"]
 
 
 def test_a_tenant_works_within_its_prefixes(stubs) -> None:
     b, md = stubs["b"], stubs["b"].metadata
-    b.put("shared-b/k2", make_value(3))
-    assert b.get("team-b/k1") == make_value(2)
+    b.put("shared-b/k2", make_value(3, key="shared-b/k2"))
+    assert b.get("team-b/k1") == make_value(2, key="team-b/k1")
     assert (
         b.kv.Contains(
             kvstash_pb2.ContainsRequest(keys=["team-b/k1", "shared-b/k2", "team-b/none"]),
@@ -133,7 +133,7 @@ def test_a_tenant_works_within_its_prefixes(stubs) -> None:
     assert sorted(listed(b)) == ["shared-b/k2", "team-b/k1"]
     assert listed(b, "team-b/") == ["team-b/k1"]
     info = b.admin.Info(kvstash_pb2.InfoRequest(key="team-b/k1"), timeout=10, metadata=md)
-    assert info.size_bytes == len(make_value(2))
+    assert info.size_bytes == len(make_value(2, key="team-b/k1"))
     evicted = b.admin.Evict(kvstash_pb2.EvictRequest(prefix="shared-b/"), timeout=10, metadata=md)
     assert evicted.num_evicted == 1
     b.kv.Delete(kvstash_pb2.DeleteRequest(key="team-b/k1"), timeout=10, metadata=md)
@@ -144,11 +144,11 @@ def test_a_tenant_works_within_its_prefixes(stubs) -> None:
 @pytest.mark.parametrize("admin", ["ops", "auth"])
 def test_admins_touch_every_key(stubs, admin) -> None:
     ops, md = stubs[admin], stubs[admin].metadata
-    assert ops.get("team-a/k1") == make_value(1)
+    assert ops.get("team-a/k1") == make_value(1, key="team-a/k1")
     assert sorted(listed(ops)) == ["team-a/k1", "team-b/k1"]
     stats = ops.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10, metadata=md)
     assert stats.tiers[0].num_keys == 2
-    ops.put("anything/k", make_value(4))
+    ops.put("anything/k", make_value(4, key="anything/k"))
     assert ops.admin.Clear(kvstash_pb2.ClearRequest(), timeout=10, metadata=md).num_evicted == 3
 
 
@@ -169,16 +169,19 @@ def test_the_bulk_channel_applies_the_same_rules_per_request(stubs) -> None:
     as_a = bulk_client(stubs["a"], TOKEN_A)
     as_ops = bulk_client(stubs["ops"], TOKEN_OPS)
     try:
-        for attack in (lambda: as_b.get("team-a/k1"), lambda: as_b.put("team-a/k1", make_value(98))):
+        for attack in (
+            lambda: as_b.get("team-a/k1"),
+            lambda: as_b.put("team-a/k1", make_value(98, key="team-a/k1")),
+        ):
             with pytest.raises(wire.BulkStatusError) as caught:
                 attack()
             assert caught.value.code == wire.STATUS_PERMISSION_DENIED
             assert "tenant 'team-b' may not" in caught.value.message
         # The refused requests left the connection usable, and the tenant's own keys work.
-        as_b.put("team-b/bulk", make_value(5))
-        assert bytes(as_b.get("team-b/bulk")) == make_value(5)
-        assert bytes(as_a.get("team-a/k1")) == make_value(1)
-        assert bytes(as_ops.get("team-b/bulk")) == make_value(5)
+        as_b.put("team-b/bulk", make_value(5, key="team-b/bulk"))
+        assert bytes(as_b.get("team-b/bulk")) == make_value(5, key="team-b/bulk")
+        assert bytes(as_a.get("team-a/k1")) == make_value(1, key="team-a/k1")
+        assert bytes(as_ops.get("team-b/bulk")) == make_value(5, key="team-b/bulk")
         with pytest.raises(wire.BulkStatusError) as caught:
             bulk_client(stubs["a"], "token-of-nobody-0123456789").get("team-a/k1")
         assert caught.value.code == wire.STATUS_UNAUTHENTICATED
@@ -194,7 +197,7 @@ def test_the_grpc_tier_of_another_tenant_gets_errors_not_data(stubs, server) -> 
         with pytest.raises(BackendError, match="PERMISSION_DENIED"):
             backend.get_encoded("team-a/k1")
         with pytest.raises(BackendError, match="PERMISSION_DENIED"):
-            backend.put_encoded("team-a/k1", make_value(97))
+            backend.put_encoded("team-a/k1", make_value(97, key="team-a/k1"))
         with pytest.raises(BackendError, match="PERMISSION_DENIED"):
             backend.contains(["team-a/k1"])
         assert backend.keys() == ["team-b/k1"]
@@ -204,7 +207,7 @@ def test_the_grpc_tier_of_another_tenant_gets_errors_not_data(stubs, server) -> 
         assert backend.stats()["errors"] == num_errors
     finally:
         backend.close()
-    assert stubs["a"].get("team-a/k1") == make_value(1)
+    assert stubs["a"].get("team-a/k1") == make_value(1, key="team-a/k1")
 
 
 def test_kvstash_admin_with_a_tenant_token(stubs, server) -> None:
@@ -218,7 +221,7 @@ def test_kvstash_admin_with_a_tenant_token(stubs, server) -> None:
         assert "permission_denied: tenant 'team-b' may not" in result.stderr, (args, result.stderr)
     as_ops = run_kvstash("admin", "--server", server.address, "--auth-token", TOKEN_OPS, "stats", "--json")
     assert as_ops.returncode == 0, as_ops.stderr
-    assert stubs["a"].get("team-a/k1") == make_value(1)
+    assert stubs["a"].get("team-a/k1") == make_value(1, key="team-a/k1")
 
 
 @pytest.mark.parametrize(

@@ -7,16 +7,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_server.value_assembly import MAX_HEADER_BYTES, ValueAssembler
-from storage_backends.chunk import ChunkFormatError, verify_chunk
+from storage_backends.chunk import ChunkFormatError, ChunkKeyError, verify_chunk
 from tests.cache_server.helpers import make_value
 
 # Both sides of MAX_HEADER_BYTES: small values are checked at the end, large ones as they arrive.
 SIZES = (40, 3000, 3 * MAX_HEADER_BYTES)
 
 
-def assemble(data: bytes, cuts: list[int]) -> memoryview:
+KEY = "ns/value"
+
+
+def assemble(data: bytes, cuts: list[int], key: str = KEY) -> memoryview:
     """Feed ``data`` cut at the (sorted, deduplicated) offsets ``cuts``; return what finish() gives."""
-    value = ValueAssembler(len(data))
+    value = ValueAssembler(len(data), key)
     bounds = [0, *sorted({cut % len(data) for cut in cuts} - {0}), len(data)]
     for start, end in zip(bounds, bounds[1:], strict=False):
         value.add(memoryview(data)[start:end])
@@ -26,11 +29,11 @@ def assemble(data: bytes, cuts: list[int]) -> memoryview:
 @settings(max_examples=30, deadline=None)
 @given(size=st.sampled_from(SIZES), cuts=st.lists(st.integers(0, 1 << 20), max_size=6))
 def test_an_intact_value_comes_back_unchanged_and_read_only(size: int, cuts: list[int]) -> None:
-    data = make_value(size, num_bytes=size)
+    data = make_value(size, num_bytes=size, key=KEY)
     value = assemble(data, cuts)
     assert bytes(value) == data
     assert value.readonly
-    verify_chunk(value)
+    verify_chunk(value, key=KEY)
 
 
 @settings(max_examples=40, deadline=None)
@@ -41,30 +44,30 @@ def test_an_intact_value_comes_back_unchanged_and_read_only(size: int, cuts: lis
     cuts=st.lists(st.integers(0, 1 << 20), max_size=4),
 )
 def test_any_changed_byte_is_refused(size: int, position: int, flip: int, cuts: list[int]) -> None:
-    damaged = bytearray(make_value(size, num_bytes=size))
+    damaged = bytearray(make_value(size, num_bytes=size, key=KEY))
     damaged[position % len(damaged)] ^= flip
     # verify_chunk is the reference: the assembler refuses exactly what it refuses.
     with pytest.raises(ChunkFormatError):
-        verify_chunk(damaged)
+        verify_chunk(damaged, key=KEY)
     with pytest.raises(ChunkFormatError):
         assemble(bytes(damaged), cuts)
 
 
 def test_a_size_that_disagrees_with_the_header_is_refused_at_the_first_large_piece() -> None:
-    data = make_value(1, num_bytes=3 * MAX_HEADER_BYTES)
-    value = ValueAssembler(len(data) + 10)
+    data = make_value(1, num_bytes=3 * MAX_HEADER_BYTES, key=KEY)
+    value = ValueAssembler(len(data) + 10, KEY)
     with pytest.raises(ChunkFormatError, match="header says"):
         value.add(data[:MAX_HEADER_BYTES])
 
 
 def test_more_bytes_than_announced_and_truncated_values_are_refused() -> None:
-    data = make_value(2, num_bytes=1000)
-    value = ValueAssembler(len(data))
+    data = make_value(2, num_bytes=1000, key=KEY)
+    value = ValueAssembler(len(data), KEY)
     value.add(data)
     with pytest.raises(ChunkFormatError, match="more than the announced"):
         value.add(b"x")
 
-    truncated = ValueAssembler(len(data))
+    truncated = ValueAssembler(len(data), KEY)
     truncated.add(data[:-1])
     with pytest.raises(ChunkFormatError, match="truncated"):
         truncated.finish()
@@ -72,7 +75,18 @@ def test_more_bytes_than_announced_and_truncated_values_are_refused() -> None:
 
 def test_bytes_that_are_not_a_chunk_are_refused_as_soon_as_the_header_has_arrived() -> None:
     garbage = b"not a chunk at all" * 10_000
-    value = ValueAssembler(len(garbage))
+    value = ValueAssembler(len(garbage), KEY)
     value.add(garbage[:1000])  # the header might still be incomplete: no verdict yet
     with pytest.raises(ChunkFormatError, match="not a kvstash chunk"):
         value.add(garbage[1000:MAX_HEADER_BYTES])
+
+
+@settings(max_examples=20, deadline=None)
+@given(size=st.sampled_from(SIZES), cuts=st.lists(st.integers(0, 1 << 20), max_size=4))
+def test_a_value_serialized_for_another_key_is_refused(size: int, cuts: list[int]) -> None:
+    data = make_value(size, num_bytes=size, key="ns/other")
+    with pytest.raises(ChunkKeyError):
+        verify_chunk(data, key=KEY)
+    with pytest.raises(ChunkKeyError):
+        assemble(data, cuts)
+    assert bytes(assemble(data, cuts, key="ns/other")) == data

@@ -80,7 +80,7 @@ def test_the_server_refuses_malformed_or_mistyped_put_messages(cache_server, cac
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert expected in caught.value.details()
         # A well-formed value through the same raw path is stored.
-        value = make_value(1)
+        value = make_value(1, key="ns/raw")
         assert (
             raw_put(put_messages("ns/raw", value), timeout=10)
             == kvstash_pb2.PutResponse(num_bytes=len(value)).SerializeToString()

@@ -30,9 +30,35 @@ def test_bad_values_name_the_field(fields, message):
         OffloadConfig(**fields)
 
 
-@pytest.mark.parametrize("scheme", ["redis", "rediss", "redis+cluster", "grpc", "grpcs"])
+@pytest.mark.parametrize("scheme", ["redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs"])
 def test_every_remote_scheme_is_accepted(scheme):
     assert OffloadConfig(remote_url=f"{scheme}://host:1234").remote_url == f"{scheme}://host:1234"
+
+
+def test_offload_config_and_the_backend_registry_accept_the_same_remote_schemes():
+    """Issue #17: rediss+cluster:// (Redis Cluster over TLS) was accepted by one, refused by the other."""
+    from connector.config import REMOTE_SCHEMES
+    from storage_backends.registry import SCHEME_TO_FACTORY
+
+    assert set(REMOTE_SCHEMES) == set(SCHEME_TO_FACTORY) - {"cpu", "file"}
+    url = "rediss+cluster://node-1:7000?ssl_ca_certs=/etc/ca.pem"
+    assert offload_config_from_options(no_flags(kv_offload_remote=url), {}).remote_url == url
+
+
+def test_a_disk_size_without_a_disk_folder_is_an_error(tmp_path):
+    """Issue #17: --kv-offload-disk-gb alone silently gave no disk tier."""
+    with pytest.raises(ValueError, match="disk tier size .* no disk folder"):
+        offload_config_from_options(no_flags(kv_offload_disk_gb=8.0), {})
+    with pytest.raises(ValueError, match="no disk folder"):
+        offload_config_from_options(
+            no_flags(), {"KVSTASH_KV_OFFLOAD": "1", "KVSTASH_KV_OFFLOAD_DISK_GB": "8"}
+        )
+    with pytest.raises(ValueError, match="no disk folder"):
+        OffloadConfig.from_mapping({"disk_gb": 8})
+    path = tmp_path / "offload.yaml"
+    path.write_text(f"disk_path: {tmp_path / 'kv'}\n")
+    merged = offload_config_from_options(no_flags(kv_offload_config=str(path), kv_offload_disk_gb=2.0), {})
+    assert (merged.disk_path, merged.disk_bytes) == (str(tmp_path / "kv"), 2 * GIB)
 
 
 def test_from_yaml_reads_settings_and_gib_sizes(tmp_path):

@@ -33,8 +33,8 @@ NUM_PROMPTS = 8
 _VERSION_FIELD = struct.Struct("<H")  # the chunk header's format version, at offset 4
 
 
-def damage(chunk_bytes: bytes, kind: str, rng: random.Random) -> bytes:
-    """``chunk_bytes`` (one serialized chunk) damaged in the way ``kind`` names."""
+def damage(chunk_bytes: bytes, kind: str, rng: random.Random, key: str) -> bytes:
+    """``chunk_bytes`` (one serialized chunk, stored under ``key``) damaged in the way ``kind`` names."""
     data = bytearray(chunk_bytes)
     if kind == "flip":
         for offset in rng.sample(range(len(data)), rng.randint(1, 3)):
@@ -50,7 +50,7 @@ def damage(chunk_bytes: bytes, kind: str, rng: random.Random) -> bytes:
     foreign = torch.randn(
         2, 2, CHUNK_SIZE // 2, 2, 16, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))
     )
-    return encode_chunk(KVChunk(foreign.to(torch.float16)))
+    return encode_chunk(KVChunk(foreign.to(torch.float16)), key=key)
 
 
 def one_chunk_prompts(seed: int) -> list[list[int]]:
@@ -112,7 +112,8 @@ def test_disk_chunk_files_corrupted(model_dir, reference, reliability_report, ca
             record = path.read_bytes()
             (key_len,) = struct.unpack_from("<H", record, 6)  # disk record: magic, version, key length, key
             chunk_offset = 8 + key_len
-            path.write_bytes(record[:chunk_offset] + damage(record[chunk_offset:], kind, rng))
+            key = record[8:chunk_offset].decode()
+            path.write_bytes(record[:chunk_offset] + damage(record[chunk_offset:], kind, rng, key))
             kinds.append(kind)
         return kinds
 
@@ -135,7 +136,8 @@ def test_redis_values_corrupted(model_dir, reference, reliability_report, caplog
         with redis.Redis.from_url(redis_url) as client:
             for index, key in enumerate(sorted(client.keys("kvstash:*"))):
                 kind = KINDS[index % len(KINDS)]
-                client.set(key, damage(client.get(key), kind, rng))
+                tier_key = key.decode().removeprefix("kvstash:")
+                client.set(key, damage(client.get(key), kind, rng, tier_key))
                 kinds.append(kind)
         return kinds
 

@@ -159,8 +159,10 @@ def test_a_flood_three_times_the_cap_stays_under_it(fuzz_server, fuzz_channel):
     num_values = 3 * MEMORY_CAP_BYTES // value_bytes
     with Stubs(fuzz_server.address) as stubs:
         for index in range(num_values):
-            stubs.put(f"flood:{index}", make_value(index, value_bytes))
-        assert stubs.get(f"flood:{num_values - 1}") == make_value(num_values - 1, value_bytes)
+            stubs.put(f"flood:{index}", make_value(index, value_bytes, key=f"flood:{index}"))
+        assert stubs.get(f"flood:{num_values - 1}") == make_value(
+            num_values - 1, value_bytes, key=f"flood:{num_values - 1}"
+        )
         stats = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
     assert stats.tiers[0].evictions >= num_values - MEMORY_CAP_BYTES // value_bytes
     assert_healthy(fuzz_server, fuzz_channel)

@@ -76,7 +76,7 @@ def tls_channel(secure_server, tls_files):
 
 @pytest.mark.parametrize("credentials", list(BAD_CREDENTIALS))
 def test_every_rpc_needs_the_token(tls_channel, credentials):
-    value = make_value(1)
+    value = make_value(1, key="ns-a:k")
     for method in METHODS:
         code, details = raw_call(
             tls_channel, method, sample_request(method, "ns-a:k", value), BAD_CREDENTIALS[credentials]
@@ -85,7 +85,7 @@ def test_every_rpc_needs_the_token(tls_channel, credentials):
 
 
 def test_the_token_opens_every_rpc_and_nothing_leaks_without_it(tls_channel):
-    value = make_value(2)
+    value = make_value(2, key="ns-a:k")
     calls = {method.name: method for method in METHODS}
     assert raw_call(tls_channel, calls["Put"], sample_request(calls["Put"], "ns-a:k", value), GOOD)[0] == (
         grpc.StatusCode.OK
@@ -178,18 +178,25 @@ def limited_server():
 
 def test_limits_hold_with_their_status_codes(limited_server):
     with Stubs(limited_server.address) as stubs:
-        assert status_of(lambda: stubs.put("k", make_value(3, 2 << 20))) == grpc.StatusCode.INVALID_ARGUMENT
         assert (
-            status_of(lambda: stubs.put("k", make_value(4, 700 << 10))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            status_of(lambda: stubs.put("k", make_value(3, 2 << 20, key="k")))
+            == grpc.StatusCode.INVALID_ARGUMENT
         )
-        assert status_of(lambda: stubs.put("k" * 1025, make_value(5))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            status_of(lambda: stubs.put("k", make_value(4, 700 << 10, key="k")))
+            == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert (
+            status_of(lambda: stubs.put("k" * 1025, make_value(5, key="k" * 1025)))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
         too_many = kvstash_pb2.ContainsRequest(keys=[f"k{i}" for i in range(65537)])
         assert status_of(lambda: stubs.kv.Contains(too_many, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
         big_page = kvstash_pb2.ListKeysRequest(page_size=10001)
         assert (
             status_of(lambda: stubs.admin.ListKeys(big_page, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
         )
-        value = make_value(6)
+        value = make_value(6, key="k")
         short = [kvstash_pb2.PutRequest(key="k", total_size=len(value) + 10, data=value)]
         assert status_of(lambda: stubs.kv.Put(iter(short), timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -201,7 +208,7 @@ def test_limits_hold_with_their_status_codes(limited_server):
             def requests():
                 yield kvstash_pb2.PutRequest(key=key, total_size=len(value))
                 release.wait(30)  # the stream stays open, holding its slot
-                yield kvstash_pb2.PutRequest(data=value)
+                yield kvstash_pb2.PutRequest(data=make_value(6, key=key))
 
             try:
                 stubs.kv.Put(requests(), timeout=60)
@@ -219,14 +226,15 @@ def test_limits_hold_with_their_status_codes(limited_server):
                 break
             release.wait(0.05)
         assert num_active == 2
-        assert status_of(lambda: stubs.put("third", value)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        third_value = make_value(6, key="third")
+        assert status_of(lambda: stubs.put("third", third_value)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert status_of(lambda: stubs.get("held0")) == grpc.StatusCode.RESOURCE_EXHAUSTED
         release.set()
         for holder in holders:
             holder.join(60)
         assert held_results == [grpc.StatusCode.OK] * 2
-        stubs.put("third", value)
-        assert stubs.get("third") == value
+        stubs.put("third", third_value)
+        assert stubs.get("third") == third_value
         # The refusals did not cost the memory tier its cap.
         stats = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
         memory = stats.tiers[0]

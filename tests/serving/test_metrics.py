@@ -111,3 +111,25 @@ def test_two_engines_in_one_process_keep_separate_metrics(serving_model_dir) -> 
     assert metric_value(texts[0], "kvstash_requests_total", finish_reason="length") == 1
     assert metric_value(texts[1], "kvstash_requests_total", finish_reason="length") == 0
     assert [metric_value(t, "kvstash_kv_blocks_total") for t in texts] == [32, 48]
+
+
+def test_every_exposed_metric_is_in_the_docs_table(serving_model_dir, repo_root) -> None:
+    """Issue #17: kvstash_tier_errors_total was exposed but missing from docs/serving.md."""
+    from connector import OffloadConfig
+    from engine import EngineArgs, EngineCore
+    from engine.metrics import EngineMetrics
+
+    engine = EngineCore(
+        serving_model_dir, EngineArgs(num_gpu_blocks=32, kv_offload=OffloadConfig(cpu_bytes=1 << 24))
+    )
+    text = EngineMetrics(engine).render().decode()
+    docs = (repo_root / "docs" / "serving.md").read_text()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("_created"):  # prometheus_client's own creation-time gauges
+            continue
+        suffix = "_total" if family.type == "counter" else ""
+        names.add(family.name + suffix)
+    assert "kvstash_tier_errors_total" in names
+    missing = sorted(name for name in names if f"`{name}" not in docs and f"{name}`" not in docs)
+    assert not missing, f"metrics missing from docs/serving.md: {missing}"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Callable
 
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from storage_backends import KVChunk, StorageBackend
+from storage_backends.chunk import key_hash
 
 #: tiers with a byte cap that kvstash enforces (eviction order, pins, cap checks apply)
 CAPPED_KINDS = ("cpu", "disk", "disk-lz4")
@@ -37,3 +40,36 @@ def directory_bytes(path: str) -> int:
     """Bytes of every file in ``path`` (temporary files included): what the disk tier really occupies."""
     with os.scandir(path) as scan:
         return sum(entry.stat().st_size for entry in scan if entry.is_file())
+
+
+_FIXED = struct.Struct("<4sHHBBBBQQ16s")
+_CHECKSUM_AT = _FIXED.size  # 44
+_PREFIX = _CHECKSUM_AT + 4  # 48
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.uint8: 6}
+
+
+def forge_chunk(
+    shape: tuple[int, ...],
+    layout: bytes,
+    payload: bytes,
+    *,
+    raw_len: int,
+    dtype: torch.dtype = torch.uint8,
+    codec_code: int = 0,
+    key: str,
+) -> bytes:
+    """A chunk with exactly these header fields and a correct CRC-32 (what a hostile client sends)."""
+    tail = b"".join(struct.pack("<Q", size) for size in shape) + layout
+    fixed = _FIXED.pack(
+        b"KVSC",
+        2,
+        _PREFIX + len(tail),
+        _DTYPE_CODES[dtype],
+        codec_code,
+        len(shape),
+        len(layout),
+        len(payload),
+        raw_len,
+        key_hash(key),
+    )
+    return fixed + struct.pack("<I", crc32(payload, crc32(tail, crc32(fixed)))) + tail + payload

@@ -22,6 +22,7 @@ from storage_backends.chunk import (
 )
 from tests.storage_backends.helpers import make_chunk
 
+KEY = "ns:chunk"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8]
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -47,8 +48,8 @@ def chunks(draw: st.DrawFn) -> KVChunk:
 @PROPERTY_SETTINGS
 @given(chunk=chunks(), codec=st.sampled_from(["none", "lz4"]))
 def test_encode_decode_round_trip_is_byte_exact(chunk: KVChunk, codec: str) -> None:
-    data = encode_chunk(chunk, codec)
-    decoded = decode_chunk(data)
+    data = encode_chunk(chunk, codec, key=KEY)
+    decoded = decode_chunk(data, key=KEY)
     assert decoded.equal(chunk)
     assert decoded.dtype == chunk.dtype and decoded.num_tokens == chunk.num_tokens
     header = parse_header(data)
@@ -60,29 +61,29 @@ def test_encode_decode_round_trip_is_byte_exact(chunk: KVChunk, codec: str) -> N
 @PROPERTY_SETTINGS
 @given(chunk=chunks(), codec=st.sampled_from(["none", "lz4"]), data=st.data())
 def test_any_changed_byte_never_decodes(chunk: KVChunk, codec: str, data: st.DataObject) -> None:
-    encoded = bytearray(encode_chunk(chunk, codec))
+    encoded = bytearray(encode_chunk(chunk, codec, key=KEY))
     position = data.draw(st.integers(0, len(encoded) - 1), label="position")
     encoded[position] ^= data.draw(st.integers(1, 255), label="xor mask")
     with pytest.raises(ChunkFormatError):
-        decode_chunk(bytes(encoded))
+        decode_chunk(bytes(encoded), key=KEY)
 
 
 @PROPERTY_SETTINGS
 @given(chunk=chunks(), codec=st.sampled_from(["none", "lz4"]), data=st.data())
 def test_truncated_or_extended_bytes_never_decode(chunk: KVChunk, codec: str, data: st.DataObject) -> None:
-    encoded = encode_chunk(chunk, codec)
+    encoded = encode_chunk(chunk, codec, key=KEY)
     length = data.draw(st.integers(0, len(encoded) - 1), label="kept length")
     with pytest.raises(ChunkFormatError):
-        decode_chunk(encoded[:length])
+        decode_chunk(encoded[:length], key=KEY)
     with pytest.raises(ChunkFormatError, match="oversized"):
-        decode_chunk(encoded + data.draw(st.binary(min_size=1, max_size=8), label="tail"))
+        decode_chunk(encoded + data.draw(st.binary(min_size=1, max_size=8), label="tail"), key=KEY)
 
 
 @PROPERTY_SETTINGS
 @given(garbage=st.binary(max_size=300))
 def test_arbitrary_bytes_never_decode(garbage: bytes) -> None:
     with pytest.raises(ChunkFormatError):
-        decode_chunk(garbage)
+        decode_chunk(garbage, key=KEY)
 
 
 def test_bf16_special_values_survive_exactly() -> None:
@@ -90,33 +91,33 @@ def test_bf16_special_values_survive_exactly() -> None:
     bits = torch.tensor(patterns, dtype=torch.int32).to(torch.int16)  # wraps to the same 16 bits
     chunk = KVChunk(bits.view(torch.bfloat16).reshape(1, 1, 7, 1, 1), layout="LKTHD")
     for codec in ("none", "lz4"):
-        decoded = decode_chunk(encode_chunk(chunk, codec))
+        decoded = decode_chunk(encode_chunk(chunk, codec, key=KEY), key=KEY)
         assert torch.equal(decoded.tensor.view(torch.int16).reshape(-1), bits)
 
 
 def test_decoded_tensor_is_writable_and_owned() -> None:
-    data = bytearray(encode_chunk(make_chunk(1)))
-    decoded = decode_chunk(data)
+    data = bytearray(encode_chunk(make_chunk(1), key=KEY))
+    decoded = decode_chunk(data, key=KEY)
     decoded.tensor.view(torch.int16).fill_(7)  # no warning, no error: the tensor owns its memory
     data[-1] ^= 0xFF  # and it does not alias the input buffer
     assert torch.all(decoded.tensor.view(torch.int16) == 7)
 
 
 def test_foreign_magic_and_other_versions_have_clear_errors() -> None:
-    encoded = bytearray(encode_chunk(make_chunk(1)))
+    encoded = bytearray(encode_chunk(make_chunk(1), key=KEY))
     other_version = bytearray(encoded)
     struct.pack_into("<H", other_version, len(MAGIC), FORMAT_VERSION + 1)
     with pytest.raises(ChunkVersionError, match=f"version {FORMAT_VERSION + 1} is not supported"):
-        decode_chunk(bytes(other_version))
+        decode_chunk(bytes(other_version), key=KEY)
     foreign = b"PK\x03\x04" + bytes(encoded[4:])
     with pytest.raises(ChunkFormatError, match="not a kvstash chunk"):
-        decode_chunk(foreign)
+        decode_chunk(foreign, key=KEY)
     damaged = bytearray(encoded)
     damaged[-1] ^= 1
     with pytest.raises(ChunkFormatError, match="checksum mismatch"):
-        verify_chunk(bytes(damaged))
+        verify_chunk(bytes(damaged), key=KEY)
     with pytest.raises(ChunkFormatError, match="truncated"):
-        decode_chunk(bytes(encoded[:-1]))
+        decode_chunk(bytes(encoded[:-1]), key=KEY)
 
 
 def test_bad_chunks_and_codecs_are_rejected_at_the_source() -> None:
@@ -125,18 +126,18 @@ def test_bad_chunks_and_codecs_are_rejected_at_the_source() -> None:
     with pytest.raises(ValueError, match="unsupported chunk dtype"):
         KVChunk(torch.zeros(1, 2, 1, 1, 1, dtype=torch.complex64))
     with pytest.raises(ValueError, match="unknown codec"):
-        encode_chunk(make_chunk(1), "zstd")
+        encode_chunk(make_chunk(1), "zstd", key=KEY)
 
 
 def test_non_contiguous_tensors_are_encoded_by_value() -> None:
     base = make_chunk(1, num_tokens=8).tensor
     strided = base[:, :, ::2]  # every other token: not contiguous
-    decoded = decode_chunk(encode_chunk(KVChunk(strided)))
+    decoded = decode_chunk(encode_chunk(KVChunk(strided), key=KEY), key=KEY)
     assert decoded.equal(KVChunk(strided.contiguous()))
 
 
 def test_layout_names_the_token_dimension() -> None:
     chunk = KVChunk(torch.zeros(3, 2, 4, 5, 6, dtype=torch.float16), layout="TKLHD")
     assert chunk.num_tokens == 3
-    decoded = decode_chunk(encode_chunk(chunk))
+    decoded = decode_chunk(encode_chunk(chunk, key=KEY), key=KEY)
     assert decoded.layout == "TKLHD" and decoded.num_tokens == 3

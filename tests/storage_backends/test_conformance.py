@@ -3,6 +3,7 @@ Redis standalone and Redis Cluster, each a real instance built from its URL."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -115,13 +116,14 @@ def test_encoded_values_round_trip_and_bad_bytes_are_refused(
 ) -> None:
     backend = backend_factory(kind)
     chunk = make_chunk(3)
-    backend.put_encoded("ns:enc", encode_chunk(chunk, "lz4"))
+    backend.put_encoded("ns:enc", encode_chunk(chunk, "lz4", key="ns:enc"))
     assert backend.get("ns:enc").equal(chunk)
     stored = backend.get_encoded("ns:enc")
     assert stored is not None
-    backend.put_encoded("ns:copy", stored)
-    assert backend.get("ns:copy").equal(chunk)
-    damaged = bytearray(encode_chunk(chunk))
+    with pytest.raises(ChunkFormatError, match="another key"):
+        backend.put_encoded("ns:copy", stored)  # serialized for "ns:enc"
+    assert backend.contains(["ns:copy"]) == 0
+    damaged = bytearray(encode_chunk(chunk, key="ns:bad"))
     damaged[-1] ^= 0x40
     with pytest.raises(ChunkFormatError, match="checksum"):
         backend.put_encoded("ns:bad", bytes(damaged))
@@ -295,3 +297,58 @@ def test_get_into_fills_the_callers_buffer(kind: str, backend_factory: BackendFa
         backend.get_into("ns:into", torch.empty(chunk.tensor.numel() - 1, dtype=torch.float16))
     with pytest.raises(ValueError, match="get_into"):
         backend.get_into("ns:into", torch.empty(chunk.tensor.numel(), dtype=torch.float32))
+
+
+def misfile_behind_the_backend(kind: str, backend, source_key: str, target_key: str) -> None:
+    """Put the bytes stored under ``source_key`` in ``target_key``'s place, in the tier's own
+    storage (disk files, Redis values), as a bug or an attacker with write access could."""
+    if kind.startswith("disk"):
+        from storage_backends.disk_backend import key_to_filename
+
+        def split(path: str) -> tuple[bytes, bytes]:
+            with open(path, "rb") as file:
+                record = file.read()
+            key_len = int.from_bytes(record[6:8], "little")  # disk record: magic, version, key length, key
+            return record[: 8 + key_len], record[8 + key_len :]
+
+        source_path = os.path.join(backend.root, key_to_filename(source_key))
+        target_path = os.path.join(backend.root, key_to_filename(target_key))
+        target_head, _ = split(target_path)
+        with open(target_path, "wb") as file:
+            file.write(target_head + split(source_path)[1])  # the target's record header, the source's chunk
+    elif kind.startswith("redis"):
+        client = backend._client  # the backend's own redis-py client: the same server or cluster
+        client.set(backend.key_prefix + target_key, client.get(backend.key_prefix + source_key))
+    else:
+        raise ValueError(f"{kind} has no storage to tamper with from outside")
+
+
+def test_a_value_filed_under_another_key_is_a_miss(kind: str, backend_factory: BackendFactory) -> None:
+    """Issue #17 item 2: every read checks the key hash in the chunk header."""
+    backend = backend_factory(kind)
+    first, second = make_chunk(1), make_chunk(2)
+    backend.put("ns:first", first)
+    backend.put("ns:second", second)
+    first_bytes = backend.get_encoded("ns:first")
+    # The front door: no tier stores bytes serialized for another key.
+    with pytest.raises(ChunkFormatError, match="another key"):
+        backend.put_encoded("ns:second", first_bytes)
+    with pytest.raises(ChunkFormatError, match="another key"):
+        backend.put_encoded("ns:third", first_bytes)
+    assert backend.get("ns:second").equal(second)
+    assert backend.contains(["ns:third"]) == 0
+    if kind in ("cpu", "grpc"):
+        return  # holds tensors / behind a server that checks: no bytes to misfile from outside
+    # The back door: the value is misfiled in the tier's own storage.
+    corrupt_before = backend.stats()["corrupt"]
+    reads = (
+        lambda: backend.get("ns:second"),
+        lambda: backend.get_encoded("ns:second"),
+        lambda: backend.get_many(["ns:first", "ns:second"])[1],
+    )
+    for num_done, read in enumerate(reads, start=1):
+        backend.put("ns:second", second)  # a tier may drop a corrupt value once it has seen it
+        misfile_behind_the_backend(kind, backend, "ns:first", "ns:second")
+        assert read() is None
+        assert backend.stats()["corrupt"] == corrupt_before + num_done
+    assert backend.get("ns:first").equal(first)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from storage_backends import create_backend
-from storage_backends.chunk import MAGIC, encode_chunk
+from storage_backends.chunk import FORMAT_VERSION, MAGIC, encode_chunk
 from storage_backends.disk_backend import RECORD_MAGIC, TMP_PREFIX, DiskBackend, key_to_filename
 from tests.storage_backends.helpers import directory_bytes, make_chunk
 
@@ -135,7 +135,7 @@ def test_restart_removes_debris_and_ignores_other_versions(tmp_path: Path) -> No
     (tmp_path / f"{TMP_PREFIX}leftover").write_bytes(b"half a file")
     v2_chunk = tmp_path / key_to_filename("ns:v2-chunk")
     data = bytearray(v2_chunk.read_bytes())
-    struct.pack_into("<H", data, data.index(MAGIC) + 4, 2)  # chunk format version 2
+    struct.pack_into("<H", data, data.index(MAGIC) + 4, FORMAT_VERSION + 1)  # another chunk format version
     v2_chunk.write_bytes(bytes(data))
     v2_record = tmp_path / key_to_filename("ns:v2-record")
     data = bytearray(v2_record.read_bytes())
@@ -181,6 +181,6 @@ def test_fsync_and_lz4_options_from_the_url(tmp_path: Path) -> None:
 
 def test_encoded_bytes_from_another_tier_are_stored_as_they_are(tmp_path: Path) -> None:
     backend = DiskBackend(str(tmp_path), 1 << 20)
-    encoded = encode_chunk(make_chunk(3), "lz4")
+    encoded = encode_chunk(make_chunk(3), "lz4", key="ns:a")
     backend.put_encoded("ns:a", encoded)
     assert backend.get_encoded("ns:a") == encoded

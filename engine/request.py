@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SamplingParams
+from engine.spec_decode.backoff import DraftBackoff
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +72,8 @@ class Request:
     generator: torch.Generator | None = None
     #: output text up to now (maintained by the engine core when a tokenizer exists)
     text: str = ""
+    #: speculative decoding: pauses drafting while this request's drafts are mostly rejected
+    draft_backoff: DraftBackoff = field(default_factory=DraftBackoff)
     #: the request's cache salt (None: none). Requests share GPU prefix-cache blocks and
     #: offloaded chunks only with requests of the same salt (DESIGN §5)
     cache_salt: str | None = None

@@ -221,6 +221,7 @@ class Scheduler:
                 continue
             num_drafts = len(output.request_id_to_spec_token_ids.get(request.request_id, ()))
             accepted_draft_ids = request_id_to_accepted_draft_ids.get(request.request_id, [])
+            request.draft_backoff.record(num_drafts, len(accepted_draft_ids))
             request.num_computed_tokens += num_new - (num_drafts - len(accepted_draft_ids))
             if request.num_computed_tokens < request.num_tokens:
                 self.block_manager.cache_computed_blocks(request)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.request import Request
+from typing import TYPE_CHECKING
+
 from engine.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:  # annotations only: engine.request holds a DraftBackoff from this package
+    from engine.block_manager import BlockManager
+    from engine.request import Request
 
 
 def propose_drafts(proposer: NgramProposer, request: Request, token_budget: int) -> list[int]:
@@ -15,8 +19,11 @@ def propose_drafts(proposer: NgramProposer, request: Request, token_budget: int)
     step, or the last token of a prompt whose other tokens are computed or cached).
     The count is capped so that the step, whatever it accepts, stays within ``token_budget``
     (which must also pay for the last sampled token), ``max_tokens`` and ``max_model_len``:
-    a step emits at most ``num_drafts + 1`` tokens."""
+    a step emits at most ``num_drafts + 1`` tokens. A request whose recent drafts were
+    mostly rejected gets none while its back-off pauses it (``request.draft_backoff``)."""
     if request.num_tokens - request.num_computed_tokens != 1:
+        return []
+    if not request.draft_backoff.may_draft():
         return []
     limit = min(
         token_budget - 1,

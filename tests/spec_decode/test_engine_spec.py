@@ -202,3 +202,32 @@ def test_stop_string_inside_accepted_drafts_ends_output_like_plain_decoding(plai
     assert llm.stats.spec_decode.num_accepted_tokens > 0
     assert llm.stats.num_generated_tokens_total == len(want.token_ids)
     assert_no_block_leak(llm)
+
+
+def _verifications(plain_case, corrupt_fraction: float) -> tuple[int, list[list[int]], list[list[int]]]:
+    model_dir, expected = plain_case("qwen3")
+    llm = spec_llm(model_dir)
+    llm.engine.scheduler.proposer = ReplayProposer(
+        NUM_SPECULATIVE_TOKENS,
+        {tuple(p): c for p, c in zip(PROMPTS, expected, strict=True)},
+        vocab_size=llm.engine.model_config.vocab_size,
+        corrupt_fraction=corrupt_fraction,
+        seed=5,
+    )
+    got = token_ids(llm)
+    return llm.stats.spec_decode.num_verifications, got, expected
+
+
+def test_an_engine_stops_verifying_drafts_that_never_pay(plain_case) -> None:
+    num_verifications, got, expected = _verifications(plain_case, corrupt_fraction=1.0)
+    assert got == expected
+    num_decode_steps = sum(len(tokens) - 1 for tokens in expected)
+    # without the back-off every decode step of every request verified drafts
+    assert num_verifications < num_decode_steps / 2, (num_verifications, num_decode_steps)
+
+
+def test_an_engine_keeps_verifying_drafts_that_pay(plain_case) -> None:
+    num_verifications, got, expected = _verifications(plain_case, corrupt_fraction=0.0)
+    assert got == expected
+    num_tokens = sum(len(tokens) for tokens in expected)
+    assert num_verifications >= num_tokens // (NUM_SPECULATIVE_TOKENS + 1) - len(PROMPTS)

@@ -156,8 +156,8 @@ def print_table(result: BenchResult) -> None:
     steps = [row["decode_step_ms"] for row in rows if row["decode_step_ms"] is not None]
     if rates:
         console.print(
-            f"bound = the hit's KV bytes ({result.kv_bytes_per_token} per token) at the {result.copy_kind} "
-            f"rate measured in this run ({min(rates):.1f}-{max(rates):.1f} GB/s) + one decode step "
+            f"bound = hit KV bytes ({result.kv_bytes_per_token}/token) at this run's {result.copy_kind} rate "
+            f"({min(rates):.1f}-{max(rates):.1f} GB/s) + 1 decode step "
             f"({min(steps, default=0):.1f}-{max(steps, default=0):.1f} ms)"
         )
     if not result.outputs_must_match and not result.outputs_identical:

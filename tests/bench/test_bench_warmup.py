@@ -120,3 +120,45 @@ def test_round_one_is_like_for_like_and_later_rounds_load(report) -> None:
         assert sum(turn["tier_to_loaded_tokens"].values()) == turn["num_loaded_tokens"]
     assert "loaded" in output and "bound" in output and "cpu" in output
     assert data["outputs_identical"] is True and data["outputs_must_match"] is True
+
+
+def test_in_memory_config_runs_like_the_8b_preset(tmp_path, monkeypatch) -> None:
+    """The 8b preset's path (an in-memory config, random weights made by the engine, no
+    folder, no tokenizer) with a tiny shape on CPU: both engines, warm-ups, bounds."""
+    from transformers import LlamaConfig
+
+    from connector import OffloadConfig
+    from engine.bench import run_bench
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=2048,
+        eos_token_id=299,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    workload = Workload(num_users=2, context_len=300, num_rounds=2, question_len=8, answer_len=3)
+    offload = OffloadConfig(
+        chunk_size=64, cpu_bytes=8 << 20, disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20
+    )
+    engine_args = {
+        "device": "cpu",
+        "dtype": "float32",
+        "load_format": "dummy",
+        "num_gpu_blocks": workload.default_num_gpu_blocks(16),
+    }
+    result = run_bench(config, workload, engine_args, offload, model_label="tiny in-memory")
+    assert result.outputs_identical and result.model == "tiny in-memory"
+    assert result.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert [w.prompt_digest for w in result.warmup_off] == [w.prompt_digest for w in result.warmup_on]
+    assert result.warmup_on[-1].tier_to_loaded_tokens == {"disk": 64}
+    second = [t for t in result.turns_on if t.round == 1]
+    for turn in second:
+        assert turn.num_gpu_hit_tokens + turn.num_external_hit_tokens >= 256
+        assert turn.tier_to_loaded_tokens.get("cpu", 0) == turn.num_external_hit_tokens > 0
+    assert result.bounds[1].bound_s is not None and result.bounds[0].bound_s is None

@@ -258,8 +258,9 @@ def _forget_gpu_cache(llm, *, drop_cpu_tier: bool) -> None:
     if drop_cpu_tier and connector is not None:
         cpu_tier = connector.cache_engine.tiers.cpu
         if cpu_tier is not None:
-            for key in cpu_tier.keys():  # noqa: SIM118 (a storage backend, not a mapping)
-                cpu_tier.delete(key)
+            kept = [key for key in cpu_tier.keys() if not cpu_tier.delete(key)]  # noqa: SIM118 (not a mapping)
+            if kept:  # pinned by a reader: the warm-up's disk step would load them from the CPU tier
+                logging.getLogger(__name__).warning("warm-up: %d CPU-tier chunks still pinned", len(kept))
     if not llm.reset_prefix_cache():
         raise RuntimeError("the engine refused to drop its prefix cache (requests still running)")
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.engine_throughput import llama_config  # noqa: E402
 from connector import OffloadConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import Workload, make_conversations  # noqa: E402
+from engine.bench import Workload, make_conversations, run_warmup  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -45,7 +45,7 @@ def percentile(values: list[float], fraction: float) -> float:
 def run(llm: LLM, workload: Workload, conversations, label: str) -> dict:
     """All rounds on one engine; returns per-request TTFTs, outputs and wall time."""
     params = SamplingParams(max_tokens=workload.answer_len, temperature=0.0, ignore_eos=True)
-    llm.generate([conversations.warmup], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    run_warmup(llm, workload, conversations.warmup, label)  # the same untimed warm-up as `kvstash bench`
     histories = [list(context) for context in conversations.contexts]
     rounds = []
     began = time.perf_counter()

@@ -86,6 +86,8 @@ class RequestTransferStats(NamedTuple):
     num_loaded_bytes: int
     load_seconds: float
     num_saved_tokens: int
+    #: loaded tokens per tier they came from ("cpu", "disk", "redis", "grpc"); sums to num_loaded_tokens
+    tier_to_loaded_tokens: dict[str, int]
 
 
 class KVConnectorScheduler(abc.ABC):

@@ -39,6 +39,8 @@ class LoadPlan(NamedTuple):
     slot_mappings: list[torch.Tensor]  # int64 [chunk_tokens_i] on the KV device, -1 = leave untouched
     held_keys: list[str]  # CPU-tier read pins to release after the move
     num_loaded_end: int  # tokens [start, num_loaded_end) are in the paged cache once moved
+    #: tokens of [start, num_loaded_end) per tier they are read from ("cpu", "disk", ...)
+    tier_to_num_tokens: dict[str, int]
 
 
 class PendingStore(NamedTuple):
@@ -157,23 +159,27 @@ class CacheEngine:
         # The lookup pinned every chunk up to its hit, also those before ``start``.
         self.tiers.unpin([span.key for span in covering])
         spans = [span for span in covering if span.end > start]
-        chunks, held_keys = self.tiers.get_prefix([span.key for span in spans])
+        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans])
         tensors = []
         for span, chunk in zip(spans, chunks, strict=False):
             if not self._chunk_fits(span, chunk):
                 break
             tensors.append(chunk.tensor)
         if not tensors:
-            return LoadPlan([], [], held_keys, start)
+            return LoadPlan([], [], held_keys, start, {})
         loaded = spans[: len(tensors)]
         num_loaded_end = min(end, loaded[-1].end)
+        tier_to_num_tokens: dict[str, int] = {}
+        for span, tier_name in zip(loaded, tier_names, strict=False):
+            num_tokens = min(span.end, num_loaded_end) - max(span.start, start)
+            tier_to_num_tokens[tier_name] = tier_to_num_tokens.get(tier_name, 0) + num_tokens
         # One host tensor of slots for every loaded chunk, -1 outside [start, num_loaded_end).
         slots = torch.full((loaded[-1].end - loaded[0].start,), -1, dtype=torch.int64)
         offset = loaded[0].start
         slots[start - offset : num_loaded_end - offset] = slot_mapping[start:num_loaded_end].cpu()
         slots = self.mover(kv_caches).to_device(slots)
         slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
-        return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end)
+        return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end, tier_to_num_tokens)
 
     def move_load(self, plan: LoadPlan, kv_caches: torch.Tensor, layer: int | None = None) -> None:
         """Queue the plan's moves (all layers, or one layer) on the mover."""

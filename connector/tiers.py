@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 import torch
@@ -70,6 +70,16 @@ class TierHealth:
         if self.failing_operation == operation:
             self.failing_operation = None
             log.info("tier %s recovered after %d errors", self.name, self.counts["errors"])
+
+
+class PrefixRead(NamedTuple):
+    """What :meth:`TierManager.get_prefix` found: the chunks of the leading present keys,
+    the CPU-tier keys it pinned for reading, and the name of the tier each chunk came
+    from (``tier_names[i]`` for ``chunks[i]``: "cpu", "disk", "redis", "grpc")."""
+
+    chunks: list[KVChunk]
+    held_keys: list[str]
+    tier_names: list[str]
 
 
 def backend_urls(config: OffloadConfig) -> list[str]:
@@ -177,12 +187,12 @@ class TierManager:
                         break
         return num_found
 
-    def get_prefix(self, keys: Sequence[str]) -> tuple[list[KVChunk], list[str]]:
+    def get_prefix(self, keys: Sequence[str]) -> PrefixRead:
         """The chunks of the leading present ``keys`` (stops at the first key that no
         tier returns). Lower-tier hits are promoted into the CPU tier.
 
-        Returns ``(chunks, held_keys)``: CPU-tier chunks are zero-copy views kept
-        valid by a pin on each of ``held_keys``; the caller must :meth:`release`
+        Returns ``(chunks, held_keys, tier_names)``: CPU-tier chunks are zero-copy views
+        kept valid by a pin on each of ``held_keys``; the caller must :meth:`release`
         them once its transfer has finished reading.
         """
         key_to_found: dict[str, tuple[KVChunk, StorageBackend]] = {}
@@ -204,17 +214,18 @@ class TierManager:
             for key, chunk in key_chunk_pairs:
                 if chunk is not None:
                     key_to_found[key] = (chunk, tier)
-        found = []
+        found, tier_names = [], []
         for key in keys:
             if key not in key_to_found:
                 break
             chunk, tier = key_to_found[key]
             found.append(chunk)
+            tier_names.append(tier.name)
             self._count(f"hits_{tier.name}", 1)
             if self.cpu is not None and tier is not self.cpu:
                 self._put_cpu(key, chunk)
                 self._count("promotions", 1)
-        return found, held_keys
+        return PrefixRead(found, held_keys, tier_names)
 
     def release(self, held_keys: Sequence[str]) -> None:
         """Drop the read pins that :meth:`get_prefix` took."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.base import RequestTransferStats
 
@@ -29,6 +29,7 @@ class RequestFigures:
     num_loaded_bytes: int = 0
     load_seconds: float = 0.0
     num_saved_tokens: int = 0
+    tier_to_loaded_tokens: Counter[str] = field(default_factory=Counter)
 
     def to_stats(self) -> RequestTransferStats:
         return RequestTransferStats(
@@ -39,6 +40,7 @@ class RequestFigures:
             self.num_loaded_bytes,
             self.load_seconds,
             self.num_saved_tokens,
+            dict(self.tier_to_loaded_tokens),
         )
 
 
@@ -92,10 +94,17 @@ class TransferTracker:
 
     # ---- worker side ---------------------------------------------------------
     def loaded(
-        self, request_id: str, num_loaded: int, num_promised: int, num_bytes: int, seconds: float
+        self,
+        request_id: str,
+        num_loaded: int,
+        num_promised: int,
+        num_bytes: int,
+        seconds: float,
+        tier_to_num_tokens: dict[str, int] | None = None,
     ) -> None:
         """A load finished with ``num_loaded`` of ``num_promised`` tokens in the paged
-        cache; the tokens it could not load are no external hit."""
+        cache (``tier_to_num_tokens``: how many came from each tier); the tokens it could
+        not load are no external hit."""
         with self._lock:
             figures = self._request_id_to_figures.get(request_id)
             if figures is None:
@@ -104,6 +113,7 @@ class TransferTracker:
             figures.num_external_hit_tokens -= num_promised - num_loaded
             figures.num_loaded_bytes += num_bytes
             figures.load_seconds += seconds
+            figures.tier_to_loaded_tokens.update(tier_to_num_tokens or {})
 
     def save_done(self, request_id: str, num_saved_tokens: int) -> None:
         """A save issued by the scheduler side has read its blocks (or was skipped)."""

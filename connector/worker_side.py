@@ -159,6 +159,7 @@ class OffloadWorker(KVConnectorWorker):
                 load.spec.num_load_end - load.spec.num_load_start,
                 num_tokens * engine.bytes_per_token,
                 load.read_seconds + move_seconds * share,
+                load.plan.tier_to_num_tokens,
             )
         self._loads = []
 

@@ -4,6 +4,7 @@ PNG plot of TTFT per round for the off and on runs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from statistics import mean
@@ -17,15 +18,27 @@ def _of_round(turns: list[Turn], round_index: int) -> list[Turn]:
     return [t for t in turns if t.round == round_index]
 
 
+def _mean_per_tier(turns: list[Turn]) -> dict[str, float]:
+    """Mean loaded tokens per request from each tier (tiers no request loaded from are absent)."""
+    tiers = sorted({tier for t in turns for tier in t.tier_to_loaded_tokens})
+    return {tier: mean(t.tier_to_loaded_tokens.get(tier, 0) for t in turns) for tier in tiers}
+
+
 def round_rows(result: BenchResult) -> list[dict[str, Any]]:
-    """One row per round: means over users of TTFT (ms) and token counts, and whether
-    the round's outputs are identical between the runs."""
+    """One row per round: means over users of TTFT (ms) and token counts, where the
+    on-run's loaded tokens came from, the planner's recompute choice (None without a
+    planner), the physical bound of the hit, and whether the round's outputs are
+    identical between the runs."""
+    round_to_bound = {bound.round: bound for bound in result.bounds}
     rows = []
     for round_index in range(result.workload.num_rounds):
         off = _of_round(result.turns_off, round_index)
         on = _of_round(result.turns_on, round_index)
         ttft_off_ms = 1e3 * mean(t.ttft_s for t in off)
         ttft_on_ms = 1e3 * mean(t.ttft_s for t in on)
+        planned = [t.num_planned_recompute_tokens for t in on if t.num_planned_recompute_tokens is not None]
+        bound = round_to_bound.get(round_index + 1)
+        bound_s = bound.bound_s if bound is not None else None
         rows.append(
             {
                 "round": round_index + 1,
@@ -37,12 +50,53 @@ def round_rows(result: BenchResult) -> list[dict[str, Any]]:
                 "gpu_hit_tokens_on": mean(t.num_gpu_hit_tokens for t in on),
                 "external_hit_tokens_on": mean(t.num_external_hit_tokens for t in on),
                 "loaded_tokens_on": mean(t.num_loaded_tokens for t in on),
+                "tier_to_loaded_tokens_on": _mean_per_tier(on),
+                "planned_recompute_tokens_on": mean(planned) if planned else None,
                 "computed_tokens_off": mean(t.num_computed_tokens for t in off),
                 "computed_tokens_on": mean(t.num_computed_tokens for t in on),
+                "hit_bytes_on": bound.hit_bytes if bound is not None else None,
+                "copy_gbps": (
+                    bound.hit_bytes / bound.copy_s / 1e9 if bound is not None and bound.copy_s > 0 else None
+                ),
+                "decode_step_ms": (
+                    1e3 * bound.decode_step_s
+                    if bound is not None and bound.decode_step_s is not None
+                    else None
+                ),
+                "bound_ms": 1e3 * bound_s if bound_s is not None else None,
                 "outputs_identical": [t.output_token_ids for t in off] == [t.output_token_ids for t in on],
             }
         )
     return rows
+
+
+def outputs_note(result: BenchResult) -> str:
+    """Why the outputs must (float32) or may not (bf16/fp16) be identical between the runs."""
+    if result.outputs_must_match:
+        return "float32: outputs must be identical token for token (a mismatch is an error exit)"
+    return (
+        f"{result.dtype}: outputs may differ between the runs without a bug. Offload off recomputes "
+        "each prompt (a chunked prefill), offload on loads the prefix's KV and computes only the rest; "
+        "the two sum in different orders, and in a 16-bit dtype that can flip a near-tied greedy "
+        "token, after which the answers diverge. Runs in float32 (--dtype float32) must match exactly."
+    )
+
+
+def _model_short(result: BenchResult) -> str:
+    """The model in a few words for the plot's title: a folder's name, else its label."""
+    return Path(result.model).name if os.sep in result.model else result.model
+
+
+def _loaded_from(tier_to_tokens: dict[str, float]) -> str:
+    """ "cpu 8192" or "cpu 6144\ndisk 2048" ("-" when nothing was loaded)."""
+    cells = [f"{tier} {tokens:.0f}" for tier, tokens in tier_to_tokens.items() if tokens > 0]
+    return "\n".join(cells) if cells else "-"
+
+
+def _same_output_cell(row: dict[str, Any], must_match: bool) -> str:
+    if row["outputs_identical"]:
+        return "yes"
+    return "NO" if must_match else "no*"
 
 
 def print_table(result: BenchResult) -> None:
@@ -50,46 +104,67 @@ def print_table(result: BenchResult) -> None:
     from rich.table import Table
 
     workload = result.workload
+    rows = round_rows(result)
+    with_planner = any(row["planned_recompute_tokens_on"] is not None for row in rows)
     table = Table(
         title=(
             f"kvstash bench: {workload.num_users} users x {workload.num_rounds} rounds, "
-            f"{workload.context_len}-token contexts (means per request)"
+            f"{workload.context_len}-token contexts, {result.dtype} on {result.device_name or result.device} "
+            "(means per request)"
         )
     )
-    headers = (
+    headers = [
         "round",
         "prompt\ntokens",
         "TTFT off\nms",
         "TTFT on\nms",
         "speed\nup",
+        "bound\nms",
         "computed\noff",
         "computed\non",
         "ext hit\ntokens",
-        "loaded\ntokens",
-        "same\noutput",
-    )
+        "loaded\nfrom",
+    ]
+    if with_planner:
+        headers.append("planned\nrecompute")
+    headers.append("same\noutput")
     for header in headers:
         table.add_column(header, justify="right")
-    for row in round_rows(result):
+    for row in rows:
         speedup = f"{row['speedup']:.1f}x" if row["speedup"] is not None else "-"
-        table.add_row(
+        cells = [
             str(row["round"]),
             f"{row['prompt_tokens']:.0f}",
             f"{row['ttft_off_ms']:.0f}",
             f"{row['ttft_on_ms']:.0f}",
             speedup,
+            f"{row['bound_ms']:.1f}" if row["bound_ms"] is not None else "-",
             f"{row['computed_tokens_off']:.0f}",
             f"{row['computed_tokens_on']:.0f}",
             f"{row['external_hit_tokens_on']:.0f}",
-            f"{row['loaded_tokens_on']:.0f}",
-            "yes" if row["outputs_identical"] else "NO",
-        )
-    # rich assumes 80 columns when not writing to a terminal; the table needs about 100
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+            _loaded_from(row["tier_to_loaded_tokens_on"]),
+        ]
+        if with_planner:
+            planned = row["planned_recompute_tokens_on"]
+            cells.append(f"{planned:.0f}" if planned is not None else "-")
+        cells.append(_same_output_cell(row, result.outputs_must_match))
+        table.add_row(*cells)
+    # rich assumes 80 columns when not writing to a terminal; the table needs about 110
+    console = Console() if sys.stdout.isatty() else Console(width=130)
     console.print(table)
+    rates = [row["copy_gbps"] for row in rows if row["copy_gbps"] is not None]
+    steps = [row["decode_step_ms"] for row in rows if row["decode_step_ms"] is not None]
+    if rates:
+        console.print(
+            f"bound = hit KV bytes ({result.kv_bytes_per_token}/token) at this run's {result.copy_kind} rate "
+            f"({min(rates):.1f}-{max(rates):.1f} GB/s) + 1 decode step "
+            f"({min(steps, default=0):.1f}-{max(steps, default=0):.1f} ms)"
+        )
+    if not result.outputs_must_match and not result.outputs_identical:
+        console.print(f"* {outputs_note(result)}")
     console.print(
-        f"wall time: off {result.wall_s_off:.1f} s, on {result.wall_s_on:.1f} s; "
-        f"outputs identical: {'yes' if result.outputs_identical else 'NO'}"
+        f"wall time: off {result.wall_s_off:.1f} s, on {result.wall_s_on:.1f} s (after identical warm-ups); "
+        f"outputs identical: {'yes' if result.outputs_identical else 'NO' if result.outputs_must_match else 'no*'}"
     )
 
 
@@ -123,6 +198,16 @@ def write_plot(result: BenchResult, path: Path) -> Path:
         computed_axes.plot(
             rounds, [row[f"computed_tokens_{run}"] for row in rows], marker="o", color=color, label=label
         )
+    bound_points = [(row["round"], row["bound_ms"]) for row in rows if row["bound_ms"] is not None]
+    if bound_points:
+        ttft_axes.plot(
+            [p[0] for p in bound_points],
+            [p[1] for p in bound_points],
+            linestyle="--",
+            marker="_",
+            color="tab:gray",
+            label=f"bound: hit KV at {result.copy_kind} rate + 1 decode step",
+        )
     for row in rows[1:]:
         if row["speedup"] is not None:
             ttft_axes.annotate(
@@ -136,7 +221,9 @@ def write_plot(result: BenchResult, path: Path) -> Path:
             )
     workload = result.workload
     ttft_axes.set_title(
-        f"TTFT per round: {workload.num_users} users, {workload.context_len}-token contexts", fontsize=10
+        f"TTFT per round: {workload.num_users} users, {workload.context_len}-token contexts\n"
+        f"{_model_short(result)}, {result.dtype} on {result.device_name or result.device}",
+        fontsize=9,
     )
     ttft_axes.set_ylabel("time to first token (ms)")
     ttft_axes.legend(fontsize=8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +28,9 @@ class RequestMetrics:
     num_local_cached_tokens: int = 0
     #: prompt tokens loaded from the offload tiers (after any load failure)
     num_external_cached_tokens: int = 0
+    #: those tokens per tier they were read from ("cpu", "disk", "redis", "grpc"), set when
+    #: the first output token is sampled; empty without offload or without a load
+    tier_to_loaded_tokens: dict[str, int] = field(default_factory=dict)
     #: seconds from `add_request` to the first output token (None before it)
     ttft_s: float | None = None
 
@@ -121,5 +124,5 @@ class Request:
             text=self.text,
             finished=self.is_finished,
             finish_reason=self.finish_reason,
-            metrics=RequestMetrics(**vars(self.metrics)),
+            metrics=replace(self.metrics, tier_to_loaded_tokens=dict(self.metrics.tier_to_loaded_tokens)),
         )

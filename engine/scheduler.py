@@ -226,6 +226,8 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 self.block_manager.cache_computed_blocks(request)
                 continue  # a non-final prompt chunk: its logits are dropped
+            if self.connector is not None and not request.output_token_ids:
+                self._record_loaded_tiers(request)
             reason = None
             for token_id in (*accepted_draft_ids, request_id_to_token[request.request_id]):
                 request.append_output_token(token_id)
@@ -239,6 +241,14 @@ class Scheduler:
                 self.finish_request(request, reason)
         self.free_sent(finished_sending_ids)
         return updated
+
+    def _record_loaded_tiers(self, request: Request) -> None:
+        """At the first output token every load of the request's prompt has finished
+        (loads end within their step): copy where its loaded tokens came from into its
+        metrics. Called once per request by `update_from_output`."""
+        transfer = self.connector.request_stats(request.request_id)
+        if transfer is not None:
+            request.metrics.tier_to_loaded_tokens = dict(transfer.tier_to_loaded_tokens)
 
     def free_sent(self, finished_sending_ids: Iterable[str]) -> None:
         """Free the blocks of finished requests whose connector saves are done."""

@@ -73,6 +73,8 @@ def test_bench_on_cuda_float32_outputs_identical_and_less_computed(tmp_path, mon
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "out"
     flags = [
+        "--model-size",
+        "bench",
         "--device",
         "cuda",
         "--dtype",

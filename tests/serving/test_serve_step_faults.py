@@ -5,9 +5,9 @@ runner raises for a marked prompt (`python -m tests.serving.step_faults serve ..
 The marked request gets an OpenAI-shaped 500 (streaming: an error event, then
 `data: [DONE]`) that names no internals; the requests in flight beside it and those after
 it get `engine.LLM`'s text; `/metrics` counts each failing step, KV block usage returns
-to its baseline, the server log holds one traceback per failing step. A server whose every
-step fails stops its engine after three in a row and then answers 503 at once, `/health`
-included.
+to its baseline, the server log holds one traceback per failed request. A server whose every
+step fails (the probe step after each failed request too) stops its engine after three in a
+row and then answers 503 at once, `/health` included.
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def test_serve_whose_every_step_fails_stops_and_answers_503(serving_model_dir) -
         assert metric_value(serve.metrics_text(), "kvstash_engine_step_errors_total") == 3
         log = serve.log()
         assert log.count("Traceback (most recent call last)") == 3, log[-4000:]
-        assert "engine stopped: 3 engine steps in a row failed" in log
+        assert "engine stopped: 3 requests in a row failed a step alone" in log
+        assert log.count("the engine's probe step failed too") == 3
         assert serve.process.poll() is None  # the HTTP server itself stays up, answering 503
     finally:
         serve.close()

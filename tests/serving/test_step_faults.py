@@ -317,3 +317,23 @@ def test_a_step_failing_while_scheduling_ends_the_request_and_drops_its_load(
         hits_before
     )
     assert engine_core.stats.num_step_errors == 1
+
+
+def test_llm_generate_ends_only_the_failing_request(serving_model_dir, reference_llm, monkeypatch) -> None:
+    from engine import LLM
+
+    llm = LLM(str(serving_model_dir), num_gpu_blocks=NUM_GPU_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
+    StepFault(after_tokens=1).install(llm.engine, monkeypatch)
+    prompts = [UNRELATED[0], POISONED, UNRELATED[1]]
+    outputs = llm.generate(prompts, greedy(5))
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+    for prompt, output in zip(prompts[::2], outputs[::2], strict=True):
+        assert output.token_ids == reference_tokens(reference_llm, prompt, greedy(5))
+    assert not llm.engine.has_unfinished_requests()
+    # sampling values the sampler cannot use are refused before anything is queued,
+    # also when set after construction
+    params = greedy(5)
+    params.top_p = 1e-300
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate([UNRELATED[0]], params)
+    assert not llm.engine.has_unfinished_requests()

@@ -152,3 +152,44 @@ def test_serve_whose_every_step_fails_stops_and_answers_503(serving_model_dir) -
         assert serve.process.poll() is None  # the HTTP server itself stays up, answering 503
     finally:
         serve.close()
+
+
+def test_serve_fails_only_the_marked_request_of_a_shared_step(serving_model_dir, reference_llm) -> None:
+    # Many seats: the marked request shares its failing step with the others; the engine
+    # retries them in smaller groups and only the marked one fails.
+    serve = ServeProcess(
+        serving_model_dir,
+        *("--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--max-num-seqs", "16"),
+        cli_module="tests.serving.step_faults",
+        extra_env={"KVSTASH_TEST_FAULT_AFTER_TOKENS": "2"},
+    ).start()
+    try:
+
+        async def all_at_once():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(
+                    stream(client, serve.url, UNRELATED[0]),
+                    complete(client, serve.url, UNRELATED[1]),
+                    complete(client, serve.url, POISONED),
+                    complete(client, serve.url, UNRELATED[2]),
+                )
+
+        (stream_status, payloads), first, failed, last = asyncio.run(all_at_once())
+        assert failed.status_code == 500
+        assert_server_error(failed.json()["error"])
+        assert stream_status == 200 and payloads[-1] == "[DONE]"
+        assert streamed_text(payloads) == expected_text(reference_llm, UNRELATED[0])
+        for response, prompt in ((first, UNRELATED[1]), (last, UNRELATED[2])):
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["text"] == expected_text(reference_llm, prompt)
+        metrics = serve.metrics_text()
+        assert metric_value(metrics, "kvstash_requests_total", finish_reason="error") == 1
+        assert metric_value(metrics, "kvstash_requests_total", finish_reason="length") == 3
+        log = serve.log()
+        assert log.count("Traceback (most recent call last)") == 1, log[-4000:]
+        num_retries = log.count("retrying them in smaller groups")
+        assert num_retries >= 1  # the marked request did share its failing step
+        assert metric_value(metrics, "kvstash_engine_step_errors_total") == num_retries + 1
+        assert httpx.get(f"{serve.url}/health", timeout=30).status_code == 200
+    finally:
+        serve.close()

@@ -145,6 +145,7 @@ def test_serve_whose_every_step_fails_stops_and_answers_503(serving_model_dir) -
         health = httpx.get(f"{serve.url}/health", timeout=30)
         assert health.status_code == 503
         assert metric_value(serve.metrics_text(), "kvstash_engine_step_errors_total") == 3
+        assert metric_value(serve.metrics_text(), "kvstash_engine_probe_failures_total") == 3
         log = serve.log()
         assert log.count("Traceback (most recent call last)") == 3, log[-4000:]
         assert "engine stopped: 3 requests in a row failed a step alone" in log
@@ -190,6 +191,8 @@ def test_serve_fails_only_the_marked_request_of_a_shared_step(serving_model_dir,
         num_retries = log.count("retrying them in smaller groups")
         assert num_retries >= 1  # the marked request did share its failing step
         assert metric_value(metrics, "kvstash_engine_step_errors_total") == num_retries + 1
+        assert metric_value(metrics, "kvstash_engine_retried_requests_total") >= 2
+        assert metric_value(metrics, "kvstash_engine_probe_failures_total") == 0
         assert httpx.get(f"{serve.url}/health", timeout=30).status_code == 200
     finally:
         serve.close()

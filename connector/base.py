@@ -122,6 +122,13 @@ class KVConnectorScheduler(abc.ABC):
         asynchronous save still reads the request's blocks: the engine must keep
         them until ``get_finished`` reports the request id as done sending."""
 
+    def request_rolled_back(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
+        """Called when a step that raised sends the request back to waiting instead of
+        ending it (the engine retries the step's requests in smaller groups to find the
+        one that fails it). Forget its load not yet handed to the worker: its blocks are
+        freed, and it is looked up and admitted again later. Saves need nothing: the next
+        ``build_connector_meta`` sees its ``num_computed_tokens`` went back."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every store queued for lower tiers was attempted (tests,
         benchmarks, shutdown); the step loop never calls it."""

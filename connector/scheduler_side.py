@@ -144,6 +144,10 @@ class OffloadScheduler(KVConnectorScheduler):
         _, sending = self.tracker.finish(request.request_id)
         return sending
 
+    def request_rolled_back(self, request: ConnectorRequest) -> None:
+        self._request_id_to_match.pop(request.request_id, None)
+        self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request.request_id]
+
     def flush(self) -> None:
         self.cache_engine.publish_finished_stores(wait=True)
         self.cache_engine.tiers.flush()

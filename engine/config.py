@@ -8,10 +8,12 @@ the engine needs to know about a checkpoint, read once at start-up from
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -127,16 +129,53 @@ class EngineArgs:
 #: temperatures below this sample greedily: dividing logits by a tinier one overflows
 #: float32 to inf, and the NaN probabilities that follow would fail the whole step
 GREEDY_TEMPERATURE = 1e-5
+#: bounds of the integer sampling fields: the sampler holds top_k in an int64 tensor and
+#: torch.Generator.manual_seed takes a seed in [-2**63, 2**64); max_tokens is bounded
+#: further by the model's context when the engine admits the request
+MAX_INT32 = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+#: stop strings are searched in the output text at every step: their number and length are bounded
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+
+
+class SamplingParamsError(ValueError):
+    """A sampling field is invalid; `field` names it (the server's 400 answer names it too)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _as_float32(value: float) -> float:
+    """`value` as the sampler's float32 tensors hold it (overflow gives inf, underflow 0)."""
+    if not math.isfinite(value):
+        return value
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k 0 and top_p 1.0 disable those filters.
-    `seed` gives the request its own torch.Generator: the same seed, prompt and
-    params give the same tokens. `stop` strings end generation; the returned text
-    stops before the stop string. `ignore_eos` keeps generating past EOS."""
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. top_k 0 or -1 and top_p 1.0
+    disable those filters (a top_k above the vocabulary keeps every token). `seed` gives
+    the request its own torch.Generator: the same seed, prompt and params give the same
+    tokens. `stop` strings end generation; the returned text stops before the stop
+    string. `ignore_eos` keeps generating past EOS.
+
+    Every field is checked in the dtype the sampler uses (`validate`), so a value that
+    passes can never fail an engine step: top_p must stay above 0 in float32 (1e-300 does
+    not), temperature finite in float32, top_k and max_tokens within int32."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -152,28 +191,60 @@ class SamplingParams:
             self.stop_strings = (self.stop,)
         elif self.stop is None:
             self.stop_strings = ()
-        else:
+        elif isinstance(self.stop, list | tuple):
             self.stop_strings = tuple(self.stop)
+        else:
+            raise SamplingParamsError(
+                "stop", f"stop must be a string or a list of strings, got {self.stop!r}"
+            )
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature < float("inf"):  # also rejects NaN
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        """Raise SamplingParamsError (a ValueError) naming the first bad field. Called at
+        construction and again by the engine when it admits a request."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}"
+            )
+        if not _is_real(self.temperature) or not 0.0 <= _as_float32(self.temperature) < math.inf:
+            raise SamplingParamsError(
+                "temperature",
+                f"temperature must be a number >= 0 that is finite in float32, got {self.temperature!r}",
+            )
+        if not _is_real(self.top_p) or not 0.0 < _as_float32(self.top_p) <= 1.0:
+            raise SamplingParamsError(
+                "top_p", f"top_p must be in (0, 1] and above 0 in float32, got {self.top_p!r}"
+            )
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT32:
+            raise SamplingParamsError(
+                "top_k",
+                f"top_k must be an integer in [-1, {MAX_INT32}] (0 or -1 disables it), got {self.top_k!r}",
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise SamplingParamsError(
+                "seed", f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}"
+            )
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings)}"
+            )
+        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            raise SamplingParamsError(
+                "stop",
+                f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                f"got {_shorten(self.stop)}",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _shorten(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,37 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """`EngineCore.step` raised. The requests of that step were ended (finish_reason
-    "error") through the abort path, their blocks and connector state released; every
-    other request is untouched and later steps may run. `outputs` holds the ended
-    requests' final outputs; the step's own exception is `__cause__`."""
+    """`EngineCore.step` raised; the step's own exception is `__cause__`. Later steps may
+    run: every request is either ended or back in the queue, blocks and connector state
+    consistent.
 
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        ids = ", ".join(output.request_id for output in outputs) or "none"
-        super().__init__(f"an engine step failed; its requests were ended: {ids}")
+    - `num_retried` > 0: the step held several requests; they were sent back (their
+      output so far kept) to be retried in smaller groups, nothing was ended.
+    - else the step held one request (or its groups narrowed down to one): that request
+      is ended (finish_reason "error") through the abort path and is in `outputs`, with
+      any request the step had finished before raising. `engine_ok` then tells whether a
+      probe step of an internal one-token request ran right after: True means the engine
+      works without the ended request (the failure was that request's own), False that it
+      fails without it too, None that no probe could run.
+    """
+
+    def __init__(
+        self, outputs: list[RequestOutput], *, num_retried: int = 0, engine_ok: bool | None = None
+    ) -> None:
+        if num_retried:
+            message = f"an engine step failed; its {num_retried} requests are retried in smaller groups"
+        else:
+            ids = ", ".join(output.request_id for output in outputs) or "none"
+            message = f"an engine step failed; its requests were ended: {ids}"
+        super().__init__(message)
         self.outputs = outputs
+        self.num_retried = num_retried
+        self.engine_ok = engine_ok
+
+
+#: request ids of the engine's probe requests (never a client's: clients' ids are
+#: checked against this prefix)
+PROBE_REQUEST_ID_PREFIX = "kvstash-probe-"
 
 
 @dataclass
@@ -49,8 +71,13 @@ class EngineStats:
     num_computed_tokens_total: int = 0
     num_generated_tokens_total: int = 0
     num_requests_finished: int = 0
-    #: steps that raised (their requests were ended, see `EngineStepError`)
+    #: steps that raised (their requests were ended or retried, see `EngineStepError`)
     num_step_errors: int = 0
+    #: requests a failed step sent back to be retried in smaller groups
+    num_requests_retried: int = 0
+    #: probe steps run after a request failed alone, and those of them that failed too
+    num_probe_steps: int = 0
+    num_probe_failures: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +170,10 @@ class EngineCore:
             )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        #: groups of requests a failed step sent back; while any is left each step runs
+        #: only (part of) the first group, until the one request that fails is found
+        self._retry_groups: list[list[Request]] = []
+        self._num_probes = 0
         logger.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             config.family,
@@ -206,6 +237,8 @@ class EngineCore:
         bad ``cache_salt`` (a request shares cached KV only with requests of its salt)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id.startswith(PROBE_REQUEST_ID_PREFIX):
+            raise ValueError(f"request ids starting with {PROBE_REQUEST_ID_PREFIX!r} are the engine's own")
         try:
             check_cache_salt(cache_salt)
         except ValueError as error:
@@ -293,31 +326,124 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and update once. Returns the outputs of the requests that got
         a token this step (cumulative state; finished ones are then forgotten).
-        Raises `EngineStepError` when any part of the step raised: the step's requests
-        are then ended and the engine is consistent again (an exception while cleaning
-        up propagates as itself: the engine must not step again)."""
+
+        Raises `EngineStepError` when any part of the step raised; the engine is then
+        consistent again and may step on (an exception while cleaning up propagates as
+        itself: the engine must not step again). A failed step of several requests ends
+        none of them: they go back to the queue and the next steps run them in halves,
+        then quarters..., so only the request that fails a step alone is ended and the
+        others complete with the tokens they would have had (their output tokens and
+        seeded generators are restored to the state before the failed step)."""
+        group = self._retry_group()
+        snapshot = _StepSnapshot()
         try:
-            return self._step()
+            outputs = self._step(only=group, snapshot=snapshot)
         except Exception as error:
             self.stats.num_step_errors += 1
-            raise EngineStepError(self._end_failed_step()) from error
+            raise self._recover_from_failed_step(group, snapshot) from error
+        if group is not None:
+            if not snapshot.request_ids:
+                logger.warning(
+                    "the requests retried after a failed step cannot be scheduled now; they run as usual"
+                )
+                self._retry_groups.clear()
+            else:
+                # a step that ran them passed: they are cleared
+                self._retry_groups[0][:] = [
+                    r for r in self._retry_groups[0] if r.request_id not in snapshot.request_ids
+                ]
+        return outputs
 
-    def _end_failed_step(self) -> list[RequestOutput]:
-        """End the requests of the step that raised through the abort path (also those it
-        had finished: their clients never saw the end). The worker connector first drops
-        the step's unqueued saves (KV of a failed forward must never be stored) and ends
-        its loads, so no save is left pending and no block is held for one."""
+    def _retry_group(self) -> set[Request] | None:
+        """The requests the next step may run while failed steps are being narrowed down,
+        or None (a normal step). A group whose requests cannot be scheduled (no blocks
+        while others hold them) is given up: its requests then run in normal steps."""
+        while self._retry_groups:
+            group = self._retry_groups[0]
+            group[:] = [r for r in group if not r.is_finished]
+            if group:
+                return set(group)
+            self._retry_groups.pop(0)
+        return None
+
+    def _recover_from_failed_step(
+        self, group: set[Request] | None, snapshot: _StepSnapshot
+    ) -> EngineStepError:
+        """Make the engine consistent after a step raised; returns the error to raise."""
         if self.runner.connector is not None:
             self.runner.connector.abort_step()
-        outputs = []
-        for request in self.scheduler.step_requests:
-            # gone already when the step finished it before raising: not reported either
-            self.requests.pop(request.request_id, None)
-            self.scheduler.finish_request(request, "error")
-            request.finish_reason = "error"
-            outputs.append(request.to_output())
+        step_requests = list(self.scheduler.step_requests)
         self.scheduler.step_requests = []
-        return outputs
+        # A request the step finished before raising cannot be rolled back (the connector
+        # and the block pool took it over already): it is reported ended, as an error.
+        finished = [r for r in step_requests if r.is_finished]
+        unfinished = [r for r in step_requests if not r.is_finished]
+        outputs = [self._end_with_error(r) for r in finished]
+        if group is not None:
+            self._retry_groups[0][:] = [r for r in self._retry_groups[0] if r not in unfinished]
+        if len(unfinished) > 1:
+            self._roll_back(unfinished, snapshot)
+            half = len(unfinished) // 2
+            self._retry_groups[:0] = [unfinished[:half], unfinished[half:]]
+            self.stats.num_requests_retried += len(unfinished)
+            return EngineStepError(outputs, num_retried=len(unfinished))
+        outputs += [self._end_with_error(r) for r in unfinished]
+        return EngineStepError(outputs, engine_ok=self._probe() if unfinished else None)
+
+    def _roll_back(self, requests: list[Request], snapshot: _StepSnapshot) -> None:
+        """Send the requests back to the waiting queue as they were before the step."""
+        if self.runner.connector is not None:
+            # saves the step queued may still read the blocks that are freed here
+            self.runner.connector.finish_saves()
+        for request in reversed(requests):  # each goes to the front: keep their order
+            snapshot.restore(request, self.block_size)
+            self.scheduler.roll_back(request)
+
+    def _end_with_error(self, request: Request) -> RequestOutput:
+        """End a request of a failed step through the abort path (also one the step had
+        finished: its client never saw the end)."""
+        # gone already when the step finished it before raising: not reported either
+        self.requests.pop(request.request_id, None)
+        self.scheduler.finish_request(request, "error")
+        request.finish_reason = "error"
+        return request.to_output()
+
+    def _probe(self) -> bool | None:
+        """After a request failed a step alone: run one step of an internal one-token
+        request alone. True when it completes (the engine works: the failure was the
+        request's own), False when it raises too, None when it could not be scheduled."""
+        self._num_probes += 1
+        probe = Request(
+            request_id=f"{PROBE_REQUEST_ID_PREFIX}{self._num_probes}",
+            prompt_token_ids=[0],
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            eos_token_ids=frozenset(),
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler.add_request(probe)
+        self.stats.num_probe_steps += 1
+        try:
+            plan = self.scheduler.schedule(only={probe})
+            if plan.requests != [probe]:
+                return None
+            result = self.runner.execute(plan)
+            self.scheduler.update_from_output(
+                plan,
+                result.request_id_to_token,
+                result.load_failures,
+                result.finished_sending_ids,
+                result.request_id_to_accepted_draft_ids,
+            )
+            return probe.is_finished and probe.finish_reason == "length"
+        except Exception as error:  # noqa: BLE001 - the answer is the point
+            logger.warning("the engine's probe step failed too: %s: %s", type(error).__name__, error)
+            self.stats.num_probe_failures += 1
+            if self.runner.connector is not None:
+                self.runner.connector.abort_step()
+            return False
+        finally:
+            self.scheduler.step_requests = []
+            self.scheduler.finish_request(probe, "abort")  # no-op once it finished
 
     def device_error(self) -> str | None:
         """Whether the device can still run steps; a server calls it after a failed step.
@@ -331,9 +457,10 @@ class EngineCore:
             return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return None
 
-    def _step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+    def _step(self, only: set[Request] | None, snapshot: _StepSnapshot) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(only)
         num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
+        snapshot.take(plan.requests)
         result = self.runner.execute(plan)
         updated = self.scheduler.update_from_output(
             plan,
@@ -410,3 +537,31 @@ class EngineCore:
             1000 * (m.ttft_s or 0.0),
             request.finish_reason,
         )
+
+
+class _StepSnapshot:
+    """What a step may change of its requests that a retry must undo: output tokens and
+    seeded generators (a retried request then samples exactly what it would have).
+    Taken after scheduling, for the scheduled requests only."""
+
+    def __init__(self) -> None:
+        self.request_ids: set[str] = set()
+        self._request_id_to_num_outputs: dict[str, int] = {}
+        self._request_id_to_generator_state: dict[str, torch.Tensor] = {}
+
+    def take(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.request_ids.add(request.request_id)
+            self._request_id_to_num_outputs[request.request_id] = len(request.output_token_ids)
+            if request.generator is not None:
+                self._request_id_to_generator_state[request.request_id] = request.generator.get_state()
+
+    def restore(self, request: Request, block_size: int) -> None:
+        num_outputs = self._request_id_to_num_outputs.get(request.request_id)
+        if num_outputs is not None and len(request.output_token_ids) > num_outputs:
+            del request.output_token_ids[num_outputs:]
+            del request.all_token_ids[request.num_prompt_tokens + num_outputs :]
+            del request.block_hashes[request.num_tokens // block_size :]
+        state = self._request_id_to_generator_state.get(request.request_id)
+        if state is not None:
+            request.generator.set_state(state)

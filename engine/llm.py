@@ -9,7 +9,7 @@ from typing import Any
 
 from connector.token_db import check_cache_salt
 from engine.config import EngineArgs, SamplingParams
-from engine.engine_core import EngineCore, EngineStats
+from engine.engine_core import EngineCore, EngineStats, EngineStepError
 from engine.request import RequestOutput
 
 #: keys a dict prompt may hold (vLLM's TextPrompt / TokensPrompt)
@@ -85,7 +85,9 @@ class LLM:
         string, a list of token ids, or a dict ``{"prompt": str}`` /
         ``{"prompt_token_ids": [...]}`` with an optional ``"cache_salt"`` (requests
         share cached KV only with requests of the same salt). Raises ValueError before
-        queuing anything when a prompt or its params are invalid."""
+        queuing anything when a prompt or its params are invalid. A request that makes an
+        engine step raise (alone: the engine retries the others) ends with finish_reason
+        "error"; the other requests complete as usual."""
         if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -109,7 +111,11 @@ class LLM:
             self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(request_ids):
-            for output in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except EngineStepError as error:
+                outputs = error.outputs  # the requests it ended (none while it retries)
+            for output in outputs:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in request_ids]

@@ -175,8 +175,19 @@ class _EngineStateCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvstash_engine_step_errors",
-            "Engine steps that raised (their requests were ended with an error; serving went on).",
+            "Engine steps that raised (their requests were retried in smaller groups, or the one "
+            "request that failed alone was ended with an error; serving went on).",
             engine.stats.num_step_errors,
+        )
+        yield CounterMetricFamily(
+            "kvstash_engine_retried_requests",
+            "Requests a failed engine step sent back to be retried in smaller groups.",
+            engine.stats.num_requests_retried,
+        )
+        yield CounterMetricFamily(
+            "kvstash_engine_probe_failures",
+            "Probe steps (run after a request failed a step alone) that failed too: failures of the engine.",
+            engine.stats.num_probe_failures,
         )
         tier_hits = CounterMetricFamily(
             "kvstash_tier_hit_chunks", "Chunks read from each offload tier.", labels=["tier"]

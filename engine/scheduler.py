@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
@@ -77,7 +77,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.request_id_to_sending)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Collection[Request] | None = None) -> SchedulerOutput:
+        """Plan one step. With `only`, the step holds none but those requests (the engine
+        core retrying the requests of a failed step in smaller groups); the others wait,
+        and running ones may still be preempted to make room."""
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: list[int] = []
@@ -89,6 +92,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if only is not None and request not in only:
+                index += 1
+                continue
             self.step_requests.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
@@ -118,8 +124,9 @@ class Scheduler:
             break  # the request preempted itself: nothing behind it is left
 
         # 2. Admit waiting requests while budget, seats and blocks last (not after a preemption).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        candidates = self.waiting if only is None else deque(r for r in self.waiting if r in only)
+        while not preempted and candidates and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = candidates[0]
             self.step_requests.append(request)
             cached_block_ids = self.block_manager.find_cached_prefix(request)
             # A prompt whose every block is cached still computes its last token.
@@ -135,7 +142,9 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
                 break
-            self.waiting.popleft()
+            candidates.popleft()
+            if only is not None:
+                self.waiting.remove(request)
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
             request.num_computed_tokens = num_computed
@@ -176,6 +185,18 @@ class Scheduler:
                 ]
             )
         return output
+
+    def roll_back(self, request: Request) -> None:
+        """Send a request of a step that raised back to the front of the waiting queue, as
+        a preemption does: its blocks are freed (the failed step's KV is never reused) and
+        it is recomputed, its output tokens kept. The caller restores its other state."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.request_rolled_back(request)
+        self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it back at the front of the waiting

@@ -3,34 +3,48 @@ completions (streaming with server-sent events), `/v1/models`, `/health` and
 `/metrics`.
 
 `create_app(async_engine, served_model_name)` builds one app per engine; the app's
-lifespan starts and stops the engine thread. Every error answers with the OpenAI
-error shape: 400 for bad input (including what the engine rejects), 404 for an
-unknown model or route, 500 for a request whose engine step failed (the server goes
-on), 503 when the engine thread has stopped.
+lifespan starts and stops the engine thread and the tokenizer threads. Every error
+answers with the OpenAI error shape: 400 for bad input (including what the engine
+rejects), 401 without the API key (when one is set), 404 for an unknown model or
+route, 413 for a body over the size limit, 500 for a request whose engine step failed
+(the server goes on), 503 when the engine thread has stopped.
+
+Tokenizing, applying the chat template and detokenizing streamed text run on a small
+thread pool, never on the event loop: a long prompt must not hold up `/health` or the
+other clients' streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, SamplingParamsError
 from engine.metrics import CONTENT_TYPE
 from engine.request import RequestOutput
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.server.responses import IncrementalText, ResponseBuilder, error_body, sse
 
 #: how often a non-streaming request checks whether its client went away
 DISCONNECT_POLL_S = 0.5
+#: threads that tokenize, apply chat templates and detokenize (Hugging Face fast
+#: tokenizers release the GIL while they work, so these run beside the event loop)
+DEFAULT_NUM_TOKENIZER_THREADS = 4
+
+_T = TypeVar("_T")
 
 
 class OpenAIError(Exception):
@@ -48,8 +62,19 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param)
 
 
-def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
-    """One app serving `async_engine` under the model name `served_model_name`."""
+def create_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    num_tokenizer_threads: int = DEFAULT_NUM_TOKENIZER_THREADS,
+) -> FastAPI:
+    """One app serving `async_engine` under the model name `served_model_name`. With
+    `api_key`, every `/v1` route and `/metrics` need `Authorization: Bearer <api_key>`;
+    bodies over `max_request_bytes` get 413."""
+    if num_tokenizer_threads < 1:
+        raise ValueError(f"num_tokenizer_threads must be >= 1, got {num_tokenizer_threads}")
     tokenizer = async_engine.tokenizer
     if tokenizer is None:
         raise ValueError("serving needs a model folder with a tokenizer")
@@ -58,6 +83,14 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     # a chat without max_tokens may run to the end of the context or of the KV pool
     context_limit = min(max_model_len, engine.block_manager.num_blocks * engine.block_size)
 
+    tokenizer_pool = ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="kvstash-tokenizer")
+
+    async def off_loop(function: Callable[..., _T], *args: Any) -> _T:
+        """`function(*args)` on the tokenizer threads (CPU-heavy work off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            tokenizer_pool, functools.partial(function, *args)
+        )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
@@ -65,8 +98,13 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(async_engine.shutdown)
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvstash", lifespan=lifespan)
+    # Starlette runs the middleware added last first: the key check comes before the size check.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -88,7 +126,10 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), error_type), status_code=error.status_code)
+        code = "request_too_large" if error.status_code == 413 else None
+        return JSONResponse(
+            error_body(str(error.detail), error_type, code=code), status_code=error.status_code
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -127,6 +168,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
     def sampling_params(body: SamplingFields, default_max_tokens: int) -> SamplingParams:
         try:
             return body.sampling_params(default_max_tokens)
+        except SamplingParamsError as error:
+            raise bad_request(str(error), body.field_param(error.field)) from error
         except ValueError as error:
             raise bad_request(str(error)) from error
 
@@ -137,15 +180,17 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
             prompt = body.single_prompt()
         except ValueError as error:
             raise bad_request(str(error), "prompt") from error
-        prompt_token_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         params = sampling_params(body, default_max_tokens=16)
+        prompt_token_ids = (
+            await off_loop(encode, tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        )
         builder = ResponseBuilder(f"cmpl-{uuid.uuid4().hex}", served_model_name, chat=False)
         return await respond(body, http_request, builder, prompt_token_ids, params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         check_request(body)
-        prompt_token_ids = chat_prompt_token_ids(tokenizer, body)
+        prompt_token_ids = await off_loop(chat_prompt_token_ids, tokenizer, body)
         params = sampling_params(body, default_max_tokens=max(1, context_limit - len(prompt_token_ids)))
         builder = ResponseBuilder(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, chat=True)
         return await respond(body, http_request, builder, prompt_token_ids, params)
@@ -169,12 +214,16 @@ def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                stream_events(stream, builder, text, include_usage), media_type="text/event-stream"
+                stream_events(stream, builder, text, include_usage, off_loop), media_type="text/event-stream"
             )
         final = await last_output(stream, http_request, async_engine, request_id)
         return JSONResponse(builder.full(final, final.text))
 
     return app
+
+
+def encode(tokenizer, prompt: str) -> list[int]:
+    return list(tokenizer.encode(prompt))
 
 
 def chat_prompt_token_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -224,17 +273,22 @@ async def last_output(
 
 
 async def stream_events(
-    stream: AsyncIterator[RequestOutput], builder: ResponseBuilder, text: IncrementalText, include_usage: bool
+    stream: AsyncIterator[RequestOutput],
+    builder: ResponseBuilder,
+    text: IncrementalText,
+    include_usage: bool,
+    off_loop: Callable,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A client
-    disconnect cancels this generator, which closes `stream` and so aborts the request."""
+    disconnect cancels this generator, which closes `stream` and so aborts the request.
+    Text deltas are decoded through `off_loop` (the tokenizer threads)."""
     if builder.chat:
         yield sse(builder.chunk("", None, first=True))
     last = None
     try:
         async for output in stream:
             last = output
-            delta = text.delta(output)
+            delta = await off_loop(text.delta, output)
             if output.finished:
                 yield sse(builder.chunk(delta, output.finish_reason))
             elif delta:

@@ -7,13 +7,16 @@ output back to the submitting coroutine's own `asyncio.Queue` with
 `loop.call_soon_threadsafe`. Requests from different clients therefore share
 engine steps (continuous batching), unlike a lock around `LLM.generate`.
 
-A step that raises ends only its own requests (`EngineCore.step` raises
-`EngineStepError` after aborting them): their clients get `RequestFailedError`, the
-cause is logged once with its traceback, `kvstash_engine_step_errors_total` counts it,
-and the loop goes on. The engine is taken for broken, and the thread stops (every
-later request gets `EngineDeadError`), when cleaning up after a step raises, when the
-device reports an error after the step (a sticky CUDA error), or when
-`max_consecutive_step_errors` steps in a row fail.
+A step that raises fails only the request that causes it: `EngineCore.step` retries
+the requests of a failed step in smaller groups (a warning line each time) until one
+fails a step alone, then ends it and runs a probe step without it. That request's
+client gets `RequestFailedError`, the cause is logged once with its traceback,
+`kvstash_engine_step_errors_total` counts every failed step, and the loop goes on.
+The engine is taken for broken, and the thread stops (every later request gets
+`EngineDeadError`), when cleaning up after a step raises, when the device reports an
+error after the step (a sticky CUDA error), or when `max_consecutive_step_errors`
+requests in a row failed alone and the probe step failed after each of them (failures
+no request explains). A request that fails the engine on its own never stops it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from engine.request import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-#: failing steps in a row after which the engine is taken for broken (a step ends its
-#: requests, so a fault tied to one request input does not repeat for the next step)
+#: failures in a row that no single request explains (the probe step after them failed
+#: too) after which the engine is taken for broken
 MAX_CONSECUTIVE_STEP_ERRORS = 3
 
 
@@ -220,17 +223,33 @@ class AsyncEngine:
 
     def _end_failed_step(self, error: EngineStepError) -> bool:
         """Fail the requests the engine ended (it aborted them already), log the cause
-        once with its traceback, and decide whether the engine may step again."""
-        self._num_consecutive_step_errors += 1
+        once with its traceback (a warning line while the engine retries the step's
+        requests in smaller groups), and decide whether the engine may step again."""
         cause = error.__cause__ or error
         request_ids = [output.request_id for output in error.outputs]
-        logger.error(
-            "engine step failed (%d in a row); ended its %d request(s): %s",
-            self._num_consecutive_step_errors,
-            len(request_ids),
-            ", ".join(request_ids) or "-",
-            exc_info=cause,
-        )
+        if error.engine_ok is False:
+            self._num_consecutive_step_errors += 1
+        elif error.engine_ok:
+            self._num_consecutive_step_errors = 0
+        if error.num_retried:
+            logger.warning(
+                "engine step of %d requests failed (%s: %s); retrying them in smaller groups",
+                error.num_retried,
+                type(cause).__name__,
+                cause,
+            )
+        else:
+            explained = {
+                True: "the engine runs without it",
+                False: f"the engine fails without it too ({self._num_consecutive_step_errors} in a row)",
+                None: "the engine could not be probed",
+            }[error.engine_ok]
+            logger.error(
+                "engine step failed; ended its request(s) %s (%s)",
+                ", ".join(request_ids) or "-",
+                explained,
+                exc_info=cause,
+            )
         failed = RequestFailedError(
             "the engine step running this request failed; the request was ended (see the server log)"
         )
@@ -244,7 +263,10 @@ class AsyncEngine:
         if device_error is not None:
             reason = f"the device reports an error after the step: {device_error}"
         elif self._num_consecutive_step_errors >= self.max_consecutive_step_errors:
-            reason = f"{self._num_consecutive_step_errors} engine steps in a row failed"
+            reason = (
+                f"{self._num_consecutive_step_errors} requests in a row failed a step alone and the "
+                "engine's probe step failed after each"
+            )
         if reason is None:
             return True
         logger.error("engine stopped: %s; every request now gets 503", reason)

@@ -6,6 +6,7 @@ import click
 
 from engine.engine_flags import engine_args_from_options, engine_options
 from engine.offload_cli import offload_config_from_options, offload_options
+from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
 
 
 @click.command("serve")
@@ -20,9 +21,31 @@ from engine.offload_cli import offload_config_from_options, offload_options
 @click.option(
     "--served-model-name", default=None, help="Model name clients send in 'model' [default: MODEL as given]."
 )
+@click.option(
+    "--api-key",
+    envvar="KVSTASH_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1/* and /metrics (/health stays open) "
+    "[env: KVSTASH_API_KEY; default: no key].",
+)
+@click.option(
+    "--max-request-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_REQUEST_BYTES,
+    show_default=True,
+    help="Larger request bodies get 413 before they are read.",
+)
 @engine_options
 @offload_options
-def serve(model: str, host: str, port: int, served_model_name: str | None, **options) -> None:
+def serve(
+    model: str,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    api_key: str | None,
+    max_request_bytes: int,
+    **options,
+) -> None:
     """Serve the model in folder MODEL over an OpenAI-compatible HTTP API
     (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     import uvicorn
@@ -36,7 +59,14 @@ def serve(model: str, host: str, port: int, served_model_name: str | None, **opt
         kv_offload = offload_config_from_options(options)
         engine_args = EngineArgs(kv_offload=kv_offload, **engine_args_from_options(options))
         engine = EngineCore(model, engine_args)
-        app = create_app(AsyncEngine(engine), served_model_name or model)
+        if api_key is not None and not api_key.strip():
+            raise ValueError("--api-key (KVSTASH_API_KEY) is empty; leave it unset to serve without a key")
+        app = create_app(
+            AsyncEngine(engine),
+            served_model_name or model,
+            api_key=api_key,
+            max_request_bytes=max_request_bytes,
+        )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     # uvicorn logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).

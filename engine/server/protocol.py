@@ -58,8 +58,12 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def field_param(self, field_name: str) -> str:
+        """The request field that a `SamplingParams` field came from (an error's `param`)."""
+        return field_name
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Raises ValueError naming the bad field (SamplingParams validates)."""
+        """Raises SamplingParamsError naming the bad field (SamplingParams validates)."""
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:
             max_tokens = default_max_tokens
@@ -123,6 +127,11 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+    def field_param(self, field_name: str) -> str:
+        if field_name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field_name
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

@@ -1,12 +1,18 @@
 """docker-compose.yml: valid for ``docker-compose config`` when installed, and its services,
-commands and health checks are the ones the stack needs (checked on the parsed file)."""
+commands and health checks are the ones the stack needs (checked on the parsed file).
+Auth is on (the cache server's token and the engine's API key come from `.env`; compose
+refuses to start without them) and the cache server publishes no port on the host unless
+the opt-in override asks, and then on 127.0.0.1 only."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 
+import pytest
 import yaml
 
 from cache_server.cli import admin, cache_server
@@ -14,21 +20,56 @@ from engine.cli import main
 from tests.cache_server.server_process import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+CACHE_PORT_OVERRIDE = REPO_ROOT / "docker-compose.cache-port.yml"
+SECRETS = {"KVSTASH_AUTH_TOKEN": "cache-token-for-the-test", "KVSTASH_API_KEY": "api-key-for-the-test"}
+HAS_COMPOSE = shutil.which("docker-compose") is not None
 
 
-def load_compose() -> dict:
-    """The file as docker-compose resolves it when available (CI installs it), else as plain YAML."""
-    if shutil.which("docker-compose") is not None:
-        result = subprocess.run(
-            ["docker-compose", "-f", str(COMPOSE_FILE), "config"],
+def compose_config(env_text: str, *files) -> subprocess.CompletedProcess:
+    """`docker-compose config` over `files` with `env_text` as the env file (a developer's
+    own .env never leaks in) and no KVSTASH_* variables from this process."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVSTASH_")}
+    with tempfile.NamedTemporaryFile("w", suffix=".env") as env_file:
+        env_file.write(env_text)
+        env_file.flush()
+        command = ["docker-compose", *(arg for f in files for arg in ("-f", str(f)))]
+        return subprocess.run(
+            [*command, "--env-file", env_file.name, "config"],
             cwd=REPO_ROOT,
+            env=env,
             capture_output=True,
             text=True,
             timeout=60,
         )
+
+
+def load_compose(*overrides) -> dict:
+    """The file (and `overrides`) as docker-compose resolves them with the secrets of
+    `.env.example` filled in, when docker-compose is installed (CI installs it); else the
+    plain YAML, merged by hand (only what these tests read)."""
+    files = [COMPOSE_FILE, *overrides]
+    if HAS_COMPOSE:
+        result = compose_config("".join(f"{k}={v}\n" for k, v in SECRETS.items()), *files)
         assert result.returncode == 0, f"docker-compose config rejected the file:\n{result.stderr}"
         return yaml.safe_load(result.stdout)
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    for override in overrides:
+        for name, service in yaml.safe_load(override.read_text())["services"].items():
+            compose["services"][name].update(service)
+    return compose
+
+
+def published_ports(service: dict) -> list[tuple[str, int]]:
+    """(host address, container port) of each published port, in either of compose's forms."""
+    ports = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            ports.append((port.get("host_ip", "0.0.0.0"), int(port["target"])))
+            continue
+        parts = str(port).split("/")[0].split(":")
+        host_ip = parts[0] if len(parts) == 3 else "0.0.0.0"
+        ports.append((host_ip, int(parts[-1])))
+    return ports
 
 
 def as_argv(command) -> list[str]:
@@ -78,3 +119,45 @@ def test_dockerfile_installs_the_package_on_a_cpu_torch() -> None:
     assert "download.pytorch.org/whl/cpu" in dockerfile and "pip install ." in dockerfile
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_compose_turns_auth_on_and_keeps_the_cache_server_inside() -> None:
+    compose = load_compose()
+    services = compose["services"]
+    cache_server_env = services["cache-server"]["environment"]
+    engine_env = services["engine"]["environment"]
+    if HAS_COMPOSE:  # resolved from the env file
+        assert cache_server_env["KVSTASH_AUTH_TOKEN"] == SECRETS["KVSTASH_AUTH_TOKEN"]
+        assert engine_env["KVSTASH_AUTH_TOKEN"] == SECRETS["KVSTASH_AUTH_TOKEN"]
+        assert engine_env["KVSTASH_API_KEY"] == SECRETS["KVSTASH_API_KEY"]
+    else:  # mandatory, never defaulted to empty
+        for value in (*cache_server_env.values(), *engine_env.values()):
+            assert value.startswith("${KVSTASH_") and ":?" in value
+    # the cache server reads its token from KVSTASH_AUTH_TOKEN: no flag may turn it off
+    server_argv = as_argv(services["cache-server"]["command"])
+    params = cache_server.make_context("cache-server", server_argv[2:]).params
+    assert not params.get("auth_token")  # from the environment, not baked into the command
+    # nothing of the cache server or Redis is published on the host; the engine is, with its key
+    assert published_ports(services["cache-server"]) == []
+    assert published_ports(services["redis"]) == []
+    assert [port for _, port in published_ports(services["engine"])] == [8000]
+
+    # The opt-in override publishes the cache server on the loopback address only.
+    exposed = load_compose(CACHE_PORT_OVERRIDE)["services"]["cache-server"]
+    assert published_ports(exposed) == [("127.0.0.1", 50051)]
+
+
+@pytest.mark.skipif(not HAS_COMPOSE, reason="needs docker-compose (CI installs it)")
+def test_compose_refuses_to_start_without_the_secrets() -> None:
+    example = (REPO_ROOT / ".env.example").read_text()
+    assert "KVSTASH_AUTH_TOKEN=" in example and "KVSTASH_API_KEY=" in example
+    # .env.example as it ships (empty values), and nothing at all
+    for env_text in (example, ""):
+        result = compose_config(env_text, COMPOSE_FILE)
+        assert result.returncode != 0
+        assert "KVSTASH_AUTH_TOKEN in .env" in result.stderr or "KVSTASH_API_KEY in .env" in result.stderr
+    result = compose_config(f"KVSTASH_AUTH_TOKEN={SECRETS['KVSTASH_AUTH_TOKEN']}\n", COMPOSE_FILE)
+    assert result.returncode != 0 and "KVSTASH_API_KEY in .env" in result.stderr
+    # the secrets stay out of the image and the repository
+    assert ".env" in (REPO_ROOT / ".dockerignore").read_text().split()
+    assert ".env" in (REPO_ROOT / ".gitignore").read_text().split()

@@ -104,7 +104,10 @@ def _run(engine: EngineCore) -> dict:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 1e-300}, "top_p"),
+        ({"top_k": 10**23}, "top_k"),
+        ({"seed": 2**64}, "seed"),
         ({"stop": [""]}, "stop"),
     ],
 )

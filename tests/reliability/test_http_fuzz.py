@@ -55,8 +55,9 @@ max_tokens = st.one_of(
 sampling = {
     "temperature": st.one_of(st.floats(-2, 5, allow_nan=False), any_scalar),
     "top_p": st.one_of(st.floats(-1, 2, allow_nan=False), any_scalar),
-    "top_k": st.one_of(st.integers(-5, 600), any_scalar),
-    "seed": any_scalar,
+    # unbounded integers too: values past int32/int64 once failed the engine step (issue #17)
+    "top_k": st.one_of(st.integers(-5, 600), st.integers(), any_scalar),
+    "seed": st.one_of(st.integers(), any_scalar),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=5), any_scalar),
     "stream": st.one_of(st.booleans(), any_scalar),
     "n": st.one_of(st.integers(-1, 3), any_scalar),

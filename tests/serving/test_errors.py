@@ -33,10 +33,10 @@ def assert_openai_error(response: httpx.Response, status: int, *words: str) -> d
 @pytest.mark.parametrize(
     ("body", "words", "param"),
     [
-        ({"prompt": "hi", "temperature": -1}, ["temperature"], None),
-        ({"prompt": "hi", "top_p": 0}, ["top_p"], None),
-        ({"prompt": "hi", "max_tokens": 0}, ["max_tokens"], None),
-        ({"prompt": "hi", "top_k": -3}, ["top_k"], None),
+        ({"prompt": "hi", "temperature": -1}, ["temperature"], "temperature"),
+        ({"prompt": "hi", "top_p": 0}, ["top_p"], "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, ["max_tokens"], "max_tokens"),
+        ({"prompt": "hi", "top_k": -3}, ["top_k"], "top_k"),
         ({"prompt": "hi", "n": 2}, ["n must be 1"], "n"),
         ({"prompt": "hi", "logprobs": 2}, ["logprobs"], "logprobs"),
         ({"prompt": ""}, ["empty"], "prompt"),

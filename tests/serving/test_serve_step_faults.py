@@ -5,9 +5,9 @@ runner raises for a marked prompt (`python -m tests.serving.step_faults serve ..
 The marked request gets an OpenAI-shaped 500 (streaming: an error event, then
 `data: [DONE]`) that names no internals; the requests in flight beside it and those after
 it get `engine.LLM`'s text; `/metrics` counts each failing step, KV block usage returns
-to its baseline, the server log holds one traceback per failing step. A server whose every
-step fails stops its engine after three in a row and then answers 503 at once, `/health`
-included.
+to its baseline, the server log holds one traceback per failed request. A server whose every
+step fails (the probe step after each failed request too) stops its engine after three in a
+row and then answers 503 at once, `/health` included.
 """
 
 from __future__ import annotations
@@ -145,9 +145,54 @@ def test_serve_whose_every_step_fails_stops_and_answers_503(serving_model_dir) -
         health = httpx.get(f"{serve.url}/health", timeout=30)
         assert health.status_code == 503
         assert metric_value(serve.metrics_text(), "kvstash_engine_step_errors_total") == 3
+        assert metric_value(serve.metrics_text(), "kvstash_engine_probe_failures_total") == 3
         log = serve.log()
         assert log.count("Traceback (most recent call last)") == 3, log[-4000:]
-        assert "engine stopped: 3 engine steps in a row failed" in log
+        assert "engine stopped: 3 requests in a row failed a step alone" in log
+        assert log.count("the engine's probe step failed too") == 3
         assert serve.process.poll() is None  # the HTTP server itself stays up, answering 503
+    finally:
+        serve.close()
+
+
+def test_serve_fails_only_the_marked_request_of_a_shared_step(serving_model_dir, reference_llm) -> None:
+    # Many seats: the marked request shares its failing step with the others; the engine
+    # retries them in smaller groups and only the marked one fails.
+    serve = ServeProcess(
+        serving_model_dir,
+        *("--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--max-num-seqs", "16"),
+        cli_module="tests.serving.step_faults",
+        extra_env={"KVSTASH_TEST_FAULT_AFTER_TOKENS": "2"},
+    ).start()
+    try:
+
+        async def all_at_once():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(
+                    stream(client, serve.url, UNRELATED[0]),
+                    complete(client, serve.url, UNRELATED[1]),
+                    complete(client, serve.url, POISONED),
+                    complete(client, serve.url, UNRELATED[2]),
+                )
+
+        (stream_status, payloads), first, failed, last = asyncio.run(all_at_once())
+        assert failed.status_code == 500
+        assert_server_error(failed.json()["error"])
+        assert stream_status == 200 and payloads[-1] == "[DONE]"
+        assert streamed_text(payloads) == expected_text(reference_llm, UNRELATED[0])
+        for response, prompt in ((first, UNRELATED[1]), (last, UNRELATED[2])):
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["text"] == expected_text(reference_llm, prompt)
+        metrics = serve.metrics_text()
+        assert metric_value(metrics, "kvstash_requests_total", finish_reason="error") == 1
+        assert metric_value(metrics, "kvstash_requests_total", finish_reason="length") == 3
+        log = serve.log()
+        assert log.count("Traceback (most recent call last)") == 1, log[-4000:]
+        num_retries = log.count("retrying them in smaller groups")
+        assert num_retries >= 1  # the marked request did share its failing step
+        assert metric_value(metrics, "kvstash_engine_step_errors_total") == num_retries + 1
+        assert metric_value(metrics, "kvstash_engine_retried_requests_total") >= 2
+        assert metric_value(metrics, "kvstash_engine_probe_failures_total") == 0
+        assert httpx.get(f"{serve.url}/health", timeout=30).status_code == 200
     finally:
         serve.close()

@@ -2,7 +2,9 @@
 forward pass raises for a marked request, see `step_faults.py`): exactly the requests of
 that step fail, every other and every later request completes with `engine.LLM`'s tokens,
 KV blocks and connector state return to their baseline, `/metrics` counts the step, the
-log holds one traceback; steps failing again and again stop the engine (fail fast)."""
+log holds one traceback. A step of several requests that fails is retried in smaller
+groups, so only the request that fails alone is ended; requests failing alone one after
+another never stop the engine, steps failing whatever they run do (fail fast)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from engine import EngineArgs, EngineCore, OffloadConfig, SamplingParams
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tests.serving.server_process import MAX_NUM_SEQS, NUM_GPU_BLOCKS, metric_value
-from tests.serving.step_faults import FAULT_MESSAGE, POISON_PREFIX, StepFault
+from tests.serving.step_faults import FAULT_MESSAGE, POISON_PREFIX, StepFault, is_poisoned
 
 POISONED = [*POISON_PREFIX, 20, 21, 22]
 UNRELATED = [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53, 54, 55, 56], [60, 61]]
@@ -128,31 +130,96 @@ def test_a_failing_step_fails_only_its_request_and_serving_goes_on(
     assert "poisoned" in records[0].getMessage()
 
 
-def test_every_request_of_the_failing_step_fails_and_no_other(
-    serving_model_dir, reference_llm, started, monkeypatch
+def test_a_failing_step_of_many_requests_fails_only_the_request_that_causes_it(
+    serving_model_dir, reference_llm, started, monkeypatch, caplog
 ) -> None:
-    # Many seats: requests share steps; those still running when the poisoned one
-    # reaches its third step fail with it, the others complete.
+    # Many seats: requests share steps. The step that fails holds the poisoned request and
+    # others; they are retried in halves until the poisoned one fails alone.
+    caplog.set_level(logging.INFO)
     engine = make_engine(serving_model_dir)
     fault = StepFault(after_tokens=2).install(engine.engine, monkeypatch)
     started(engine)
     requests = {"poisoned": (POISONED, greedy(8))}
-    requests |= {f"short-{i}": (prompt, greedy(1 + i)) for i, prompt in enumerate(UNRELATED)}
+    requests |= {f"short-{i}": (prompt, greedy(3 + i)) for i, prompt in enumerate(UNRELATED)}
     requests["long"] = (UNRELATED[0], greedy(12))
 
     results = run_all(engine, requests)
 
-    assert len(fault.failed_step_request_ids) == 1
+    first_failed_step = fault.failed_step_request_ids[0]
+    assert len(first_failed_step) > 2  # the poisoned request shared the step
+    assert fault.failed_step_request_ids[-1] == {"poisoned"}
     failed_ids = {rid for rid, (error, _) in results.items() if error is not None}
-    assert failed_ids == fault.failed_step_request_ids[0]
-    assert {"poisoned", "long"} <= failed_ids
-    assert len(failed_ids) < len(requests)  # the short ones finished first
+    assert failed_ids == {"poisoned"}
     for request_id in requests.keys() - failed_ids:
         prompt, params = requests[request_id]
         assert results[request_id][1][-1].token_ids == reference_tokens(reference_llm, prompt, params)
     wait_idle(engine.engine)
     assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
-    assert engine.engine.stats.num_step_errors == 1
+    assert engine.engine.stats.num_step_errors == len(fault.failed_step_request_ids)
+    assert engine.engine.stats.num_probe_failures == 0
+    assert engine.is_running
+    # one traceback, for the request that was ended; the retries are warning lines
+    records = step_error_records(caplog)
+    assert len(records) == 1 and "poisoned" in records[0].getMessage()
+    retries = [r for r in caplog.records if "retrying them in smaller groups" in r.getMessage()]
+    assert len(retries) == len(fault.failed_step_request_ids) - 1
+
+
+def test_requests_retried_after_a_step_failed_late_sample_what_they_would_have(
+    serving_model_dir, reference_llm, started, monkeypatch
+) -> None:
+    # The step fails after sampling (the seeded generators advanced) and before the
+    # tokens were appended: a retried request must restart from its state before that step.
+    engine = make_engine(serving_model_dir)
+    engine_core = engine.engine
+    unpatched = engine_core.scheduler.update_from_output
+
+    def update_from_output(plan, *args, **kwargs):
+        if any(is_poisoned(r) and len(r.output_token_ids) >= 2 for r in plan.requests):
+            raise RuntimeError(FAULT_MESSAGE)
+        return unpatched(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine_core.scheduler, "update_from_output", update_from_output)
+    started(engine)
+    seeded = [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True) for seed in (11, 12, 13)
+    ]
+    requests = {"poisoned": (POISONED, greedy(8))}
+    requests |= {f"seeded-{i}": (UNRELATED[i], params) for i, params in enumerate(seeded)}
+
+    results = run_all(engine, requests)
+
+    assert isinstance(results["poisoned"][0], RequestFailedError)
+    for i, params in enumerate(seeded):
+        error, outputs = results[f"seeded-{i}"]
+        assert error is None
+        assert outputs[-1].token_ids == reference_tokens(reference_llm, UNRELATED[i], params)
+        # the tokens streamed before the failure are a prefix of the final ones (nothing resent differently)
+        for output in outputs:
+            assert output.token_ids == outputs[-1].token_ids[: len(output.token_ids)]
+    assert engine_core.stats.num_requests_retried >= len(requests)
+    wait_idle(engine_core)
+    assert engine_core.block_manager.num_free_blocks == engine_core.block_manager.num_blocks
+
+
+def test_requests_that_fail_alone_in_a_row_never_stop_the_engine(
+    serving_model_dir, reference_llm, started, monkeypatch
+) -> None:
+    # The attack of issue #17: bad requests one after another. Each fails alone, the
+    # probe step after it passes, so none of them counts towards stopping the engine.
+    engine = make_engine(serving_model_dir)
+    StepFault(after_tokens=0).install(engine.engine, monkeypatch)
+    started(engine)
+    for i in range(engine.max_consecutive_step_errors + 2):
+        error, _ = run_all(engine, {f"bad-{i}": ([*POISON_PREFIX, 20 + i], greedy(3))})[f"bad-{i}"]
+        assert isinstance(error, RequestFailedError)
+    assert engine.is_running
+    error, outputs = run_all(engine, {"after": (UNRELATED[0], greedy(4))})["after"]
+    assert error is None
+    assert outputs[-1].token_ids == reference_tokens(reference_llm, UNRELATED[0], greedy(4))
+    stats = engine.engine.stats
+    assert stats.num_probe_steps == engine.max_consecutive_step_errors + 2
+    assert stats.num_probe_failures == 0
 
 
 def test_a_failing_step_with_offload_leaks_no_save_and_stores_nothing(
@@ -199,6 +266,7 @@ def test_steps_failing_in_a_row_stop_the_engine_and_fail_fast(
         run_all(engine, {"late": (UNRELATED[1], greedy(3))})
     assert FAULT_MESSAGE not in str(raised.value)
     assert engine.engine.stats.num_step_errors == 2
+    assert engine.engine.stats.num_probe_failures == 2  # nothing ran without the failed requests
     assert not engine.engine.requests
 
 
@@ -249,3 +317,23 @@ def test_a_step_failing_while_scheduling_ends_the_request_and_drops_its_load(
         hits_before
     )
     assert engine_core.stats.num_step_errors == 1
+
+
+def test_llm_generate_ends_only_the_failing_request(serving_model_dir, reference_llm, monkeypatch) -> None:
+    from engine import LLM
+
+    llm = LLM(str(serving_model_dir), num_gpu_blocks=NUM_GPU_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
+    StepFault(after_tokens=1).install(llm.engine, monkeypatch)
+    prompts = [UNRELATED[0], POISONED, UNRELATED[1]]
+    outputs = llm.generate(prompts, greedy(5))
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+    for prompt, output in zip(prompts[::2], outputs[::2], strict=True):
+        assert output.token_ids == reference_tokens(reference_llm, prompt, greedy(5))
+    assert not llm.engine.has_unfinished_requests()
+    # sampling values the sampler cannot use are refused before anything is queued,
+    # also when set after construction
+    params = greedy(5)
+    params.top_p = 1e-300
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate([UNRELATED[0]], params)
+    assert not llm.engine.has_unfinished_requests()

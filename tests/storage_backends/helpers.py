@@ -37,9 +37,14 @@ def make_chunk(
 
 
 def directory_bytes(path: str) -> int:
-    """Bytes of every file in ``path`` (temporary files included): what the disk tier really occupies."""
+    """Bytes of the chunk files in ``path``, temporary files included: what the disk tier's cap
+    covers (the small index and lock files are outside it)."""
     with os.scandir(path) as scan:
-        return sum(entry.stat().st_size for entry in scan if entry.is_file())
+        return sum(
+            entry.stat().st_size
+            for entry in scan
+            if entry.is_file() and (entry.name.endswith(".kvc") or entry.name.startswith(".tmp-"))
+        )
 
 
 _FIXED = struct.Struct("<4sHHBBBBQQ16s")

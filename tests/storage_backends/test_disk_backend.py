@@ -15,7 +15,14 @@ import pytest
 
 from storage_backends import create_backend
 from storage_backends.chunk import FORMAT_VERSION, MAGIC, encode_chunk
-from storage_backends.disk_backend import RECORD_MAGIC, TMP_PREFIX, DiskBackend, key_to_filename
+from storage_backends.disk_backend import (
+    FILE_SUFFIX,
+    RECORD_MAGIC,
+    RECORD_VERSION,
+    TMP_PREFIX,
+    DiskBackend,
+    key_to_filename,
+)
 from tests.storage_backends.helpers import directory_bytes, make_chunk
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -135,11 +142,11 @@ def test_restart_removes_debris_and_ignores_other_versions(tmp_path: Path) -> No
     (tmp_path / f"{TMP_PREFIX}leftover").write_bytes(b"half a file")
     v2_chunk = tmp_path / key_to_filename("ns:v2-chunk")
     data = bytearray(v2_chunk.read_bytes())
-    struct.pack_into("<H", data, data.index(MAGIC) + 4, FORMAT_VERSION + 1)  # another chunk format version
+    struct.pack_into("<H", data, data.index(MAGIC) + 4, FORMAT_VERSION + 1)  # a newer chunk format
     v2_chunk.write_bytes(bytes(data))
     v2_record = tmp_path / key_to_filename("ns:v2-record")
     data = bytearray(v2_record.read_bytes())
-    struct.pack_into("<H", data, len(RECORD_MAGIC), 2)  # disk record version 2
+    struct.pack_into("<H", data, len(RECORD_MAGIC), RECORD_VERSION + 1)  # a newer disk record
     v2_record.write_bytes(bytes(data))
     renamed = tmp_path / key_to_filename("ns:renamed")
     renamed.rename(tmp_path / key_to_filename("ns:elsewhere"))  # a key that is not its file's
@@ -149,7 +156,7 @@ def test_restart_removes_debris_and_ignores_other_versions(tmp_path: Path) -> No
     assert restarted.get("ns:good").equal(make_chunk(len("good")))
     stats = restarted.stats()
     assert stats["num_ignored_files"] == 2 and stats["corrupt"] == 2
-    assert sorted(os.listdir(tmp_path)) == sorted(
+    assert sorted(name for name in os.listdir(tmp_path) if name.endswith(FILE_SUFFIX)) == sorted(
         key_to_filename(key) for key in ("ns:good", "ns:v2-chunk", "ns:v2-record")
     )  # torn, renamed and temporary files are gone; other versions are left alone
     assert stats["bytes_used"] == (tmp_path / key_to_filename("ns:good")).stat().st_size

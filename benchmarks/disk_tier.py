@@ -122,7 +122,7 @@ def run_disk_rates(folder: Path, total_bytes: int, num_threads: int, repeats: in
     if folder.exists():
         shutil.rmtree(folder)
     backend = DiskBackend(str(folder), 2 * moved + (64 << 20), io_threads=num_threads)
-    write_s, get_cold_s, raw_s, dd_s, buffered_s = [], [], [], [], []
+    write_s, get_cold_s, raw_s, dd_s, buffered_s, no_fsync_s = [], [], [], [], [], []
     drop_method = ""
     for repeat in range(repeats):
         started = time.perf_counter()
@@ -155,6 +155,12 @@ def run_disk_rates(folder: Path, total_bytes: int, num_threads: int, repeats: in
         buffered.get_many_into(keys, outs)
         buffered_s.append(time.perf_counter() - started)
     buffered.close()
+    no_fsync = DiskBackend(str(folder), 2 * moved + (64 << 20), io_threads=num_threads, fsync=False)
+    for _ in range(repeats):
+        started = time.perf_counter()
+        no_fsync.put_many(items)
+        no_fsync_s.append(time.perf_counter() - started)
+    no_fsync.close()
     shutil.rmtree(folder)
 
     def row(name: str, seconds: list[float], note: str = "") -> dict:
@@ -178,6 +184,7 @@ def run_disk_rates(folder: Path, total_bytes: int, num_threads: int, repeats: in
             "buffered reads through the page cache",
         ),
         row("kvstash disk tier put_many (fsync=1)", write_s, f"{num_threads} threads, file + folder fsync"),
+        row("kvstash disk tier put_many (fsync=0)", no_fsync_s, "returns before the device has the bytes"),
     ]
     ratio_raw = rows[0]["GBps"] / rows[1]["GBps"]
     facts = {

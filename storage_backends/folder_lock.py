@@ -9,9 +9,9 @@ leaves a stale lock behind. The file stays empty (it takes no room under the cap
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
+import weakref
 
 from storage_backends.base import BackendError
 
@@ -39,13 +39,11 @@ class FolderLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd: int | None = fd
+        # Closing the descriptor drops the lock: at release(), or when a backend that was
+        # never closed is garbage-collected.
+        self._close_fd = weakref.finalize(self, os.close, fd)
 
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: unlinking it would let two
         processes lock two different inodes under one name."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        self._close_fd()

@@ -110,9 +110,10 @@ def test_disk_chunk_files_corrupted(model_dir, reference, reliability_report, ca
         for index, path in enumerate(sorted(folder.glob("*.kvc"))):
             kind = KINDS[index % len(KINDS)]
             record = path.read_bytes()
-            (key_len,) = struct.unpack_from("<H", record, 6)  # disk record: magic, version, key length, key
-            chunk_offset = 8 + key_len
-            key = record[8:chunk_offset].decode()
+            # disk record: magic, version, key length (u16 at 6), chunk offset (u32 at 8), payload offset, key at 16
+            (key_len,) = struct.unpack_from("<H", record, 6)
+            (chunk_offset,) = struct.unpack_from("<I", record, 8)
+            key = record[16 : 16 + key_len].decode()
             path.write_bytes(record[:chunk_offset] + damage(record[chunk_offset:], kind, rng, key))
             kinds.append(kind)
         return kinds

@@ -3,6 +3,7 @@ lock that keeps a second process off a folder in use."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -153,3 +154,13 @@ def test_a_second_process_on_the_same_folder_gets_a_clear_error(tmp_path: Path) 
     leftover.unlink()
     after_close = run_second_process(tmp_path)
     assert after_close.returncode == 0 and after_close.stdout.strip() == "opened"
+
+
+def test_a_backend_dropped_without_close_releases_its_folder(tmp_path: Path) -> None:
+    backend = DiskBackend(str(tmp_path), 1 << 20)
+    backend.put("ns:a", make_chunk(1))
+    del backend
+    gc.collect()
+    reopened = DiskBackend(str(tmp_path), 1 << 20)  # no FolderInUseError
+    assert reopened.get("ns:a").equal(make_chunk(1))
+    reopened.close()

@@ -305,7 +305,7 @@ def main() -> None:
     )
     parser.add_argument("--disk-gib", type=float, default=2.0, help="GiB read and written per disk run")
     parser.add_argument(
-        "--io-threads", type=int, default=8, help="disk tier io_threads (and raw-read threads)"
+        "--io-threads", type=int, default=16, help="disk tier io_threads (and raw-read threads)"
     )
     parser.add_argument("--index-files", type=int, default=10_000, help="chunk files for the start-up test")
     args = parser.parse_args()

@@ -99,7 +99,7 @@ TMP_PREFIX = ".tmp-"
 ALIGN_MIN_PAYLOAD = 64 << 10
 #: a head (record header, key, padding, chunk header) is never larger than this
 _MAX_HEAD_BYTES = disk_io.round_up(_RECORD.size + 0xFFFF + 4096) + disk_io.BLOCK
-DEFAULT_IO_THREADS = 8
+DEFAULT_IO_THREADS = 16
 #: the index file is rewritten after this many writes and removals (and on close)
 INDEX_EVERY_CHANGES = 1024
 

@@ -167,3 +167,27 @@ def test_put_many_attempts_every_item_and_raises_the_first_error(tmp_path: Path)
         )
     assert sorted(backend.keys("ns:")) == ["ns:a", "ns:b"]
     backend.close()
+
+
+@pytest.mark.gpu
+def test_get_into_a_pinned_cpu_tier_slot_then_to_the_gpu(tmp_path: Path) -> None:
+    """The connector's pinned slab (page-aligned slots of 256 KiB) is filled by a direct read."""
+    from connector.cpu_tier import PinnedChunkPool
+    from connector.token_db import KV_LAYOUT
+
+    shape = (2, 2, 64, 4, 128)  # 256 KiB of bf16 per slot: every slot starts on a 4 KiB boundary
+    slot_shape = {"num_layers": 2, "num_tokens": 64, "num_kv_heads": 4, "head_dim": 128}
+    pool = PinnedChunkPool(4 << 20, shape, torch.bfloat16, pin_memory=True, layout=KV_LAYOUT)
+    backend = DiskBackend(str(tmp_path), 1 << 24)
+    chunks = [random_chunk(seed, slot_shape) for seed in range(4)]
+    backend.put_many([(f"ns:{i}", chunk) for i, chunk in enumerate(chunks)])
+    slots = [pool.reserve(f"ns:{i}", shape) for i in range(4)]
+    assert all(slot.is_pinned() and slot.data_ptr() % BLOCK == 0 for slot in slots)
+    got = backend.get_many_into([f"ns:{i}" for i in range(4)], slots)
+    for i, (result, chunk) in enumerate(zip(got, chunks, strict=True)):
+        assert result is not None and result.tensor.data_ptr() == slots[i].data_ptr()
+        pool.publish(f"ns:{i}")
+        on_gpu = pool.get(f"ns:{i}").tensor.cuda(non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu().view(torch.uint8), chunk.tensor.view(torch.uint8))
+    backend.close()

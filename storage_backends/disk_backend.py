@@ -88,7 +88,7 @@ from storage_backends.urls import parse_bool, parse_size, split_backend_url
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskBackend", "FolderInUseError", "key_to_filename"]
+__all__ = ["DiskBackend", "FolderInUseError", "key_to_filename", "parse_record"]
 
 RECORD_MAGIC = b"KVSD"
 RECORD_VERSION = 2
@@ -458,7 +458,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             self._counters.add("errors")
             raise BackendError(f"disk tier: cannot read {entry.record.path}: {exc}") from exc
         try:
-            stored_key, chunk_offset = _parse_record(data)
+            stored_key, chunk_offset = parse_record(data)
             if stored_key != key:
                 raise ChunkFormatError(f"file holds key {stored_key!r}")
             chunk_bytes = memoryview(data)[chunk_offset:]
@@ -745,8 +745,9 @@ def _decompress_lz4_into(stored: memoryview, raw: memoryview) -> None:
     raw[:] = decompressed
 
 
-def _parse_record(data: bytes) -> tuple[str, int]:
-    """(key, offset of the serialized chunk) from a record's first bytes; ChunkFormatError when foreign."""
+def parse_record(data: bytes) -> tuple[str, int]:
+    """(key, offset of the serialized chunk) of a whole chunk file's bytes; ChunkFormatError when
+    foreign. For :meth:`DiskBackend.get_encoded` and tools and tests that look inside files."""
     if len(data) < _RECORD.size:
         raise ChunkFormatError(f"truncated disk record: {len(data)} bytes")
     magic, version, key_len, chunk_offset, _ = _RECORD.unpack_from(data)

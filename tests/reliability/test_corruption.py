@@ -18,6 +18,7 @@ import torch
 
 from connector import OffloadConfig
 from storage_backends.chunk import KVChunk, encode_chunk
+from storage_backends.disk_backend import parse_record
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
     StreamTally,
@@ -110,10 +111,7 @@ def test_disk_chunk_files_corrupted(model_dir, reference, reliability_report, ca
         for index, path in enumerate(sorted(folder.glob("*.kvc"))):
             kind = KINDS[index % len(KINDS)]
             record = path.read_bytes()
-            # disk record: magic, version, key length (u16 at 6), chunk offset (u32 at 8), payload offset, key at 16
-            (key_len,) = struct.unpack_from("<H", record, 6)
-            (chunk_offset,) = struct.unpack_from("<I", record, 8)
-            key = record[16 : 16 + key_len].decode()
+            key, chunk_offset = parse_record(record)  # the serialized chunk's place in the file
             path.write_bytes(record[:chunk_offset] + damage(record[chunk_offset:], kind, rng, key))
             kinds.append(kind)
         return kinds

@@ -1,10 +1,13 @@
 """Disk tier reads and writes: block-aligned payloads read with O_DIRECT straight into the
-caller's buffer, the buffered fallback (unaligned buffers, tmpfs), several files in flight."""
+caller's buffer, the buffered fallback (unaligned buffers, filesystems that refuse O_DIRECT), several
+files in flight."""
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -190,4 +193,33 @@ def test_get_into_a_pinned_cpu_tier_slot_then_to_the_gpu(tmp_path: Path) -> None
         on_gpu = pool.get(f"ns:{i}").tensor.cuda(non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(on_gpu.cpu().view(torch.uint8), chunk.tensor.view(torch.uint8))
+    backend.close()
+
+
+@pytest.fixture
+def ramfs_folder(tmp_path: Path):
+    """A ramfs mount (which refuses O_DIRECT), where the machine lets this test mount one (root)."""
+    mount_point = tmp_path / "ramfs"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "ramfs", "ramfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_io(ramfs_folder: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="storage_backends.disk_backend"):
+        backend = DiskBackend(str(ramfs_folder / "kv"), 1 << 24)
+    assert backend.direct_io is False and backend.stats()["direct_io"] is False
+    assert any("O_DIRECT refused" in record.getMessage() for record in caplog.records)
+    chunks = [random_chunk(seed, LARGE_WITH_TAIL) for seed in range(3)]  # aligned, as direct writes want
+    backend.put_many([(f"ns:{i}", chunk) for i, chunk in enumerate(chunks)])
+    outs = [aligned_tensor(chunk.tensor.numel()) for chunk in chunks]
+    got = backend.get_many_into([f"ns:{i}" for i in range(3)], outs)
+    assert all(result.equal(chunk) for result, chunk in zip(got, chunks, strict=True))
     backend.close()

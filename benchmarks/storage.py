@@ -12,6 +12,14 @@ transformers in bf16, takes its ``past_key_values`` as a ``[layers, 2, tokens,
 kv_heads, head_dim]`` chunk and reports the compression ratio and MB/s.
 
     .venv/bin/python benchmarks/storage.py --out bench-out/storage.json
+
+``--disk`` adds the disk tier against the raw device, cold (``benchmarks/disk_tier.py``):
+read rate of 8B-shaped 32 MiB chunks into page-aligned (pinned with CUDA) slots vs
+O_DIRECT reads of the same files and ``dd``, write rate, and the start-up time of
+10,000 chunk files from the index and by a full scan; ``--disk-only`` runs just that,
+``--disk-dir`` puts the files on the device under test:
+
+    .venv/bin/python benchmarks/storage.py --disk-only --disk-dir /mnt/nvme/kvstash-bench --out bench-out/disk.json
 """
 
 from __future__ import annotations
@@ -290,6 +298,16 @@ def main() -> None:
     )
     parser.add_argument("--skip-lz4", action="store_true", help="skip the model run and lz4 section")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--disk", action="store_true", help="add the cold disk-tier vs raw-device section")
+    parser.add_argument("--disk-only", action="store_true", help="run only the disk-tier section")
+    parser.add_argument(
+        "--disk-dir", type=Path, help="folder for the disk section's files (default: under the temp dir)"
+    )
+    parser.add_argument("--disk-gib", type=float, default=2.0, help="GiB read and written per disk run")
+    parser.add_argument(
+        "--io-threads", type=int, default=16, help="disk tier io_threads (and raw-read threads)"
+    )
+    parser.add_argument("--index-files", type=int, default=10_000, help="chunk files for the start-up test")
     args = parser.parse_args()
     for size in args.sizes:
         if size < BYTES_PER_TOKEN or size % BYTES_PER_TOKEN:
@@ -297,17 +315,29 @@ def main() -> None:
                 f"--sizes: {size} is not a positive multiple of {BYTES_PER_TOKEN} bytes (one token of KV)"
             )
 
+    tier_rows, lz4_rows, model_description, disk = [], [], "", None
     with tempfile.TemporaryDirectory(prefix="kvstash-bench-storage-") as workdir:
-        tier_rows = run_tiers(args.sizes, args.repeats, args.batch, workdir)
-        print_table(
-            "Put/get throughput, one client thread (MB/s of KV, best run)",
-            tier_rows,
-            "put MB/s",
-            "get MB/s",
-        )
-        lz4_rows, model_description = ([], "") if args.skip_lz4 else run_lz4(args.repeats, workdir)
-        if lz4_rows:
-            print_table(f"Codecs on {model_description}", lz4_rows, "encode MB/s", "decode MB/s")
+        if not args.disk_only:
+            tier_rows = run_tiers(args.sizes, args.repeats, args.batch, workdir)
+            print_table(
+                "Put/get throughput, one client thread (MB/s of KV, best run)",
+                tier_rows,
+                "put MB/s",
+                "get MB/s",
+            )
+            lz4_rows, model_description = ([], "") if args.skip_lz4 else run_lz4(args.repeats, workdir)
+            if lz4_rows:
+                print_table(f"Codecs on {model_description}", lz4_rows, "encode MB/s", "decode MB/s")
+        if args.disk or args.disk_only:
+            from benchmarks.disk_tier import print_disk, run_disk_rates, run_index_startup
+
+            disk_root = args.disk_dir or Path(workdir)
+            rows, facts = run_disk_rates(
+                disk_root / "rates", int(args.disk_gib * (1 << 30)), args.io_threads, args.repeats
+            )
+            startup = run_index_startup(disk_root / "startup", args.index_files, args.repeats)
+            print_disk(rows, facts, startup)
+            disk = {"rows": rows, **facts, "startup": startup, "folder": str(disk_root)}
 
     result = {
         "benchmark": "storage",
@@ -322,6 +352,7 @@ def main() -> None:
         "tiers": tier_rows,
         "codecs": lz4_rows,
         "codec_model": model_description,
+        "disk": disk,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,18 @@ def encode_chunk(chunk: KVChunk, codec: str = "none", *, key: str) -> bytes:
     under (its hash goes into the header, and every read checks it). The tensor's bytes are read through a
     memoryview; with codec "none" the only copy is the final join.
     """
+    header, payload = encode_chunk_parts(chunk, codec, key=key)
+    return b"".join((header, payload))
+
+
+def encode_chunk_parts(chunk: KVChunk, codec: str = "none", *, key: str) -> tuple[bytes, memoryview | bytes]:
+    """The serialized chunk for ``key`` as (header, payload) without joining them: with codec
+    "none" the payload is a memoryview of the tensor's own memory (no copy).
+
+    For writers that send the two pieces with vectored I/O (the disk tier's
+    ``os.pwritev``); ``header + payload`` equals :func:`encode_chunk`'s bytes. The
+    payload view is valid while ``chunk.tensor`` is alive and unchanged.
+    """
     if codec not in _CODEC_TO_CODE:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
     tensor = chunk.tensor
@@ -224,7 +236,7 @@ def encode_chunk(chunk: KVChunk, codec: str = "none", *, key: str) -> bytes:
     )
     tail = b"".join(_DIM.pack(size) for size in shape) + layout
     checksum = crc32(payload, crc32(tail, crc32(fixed)))
-    return b"".join((fixed, _CHECKSUM.pack(checksum), tail, payload))
+    return b"".join((fixed, _CHECKSUM.pack(checksum), tail)), payload
 
 
 def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:

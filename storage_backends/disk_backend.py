@@ -1,28 +1,50 @@
-"""Local-disk tier: one file per key, atomic writes, an index rebuilt on start, a byte cap with LRU.
+"""Local-disk tier: one file per key, atomic durable writes, direct I/O, a start-up index,
+a folder lock, a byte cap with LRU.
 
-URL: ``file:///path/to/dir?capacity=BYTES[&codec=none|lz4][&fsync=0|1]``.
+URL: ``file:///path/to/dir?capacity=BYTES[&codec=none|lz4][&fsync=1|0][&io_threads=N][&direct_io=1|0]``.
 
 File ``<dir>/<blake2b-160 of key>.kvc`` holds a record::
 
-    b"KVSD" | record version (u16) | key length (u16) | key (UTF-8) | serialized chunk
+    offset 0   b"KVSD" | record version (u16) | key length (u16)
+           8   chunk offset (u32): where the serialized chunk starts
+           12  payload offset (u32): where the chunk's payload starts
+           16  key (UTF-8) | zero padding | serialized chunk (header, then payload)
+
+A payload of at least ``ALIGN_MIN_PAYLOAD`` bytes starts on a 4 KiB boundary (the
+padding before the chunk header makes it so): it is read and written with
+``O_DIRECT`` straight between the device and the caller's memory. Smaller chunks
+follow the key with no padding (a tiny chunk would otherwise double in size).
 
 The file name is derived from the key, so a record whose key does not hash to
 its own file name is corrupt. Writes go to ``.tmp-*`` files, then
-``os.replace``: a reader or a restart never sees half a file. Without
-``fsync=1`` a power loss may leave a torn file, which the chunk checksum turns
-into a miss; a killed process (SIGKILL) cannot, since the page cache survives it.
+``os.replace``: a reader or a restart never sees half a file. With ``fsync=1``
+(the default) the file is fsynced before the rename and the folder after it,
+so a power loss leaves only whole chunks; a killed process (SIGKILL) never
+could leave a partial one.
 
-On start the directory is scanned: ``.tmp-*`` leftovers and broken records are
-removed; records or chunks of another format version are ignored (left in
-place, not counted against the cap); recency is rebuilt from modification times.
-Every read verifies the chunk checksum; a mismatch is logged, counted in
-``corrupt``, the file removed and the read is a miss.
+Start-up: the folder lock is taken (:mod:`storage_backends.folder_lock`: a
+second process on the folder gets :class:`FolderInUseError`); ``.tmp-*``
+leftovers are removed; files that the index (:mod:`storage_backends.disk_index`)
+lists with their current size and modification time are taken from it, every
+other ``.kvc`` file is opened and its head parsed (broken records removed,
+records or chunks of another format version ignored: left in place, not
+counted against the cap). Recency comes from the index's order, then from
+modification times. The index is rewritten on close and every
+``INDEX_EVERY_CHANGES`` writes and removals.
 
-The cap counts whole file sizes, writes in flight included; victims are removed
-before the new file is written, so the directory never holds more than the cap
-(``.tmp-*`` files included). When pinned entries leave no room a put stores
-nothing and raises :class:`CapacityError` (counted as ``rejected``).
-``submit_put_many`` runs writes off the caller's thread.
+Reads: the head (record, key, chunk header) into a small aligned per-thread
+buffer, the record's key and the chunk header's key hash checked against the
+key asked for, then the payload straight into the destination tensor (the
+caller's buffer for :meth:`get_into`), the CRC verified in the reading thread;
+any mismatch is logged, counted in ``corrupt``, the file removed and the read is
+a miss. ``get_many``/``get_many_into``/``put_many`` keep up to ``io_threads``
+files in flight.
+
+The cap counts whole chunk-file sizes, writes in flight included; victims are
+removed before the new file is written, so the chunk files never exceed the cap
+(``.tmp-*`` files included; the index and lock files are outside it, about
+``key length + 18`` bytes per chunk). When pinned entries leave no room a put
+stores nothing and raises :class:`CapacityError` (counted as ``rejected``).
 """
 
 from __future__ import annotations
@@ -34,34 +56,52 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from zlib_ng.zlib_ng import crc32
+
+from storage_backends import disk_io
 from storage_backends.base import BackendError, CapacityError, StorageBackend
 from storage_backends.chunk import (
     CODECS,
+    FORMAT_VERSION,
     ChunkFormatError,
     ChunkHeader,
     ChunkVersionError,
     KVChunk,
     check_key,
-    decode_verified_chunk,
-    encode_chunk,
+    encode_chunk_parts,
+    header_checksum,
     parse_header,
+    tensor_bytes,
     verify_chunk,
 )
 from storage_backends.counters import Counters
+from storage_backends.disk_index import IndexEntry, IndexFormatError, read_index, write_index
+from storage_backends.folder_lock import FolderInUseError, FolderLock
 from storage_backends.lru import IndexedTierMixin, LRUEntry, LRUIndex
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DiskBackend", "FolderInUseError", "key_to_filename", "parse_record"]
+
 RECORD_MAGIC = b"KVSD"
-RECORD_VERSION = 1
-_RECORD = struct.Struct("<4sHH")
+RECORD_VERSION = 2
+_RECORD = struct.Struct("<4sHHII")
 FILE_SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"
-_SCAN_PREFIX_BYTES = 1 << 16  # enough for the record header, any key and any chunk header
+#: payloads from this size on start on a block boundary (read and written with O_DIRECT)
+ALIGN_MIN_PAYLOAD = 64 << 10
+#: a head (record header, key, padding, chunk header) is never larger than this
+_MAX_HEAD_BYTES = disk_io.round_up(_RECORD.size + 0xFFFF + 4096) + disk_io.BLOCK
+DEFAULT_IO_THREADS = 16
+#: the index file is rewritten after this many writes and removals (and on close)
+INDEX_EVERY_CHANGES = 1024
 
 
 def key_to_filename(key: str) -> str:
@@ -69,31 +109,83 @@ def key_to_filename(key: str) -> str:
     return hashlib.blake2b(key.encode("utf-8"), digest_size=20).hexdigest() + FILE_SUFFIX
 
 
+def record_layout(key_len: int, chunk_header_len: int, payload_len: int) -> tuple[int, int]:
+    """(chunk offset, payload offset) of a file holding a key of ``key_len`` bytes."""
+    key_end = _RECORD.size + key_len
+    if payload_len < ALIGN_MIN_PAYLOAD:
+        return key_end, key_end + chunk_header_len
+    payload_offset = disk_io.round_up(key_end + chunk_header_len)
+    return payload_offset - chunk_header_len, payload_offset
+
+
 @dataclass
 class _FileRecord:
     path: str
     ready: bool  # False while the file is being written
+    mtime_ns: int = 0  # of the finished file, for the index
+
+
+@dataclass
+class _Head:
+    """What a file's first bytes say: the record and the chunk header."""
+
+    chunk_offset: int
+    payload_offset: int
+    header: ChunkHeader
+    header_bytes: bytes  # the serialized chunk header, for the checksum
+    prefetched: memoryview  # payload bytes that came with the head (small files)
 
 
 class DiskBackend(IndexedTierMixin, StorageBackend):
     name = "disk"
 
-    def __init__(self, root: str, capacity_bytes: int, codec: str = "none", fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        codec: str = "none",
+        fsync: bool = True,
+        io_threads: int = DEFAULT_IO_THREADS,
+        direct_io: bool = True,
+    ) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r} for the disk tier; expected one of {CODECS}")
+        if not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
+            raise ValueError(f"io_threads must be an integer from 1 to 256, got {io_threads!r}")
         self.root = os.path.abspath(root)
         self.codec = codec
         self.fsync = fsync
+        self.io_threads = io_threads
         os.makedirs(self.root, exist_ok=True)
+        self._folder_lock = FolderLock(self.root)  # before anything in the folder is touched
         self._index = LRUIndex(capacity_bytes)
         self._lock = threading.Lock()
+        self._index_file_lock = threading.Lock()
         self._counters = Counters()
+        # per-thread aligned buffers: a file's head, a payload's last partial block, an lz4 payload
+        self._head_scratch = disk_io.AlignedScratch()
+        self._tail_scratch = disk_io.AlignedScratch()
+        self._lz4_scratch = disk_io.AlignedScratch()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
         self.num_ignored_files = 0
-        self._rebuild_index()
+        self.num_files_scanned = 0  # opened at start-up because the index did not vouch for them
+        self._num_changes = 0  # writes and removals since the index file was last written
+        try:
+            self.direct_io = False
+            if direct_io:
+                reason = disk_io.probe_direct_io(self.root, TMP_PREFIX)
+                self.direct_io = reason is None
+                if reason is not None:
+                    logger.info("disk tier %s: O_DIRECT refused (%s); using buffered I/O", self.root, reason)
+            self._rebuild_index()
+        except BaseException:
+            self._folder_lock.release()
+            raise
 
     @classmethod
     def from_url(cls, url: str) -> DiskBackend:
-        parts, params = split_backend_url(url, ("capacity", "codec", "fsync"))
+        parts, params = split_backend_url(url, ("capacity", "codec", "fsync", "io_threads", "direct_io"))
         root = parts.path if parts.netloc in ("", "localhost") else parts.netloc + parts.path
         if not root:
             raise ValueError(
@@ -103,47 +195,79 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             raise ValueError(
                 f"file:// needs a byte cap, e.g. file:///var/cache/kvstash?capacity=10GiB: {url!r}"
             )
+        io_threads_text = params.get("io_threads", str(DEFAULT_IO_THREADS))
+        if not io_threads_text.isdigit():
+            raise ValueError(f"io_threads: {io_threads_text!r} is not a positive integer in {url!r}")
         return cls(
             root,
             capacity_bytes=parse_size(params["capacity"], "disk capacity"),
             codec=params.get("codec", "none"),
-            fsync=parse_bool(params.get("fsync", "0"), "disk fsync"),
+            fsync=parse_bool(params.get("fsync", "1"), "disk fsync"),
+            io_threads=int(io_threads_text),
+            direct_io=parse_bool(params.get("direct_io", "1"), "disk direct_io"),
         )
 
     # ---- start-up ------------------------------------------------------------
     def _rebuild_index(self) -> None:
-        """Scan the directory once (called by ``__init__`` only)."""
-        found: list[tuple[float, str, int, str]] = []  # (mtime, key, size, path)
+        """Index the folder from the index file and the files it does not vouch for (``__init__`` only)."""
+        name_to_indexed = self._load_index_file()
+        trusted: list[tuple[int, str, int, int, str]] = []  # (rank in the index, key, size, mtime_ns, path)
+        scanned: list[tuple[int, str, int, str]] = []  # (mtime_ns, key, size, path)
         with os.scandir(self.root) as scan:
             for dir_entry in scan:
                 if dir_entry.name.startswith(TMP_PREFIX):
                     self._remove_file(dir_entry.path)  # a write that never finished
                 elif dir_entry.name.endswith(FILE_SUFFIX) and dir_entry.is_file():
                     status = dir_entry.stat()
+                    indexed = name_to_indexed.get(dir_entry.name)
+                    if indexed is not None:
+                        rank, entry = indexed
+                        if entry.size == status.st_size and entry.mtime_ns == status.st_mtime_ns:
+                            trusted.append((rank, entry.key, entry.size, entry.mtime_ns, dir_entry.path))
+                            continue
+                    self.num_files_scanned += 1
                     key = self._scan_file(dir_entry.path, dir_entry.name, status.st_size)
                     if key is not None:
-                        found.append((status.st_mtime, key, status.st_size, dir_entry.path))
-        found.sort()
-        for _, key, size, path in found:
-            self._index.add(key, size, _FileRecord(path, ready=True))
+                        scanned.append((status.st_mtime_ns, key, status.st_size, dir_entry.path))
+        trusted.sort()
+        scanned.sort()
+        for _, key, size, mtime_ns, path in trusted:
+            self._index.add(key, size, _FileRecord(path, ready=True, mtime_ns=mtime_ns))
+        for mtime_ns, key, size, path in scanned:  # written after the index: more recent
+            self._index.add(key, size, _FileRecord(path, ready=True, mtime_ns=mtime_ns))
         # The cap may have shrunk since the files were written.
         victim_keys = self._index.victims_for(0) or []
         for key in victim_keys:
             self._remove_file(self._index.remove(key).record.path)
         self._counters.add("evictions", len(victim_keys))
+        if scanned or victim_keys or len(trusted) != len(name_to_indexed):
+            self._write_index_file()  # the next start-up need not open these files again
+
+    def _load_index_file(self) -> dict[str, tuple[int, IndexEntry]]:
+        """File name -> (rank, entry) from the index file; empty when it is missing or unusable."""
+        try:
+            entries = read_index(self.root, versions=(RECORD_VERSION, FORMAT_VERSION))
+        except FileNotFoundError:
+            return {}
+        except (OSError, IndexFormatError) as exc:
+            logger.info("disk tier %s: index file not used (%s); scanning every file", self.root, exc)
+            return {}
+        return {key_to_filename(entry.key): (rank, entry) for rank, entry in enumerate(entries)}
 
     def _scan_file(self, path: str, name: str, size: int) -> str | None:
-        """The key stored in ``path`` when its header is sound; removes broken files, ignores foreign versions."""
+        """The key stored in ``path`` when its head is sound; removes broken files, ignores foreign versions."""
         try:
-            with open(path, "rb") as file:
-                prefix = file.read(_SCAN_PREFIX_BYTES)
-            key, chunk_offset = _parse_record(prefix)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                key, head = self._read_head(fd, expected_key=None)
+            finally:
+                os.close(fd)
             if key_to_filename(key) != name:
                 raise ChunkFormatError(f"record key {key!r} does not belong to file name {name}")
-            header = parse_header(memoryview(prefix)[chunk_offset:])
-            check_key(header, key)
-            if chunk_offset + header.total_len != size:
-                raise ChunkFormatError(f"file is {size} bytes, header says {chunk_offset + header.total_len}")
+            if head.payload_offset + head.header.payload_len != size:
+                raise ChunkFormatError(
+                    f"file is {size} bytes, header says {head.payload_offset + head.header.payload_len}"
+                )
         except ChunkVersionError as exc:
             self.num_ignored_files += 1
             logger.info("disk tier: ignoring %s: %s", path, exc)
@@ -159,9 +283,166 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
     def _is_readable(self, entry: LRUEntry) -> bool:
         return entry.record.ready  # its file is written and renamed into place
 
-    def _read_verified(self, key: str) -> tuple[memoryview, ChunkHeader] | None:
-        """The verified serialized chunk of ``key`` (a view into the file's bytes) and its header,
-        or None; counts hits and misses."""
+    def _read_head(self, fd: int, expected_key: str | None) -> tuple[str, _Head]:
+        """Parse a file's record and chunk header from its first block(s), read into the
+        thread's aligned scratch (O_DIRECT-safe). Raises ChunkFormatError when foreign,
+        truncated, (with ``expected_key``) filed under another key, or when the chunk's key
+        hash is not the record key's (:class:`ChunkKeyError`: a chunk moved between files)."""
+        view = self._head_scratch.get(disk_io.BLOCK)
+        num_read = disk_io.read_into(fd, view, 0)
+        if num_read < _RECORD.size:
+            raise ChunkFormatError(f"truncated disk record: {num_read} bytes")
+        magic, version, key_len, chunk_offset, payload_offset = _RECORD.unpack_from(view)
+        if magic != RECORD_MAGIC:
+            raise ChunkFormatError(f"not a kvstash disk record: magic {bytes(magic)!r}")
+        if version != RECORD_VERSION:
+            raise ChunkVersionError(
+                f"disk record version {version} is not supported (this build reads {RECORD_VERSION})"
+            )
+        if not _RECORD.size + key_len <= chunk_offset < payload_offset <= _MAX_HEAD_BYTES:
+            raise ChunkFormatError(
+                f"inconsistent disk record: key of {key_len} bytes, chunk at {chunk_offset}, "
+                f"payload at {payload_offset}"
+            )
+        if payload_offset > num_read:
+            if num_read < len(view):
+                raise ChunkFormatError(f"truncated disk record: {num_read} bytes, head of {payload_offset}")
+            view = self._head_scratch.get(payload_offset)
+            num_read = disk_io.read_into(fd, view, 0)
+            if num_read < payload_offset:
+                raise ChunkFormatError(f"truncated disk record: {num_read} bytes, head of {payload_offset}")
+        key = bytes(view[_RECORD.size : _RECORD.size + key_len]).decode("utf-8")
+        if expected_key is not None and key != expected_key:
+            raise ChunkFormatError(f"file holds key {key!r}")
+        header_bytes = bytes(view[chunk_offset:payload_offset])
+        header = parse_header(header_bytes)
+        if header.header_len != len(header_bytes):
+            raise ChunkFormatError(
+                f"chunk header of {header.header_len} bytes in a slot of {len(header_bytes)}"
+            )
+        check_key(header, key)  # the chunk was serialized for this record's (and file name's) key
+        return key, _Head(chunk_offset, payload_offset, header, header_bytes, view[payload_offset:num_read])
+
+    def _open_for_read(self, path: str) -> int:
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        return os.open(path, flags | disk_io.O_DIRECT) if self.direct_io else os.open(path, flags)
+
+    def _read_payload(self, fd: int, head: _Head, dest: memoryview) -> None:
+        """Fill ``dest`` (the stored payload's length) from the file, O_DIRECT where aligned."""
+        num_prefetched = min(len(head.prefetched), len(dest))
+        dest[:num_prefetched] = head.prefetched[:num_prefetched]
+        offset = head.payload_offset + num_prefetched
+        rest = dest[num_prefetched:]
+        if not len(rest):
+            return
+        num_aligned = len(rest) - len(rest) % disk_io.BLOCK
+        if self.direct_io and offset % disk_io.BLOCK == 0 and disk_io.address_of(rest) % disk_io.BLOCK == 0:
+            num_read = disk_io.read_into(fd, rest[:num_aligned], offset) if num_aligned else 0
+            if num_read == num_aligned and num_aligned < len(rest):  # the last partial block
+                block = self._tail_scratch.get(disk_io.BLOCK)
+                num_tail = disk_io.read_into(fd, block, offset + num_aligned)
+                num_copied = min(num_tail, len(rest) - num_aligned)
+                rest[num_aligned : num_aligned + num_copied] = block[:num_copied]
+                num_read += num_copied
+        else:
+            if self.direct_io:
+                disk_io.set_direct(fd, False)  # the caller's buffer or the offset is not aligned
+            num_read = disk_io.read_into(fd, rest, offset)
+        if num_read != len(rest):
+            raise ChunkFormatError(
+                f"truncated chunk payload: {num_prefetched + num_read} of {len(dest)} bytes"
+            )
+
+    def _read_into(self, key: str, allocate: Callable[[ChunkHeader], torch.Tensor]) -> KVChunk | None:
+        """Read and verify ``key``'s chunk into the tensor ``allocate(header)`` returns (the
+        chunk's shape and dtype, a view of the caller's memory or a new buffer); None on a
+        miss. Runs in the calling thread, checksum included."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or not entry.record.ready:
+                self._counters.add("misses")
+                return None
+        path = entry.record.path
+        try:
+            fd = self._open_for_read(path)
+        except FileNotFoundError:  # evicted or deleted since the index lookup
+            self._counters.add("misses")
+            return None
+        except OSError as exc:
+            self._counters.add("errors")
+            raise BackendError(f"disk tier: cannot open {path}: {exc}") from exc
+        try:
+            _, head = self._read_head(fd, expected_key=key)
+            header = head.header
+            file_size = os.fstat(fd).st_size
+            if file_size != head.payload_offset + header.payload_len:
+                what = "truncated" if file_size < head.payload_offset + header.payload_len else "oversized"
+                raise ChunkFormatError(
+                    f"{what} file: {file_size} bytes, header says {head.payload_offset + header.payload_len}"
+                )
+            tensor = allocate(header)  # a ValueError for an unfit buffer propagates: not the file's fault
+            raw = memoryview(tensor_bytes(tensor).numpy())
+            if header.codec == "none":
+                stored = raw
+                self._read_payload(fd, head, stored)
+            else:
+                stored = self._lz4_scratch.get(header.payload_len)[: header.payload_len]
+                self._read_payload(fd, head, stored)
+            checksum = crc32(stored, header_checksum(head.header_bytes, header))
+            if checksum != header.checksum:
+                raise ChunkFormatError(
+                    f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"
+                )
+            if header.codec == "lz4":
+                _decompress_lz4_into(stored, raw)
+        except (ChunkFormatError, UnicodeDecodeError) as exc:
+            logger.warning(
+                "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s", key, path, exc
+            )
+            self._counters.add("corrupt")
+            self._counters.add("misses")
+            self._drop_entry(key, entry)
+            return None
+        except OSError as exc:
+            self._counters.add("errors")
+            raise BackendError(f"disk tier: cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        self._counters.add("hits")
+        return KVChunk(tensor, header.layout)
+
+    def get(self, key: str) -> KVChunk | None:
+        return self._read_into(key, _new_aligned_tensor)
+
+    def get_into(self, key: str, out: torch.Tensor) -> KVChunk | None:
+        """Read ``key`` straight into ``out`` (see :meth:`StorageBackend.get_into`): the payload
+        goes from the file into ``out``'s memory with O_DIRECT when ``out`` is 4 KiB aligned
+        (pinned CPU-tier slots are), the checksum is computed over ``out`` in this thread."""
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+            raise ValueError(f"get_into needs a CPU tensor, got {type(out).__name__}")
+
+        def view_of_out(header: ChunkHeader) -> torch.Tensor:
+            numel = _numel(header.shape)
+            if out.dtype != header.dtype or out.numel() < numel or not out.is_contiguous():
+                raise ValueError(
+                    f"get_into: {key!r} holds {numel} elements of {header.dtype}; the buffer has "
+                    f"{out.numel()} of {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}"
+                )
+            return out.reshape(-1)[:numel].view(header.shape)
+
+        return self._read_into(key, view_of_out)
+
+    def get_many(self, keys: Sequence[str]) -> list[KVChunk | None]:
+        """:meth:`get` of every key, up to ``io_threads`` files in flight; in order."""
+        return self._map(self.get, list(keys))
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> list[KVChunk | None]:
+        """:meth:`get_into` of ``keys[i]`` into ``outs[i]``, up to ``io_threads`` files in flight."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_many_into: {len(keys)} keys but {len(outs)} buffers")
+        return self._map(lambda pair: self.get_into(*pair), list(zip(keys, outs, strict=True)))
+
+    def get_encoded(self, key: str) -> bytes | None:
         with self._lock:
             entry = self._index.get(key)
             if entry is None or not entry.record.ready:
@@ -170,18 +451,21 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         try:
             with open(entry.record.path, "rb") as file:
                 data = file.read()
-        except FileNotFoundError:  # evicted or deleted since the index lookup
+        except FileNotFoundError:
             self._counters.add("misses")
             return None
         except OSError as exc:
             self._counters.add("errors")
             raise BackendError(f"disk tier: cannot read {entry.record.path}: {exc}") from exc
         try:
-            stored_key, chunk_offset = _parse_record(data)
+            stored_key, chunk_offset = parse_record(data)
             if stored_key != key:
                 raise ChunkFormatError(f"file holds key {stored_key!r}")
             chunk_bytes = memoryview(data)[chunk_offset:]
             header = verify_chunk(chunk_bytes, key=key)
+            payload_offset = _RECORD.unpack_from(data)[4]
+            if payload_offset != chunk_offset + header.header_len:
+                raise ChunkFormatError("chunk header does not end where the record says the payload starts")
         except (ChunkFormatError, UnicodeDecodeError) as exc:
             logger.warning(
                 "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s",
@@ -194,32 +478,48 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             self._drop_entry(key, entry)
             return None
         self._counters.add("hits")
-        return chunk_bytes, header
-
-    def get(self, key: str) -> KVChunk | None:
-        found = self._read_verified(key)
-        return None if found is None else decode_verified_chunk(*found)
-
-    def get_encoded(self, key: str) -> bytes | None:
-        found = self._read_verified(key)
-        return None if found is None else bytes(found[0])
+        return bytes(chunk_bytes)
 
     # ---- writes --------------------------------------------------------------
     def put(self, key: str, chunk: KVChunk) -> None:
         if not isinstance(chunk, KVChunk):
             raise TypeError(f"put needs a KVChunk, got {type(chunk).__name__}")
-        self._write(key, encode_chunk(chunk, self.codec, key=key))
+        self._write(key, *encode_chunk_parts(chunk, self.codec, key=key))
+        self._sync_folder()
 
     def put_encoded(self, key: str, data: bytes) -> None:
-        verify_chunk(data, key=key)
-        self._write(key, data)
+        view = memoryview(data)
+        header = verify_chunk(view, key=key)
+        self._write(key, bytes(view[: header.header_len]), view[header.header_len :])
+        self._sync_folder()
 
-    def _write(self, key: str, chunk_bytes: bytes | memoryview) -> None:
+    def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
+        """:meth:`put` of every item, up to ``io_threads`` files in flight, one folder fsync
+        at the end. Every item is attempted; the first error is raised afterwards."""
+        items = list(items)
+        for _, chunk in items:
+            if not isinstance(chunk, KVChunk):
+                raise TypeError(f"put needs a KVChunk, got {type(chunk).__name__}")
+        errors: list[BaseException] = []
+
+        def write_one(item: tuple[str, KVChunk]) -> None:
+            try:
+                self._write(item[0], *encode_chunk_parts(item[1], self.codec, key=item[0]))
+            except Exception as exc:  # raised after the other writes have had their turn
+                errors.append(exc)
+
+        self._map(write_one, items)
+        self._sync_folder()
+        if errors:
+            raise errors[0]
+
+    def _write(self, key: str, chunk_header: bytes, payload: memoryview | bytes) -> None:
         key_bytes = key.encode("utf-8")
         if len(key_bytes) > 0xFFFF:
             raise ValueError(f"key of {len(key_bytes)} bytes is too long for the disk tier (at most 65535)")
-        record_header = _RECORD.pack(RECORD_MAGIC, RECORD_VERSION, len(key_bytes)) + key_bytes
-        size = len(record_header) + len(chunk_bytes)
+        payload = memoryview(payload).cast("B")
+        chunk_offset, payload_offset = record_layout(len(key_bytes), len(chunk_header), len(payload))
+        size = payload_offset + len(payload)
         if size > self._index.capacity:
             raise ValueError(
                 f"chunk file of {size} bytes exceeds the disk tier's cap of {self._index.capacity} bytes"
@@ -242,16 +542,17 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             for victim_key in victim_keys:
                 self._remove_file(self._index.remove(victim_key).record.path)
             self._counters.add("evictions", len(victim_keys))
+            self._num_changes += len(victim_keys)
             # The reservation holds one pin so that no concurrent put evicts it mid-write.
             entry = self._index.add(key, size, _FileRecord(path, ready=False), num_pins + 1)
+        head = self._head_scratch.get(payload_offset)[:payload_offset]
+        head[:] = bytes(payload_offset)
+        _RECORD.pack_into(head, 0, RECORD_MAGIC, RECORD_VERSION, len(key_bytes), chunk_offset, payload_offset)
+        head[_RECORD.size : _RECORD.size + len(key_bytes)] = key_bytes
+        head[chunk_offset:payload_offset] = chunk_header
         tmp_path = os.path.join(self.root, f"{TMP_PREFIX}{uuid.uuid4().hex}")
         try:
-            with open(tmp_path, "wb") as file:
-                file.write(record_header)
-                file.write(chunk_bytes)
-                if self.fsync:
-                    file.flush()
-                    os.fsync(file.fileno())
+            mtime_ns = self._write_file(tmp_path, head, payload)
         except OSError as exc:
             self._remove_file(tmp_path)
             self._counters.add("errors")
@@ -267,10 +568,61 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
                     self._counters.add("errors")
                     raise BackendError(f"disk tier: cannot rename into {path}: {exc}") from exc
                 entry.record.ready = True
+                entry.record.mtime_ns = mtime_ns
                 entry.num_pins -= 1
                 self._counters.add("puts")
-                return
-        self._remove_file(tmp_path)  # deleted or replaced while being written: the newer call wins
+                self._num_changes += 1
+                index_due = self._num_changes >= INDEX_EVERY_CHANGES
+            else:
+                index_due = None
+        if index_due is None:
+            self._remove_file(tmp_path)  # deleted or replaced while being written: the newer call wins
+        elif index_due:
+            self._write_index_file()
+
+    def _write_file(self, tmp_path: str, head: memoryview, payload: memoryview) -> int:
+        """Write head then payload into a new file (fsynced when ``fsync``); its mtime in ns.
+
+        O_DIRECT when the head is whole blocks and the payload's memory is aligned:
+        one vectored write of head, the payload's whole blocks and its last block
+        padded in the scratch, then a truncate to the real size."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        direct = (
+            self.direct_io
+            and len(head) % disk_io.BLOCK == 0
+            and disk_io.address_of(payload) % disk_io.BLOCK == 0
+            and len(payload) >= disk_io.BLOCK
+        )
+        fd = os.open(tmp_path, flags | (disk_io.O_DIRECT if direct else 0), 0o644)
+        try:
+            if direct:
+                num_aligned = len(payload) - len(payload) % disk_io.BLOCK
+                views = [head, payload[:num_aligned]]
+                num_tail = len(payload) - num_aligned
+                if num_tail:
+                    tail = self._tail_scratch.get(disk_io.BLOCK)  # zero-padded to a whole block
+                    tail[:num_tail] = payload[num_aligned:]
+                    tail[num_tail:] = bytes(disk_io.BLOCK - num_tail)
+                    views.append(tail)
+                disk_io.write_from(fd, views, 0)
+                if num_tail:
+                    os.ftruncate(fd, len(head) + len(payload))
+            else:
+                disk_io.write_from(fd, [head, payload], 0)
+            if self.fsync:
+                os.fsync(fd)
+            return os.fstat(fd).st_mtime_ns
+        finally:
+            os.close(fd)
+
+    def _sync_folder(self) -> None:
+        """Make the renames of finished writes durable (``fsync`` only)."""
+        if self.fsync:
+            try:
+                disk_io.fsync_folder(self.root)
+            except OSError as exc:
+                self._counters.add("errors")
+                raise BackendError(f"disk tier: cannot fsync folder {self.root}: {exc}") from exc
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -278,6 +630,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             if entry is None:
                 return False
             self._remove_file(entry.record.path)
+            self._num_changes += 1
             return True
 
     def _drop_entry(self, key: str, entry: LRUEntry) -> None:
@@ -286,11 +639,42 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             if self._index.get(key, touch=False) is entry:
                 self._index.remove(key)
                 self._remove_file(entry.record.path)
+                self._num_changes += 1
 
     @staticmethod
     def _remove_file(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    # ---- threads and the index file -------------------------------------------
+    def _map(self, call: Callable[[Any], Any], items: list) -> list:
+        """``[call(item) for item in items]`` with up to ``io_threads`` calls in flight."""
+        if len(items) <= 1 or self.io_threads == 1:
+            return [call(item) for item in items]
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"disk tier {self.root} is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstash-disk-io")
+            pool = self._pool
+        return list(pool.map(call, items))
+
+    def _write_index_file(self) -> None:
+        """Rewrite the index file from the in-memory index (ready entries, recency order)."""
+        with self._index_file_lock:
+            with self._lock:
+                entries = [
+                    IndexEntry(key, entry.size, entry.record.mtime_ns)
+                    for key, entry in self._index.items()
+                    if entry.record.ready
+                ]
+                self._num_changes = 0
+            try:
+                write_index(
+                    self.root, entries, versions=(RECORD_VERSION, FORMAT_VERSION), temp_prefix=TMP_PREFIX
+                )
+            except OSError as exc:  # a stale index only costs a longer start-up
+                logger.warning("disk tier %s: cannot write the index file: %s", self.root, exc)
 
     # pin, unpin (and keys) come from IndexedTierMixin
     # ---- listing, stats, lifecycle ------------------------------------------
@@ -308,24 +692,71 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
                 "capacity_bytes": self._index.capacity,
                 "num_pinned": self._index.num_pinned(),
                 "num_ignored_files": self.num_ignored_files,
+                "num_files_scanned_at_start": self.num_files_scanned,
                 "root": self.root,
                 "codec": self.codec,
+                "io_threads": self.io_threads,
+                "direct_io": self.direct_io,
+                "fsync": self.fsync,
             }
         return {**gauges, **self._counters.snapshot()}
 
+    def close(self) -> None:
+        """Finish in-flight I/O, write the index file, release the folder lock. Idempotent;
+        no other call may follow it."""
+        if self._closed:
+            return
+        super().close()  # waits for submit_put_many/submit_get_many, which use the I/O pool
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if os.path.isdir(self.root):
+            self._write_index_file()
+        self._folder_lock.release()
 
-def _parse_record(data: bytes) -> tuple[str, int]:
-    """(key, offset of the serialized chunk) from a record's first bytes; ChunkFormatError when foreign."""
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def _new_aligned_tensor(header: ChunkHeader) -> torch.Tensor:
+    """A new tensor of the chunk's shape whose memory starts on a block boundary (for O_DIRECT)."""
+    storage = torch.empty(header.raw_len + disk_io.BLOCK, dtype=torch.uint8)
+    start = -storage.data_ptr() % disk_io.BLOCK
+    return storage[start : start + header.raw_len].view(header.dtype).view(header.shape)
+
+
+def _decompress_lz4_into(stored: memoryview, raw: memoryview) -> None:
+    import lz4.block
+
+    try:
+        decompressed = lz4.block.decompress(stored, uncompressed_size=len(raw), return_bytearray=True)
+    except lz4.block.LZ4BlockError as exc:
+        raise ChunkFormatError(f"lz4 payload does not decompress: {exc}") from exc
+    if len(decompressed) != len(raw):
+        raise ChunkFormatError(f"lz4 payload decompressed to {len(decompressed)} bytes, expected {len(raw)}")
+    raw[:] = decompressed
+
+
+def parse_record(data: bytes) -> tuple[str, int]:
+    """(key, offset of the serialized chunk) of a whole chunk file's bytes; ChunkFormatError when
+    foreign. For :meth:`DiskBackend.get_encoded` and tools and tests that look inside files."""
     if len(data) < _RECORD.size:
         raise ChunkFormatError(f"truncated disk record: {len(data)} bytes")
-    magic, version, key_len = _RECORD.unpack_from(data)
+    magic, version, key_len, chunk_offset, _ = _RECORD.unpack_from(data)
     if magic != RECORD_MAGIC:
         raise ChunkFormatError(f"not a kvstash disk record: magic {magic!r}")
     if version != RECORD_VERSION:
         raise ChunkVersionError(
             f"disk record version {version} is not supported (this build reads {RECORD_VERSION})"
         )
-    chunk_offset = _RECORD.size + key_len
-    if len(data) < chunk_offset:
-        raise ChunkFormatError("truncated disk record key")
-    return bytes(data[_RECORD.size : chunk_offset]).decode("utf-8"), chunk_offset
+    if not _RECORD.size + key_len <= chunk_offset <= len(data):
+        raise ChunkFormatError("truncated or inconsistent disk record")
+    return bytes(data[_RECORD.size : _RECORD.size + key_len]).decode("utf-8"), chunk_offset

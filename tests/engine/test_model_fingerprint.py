@@ -30,15 +30,20 @@ def test_checkpoint_replaced_in_place_gets_no_stale_hits(tmp_path):
     offload = OffloadConfig(cpu_bytes=0, disk_path=str(tmp_path / "kv"), disk_bytes=1 << 28, chunk_size=64)
     prompt = random_prompt(200, seed=3)
 
+    def generate_once() -> object:
+        """One engine on the folder, closed afterwards (the disk tier locks its folder)."""
+        llm = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload)
+        output = llm.generate([prompt], PARAMS)[0]
+        llm.engine.runner.connector.close()  # finishes the write-through, releases the folder
+        return output
+
     make_tiny_model(model_dir, arch="llama", seed=1)
-    first = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload)
-    first.generate([prompt], PARAMS)
-    first.flush_kv_offload()
-    again = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload).generate([prompt], PARAMS)[0]
+    generate_once()
+    again = generate_once()
     assert again.metrics.num_external_cached_tokens == 199  # same weights: disk hits
 
     make_tiny_model(model_dir, arch="llama", seed=2)  # new weights, same folder
-    replaced = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload).generate([prompt], PARAMS)[0]
+    replaced = generate_once()
     reference = LLM(model_dir, dtype="float32", device="cpu").generate([prompt], PARAMS)[0]
     assert replaced.metrics.num_external_cached_tokens == 0
     assert replaced.token_ids == reference.token_ids

@@ -18,6 +18,7 @@ import torch
 
 from connector import OffloadConfig
 from storage_backends.chunk import KVChunk, encode_chunk
+from storage_backends.disk_backend import parse_record
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
     StreamTally,
@@ -110,9 +111,7 @@ def test_disk_chunk_files_corrupted(model_dir, reference, reliability_report, ca
         for index, path in enumerate(sorted(folder.glob("*.kvc"))):
             kind = KINDS[index % len(KINDS)]
             record = path.read_bytes()
-            (key_len,) = struct.unpack_from("<H", record, 6)  # disk record: magic, version, key length, key
-            chunk_offset = 8 + key_len
-            key = record[8:chunk_offset].decode()
+            key, chunk_offset = parse_record(record)  # the serialized chunk's place in the file
             path.write_bytes(record[:chunk_offset] + damage(record[chunk_offset:], kind, rng, key))
             kinds.append(kind)
         return kinds

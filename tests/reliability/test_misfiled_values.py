@@ -9,11 +9,11 @@ tokens that differ from recompute (each of these tests fails on that code).
 from __future__ import annotations
 
 import logging
-import struct
 
 import pytest
 
 from connector import OffloadConfig
+from storage_backends.disk_backend import parse_record
 from tests.cache_server.server_process import CacheServerProcess
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
@@ -115,8 +115,8 @@ def test_disk_files_swapped_key_for_key(model_dir, reference, reliability_report
 
     def split(path) -> tuple[bytes, bytes]:
         record = path.read_bytes()
-        (key_len,) = struct.unpack_from("<H", record, 6)  # disk record: magic, version, key length, key
-        return record[: 8 + key_len], record[8 + key_len :]
+        _, chunk_offset = parse_record(record)  # record header, key and padding | serialized chunk
+        return record[:chunk_offset], record[chunk_offset:]
 
     # Each file keeps its own record header (key, file name) but gets its partner's chunk.
     for first, second in zip(paths[0::2], paths[1::2], strict=True):

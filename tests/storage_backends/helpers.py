@@ -37,9 +37,14 @@ def make_chunk(
 
 
 def directory_bytes(path: str) -> int:
-    """Bytes of every file in ``path`` (temporary files included): what the disk tier really occupies."""
+    """Bytes of the chunk files in ``path``, temporary files included: what the disk tier's cap
+    covers (the small index and lock files are outside it)."""
     with os.scandir(path) as scan:
-        return sum(entry.stat().st_size for entry in scan if entry.is_file())
+        return sum(
+            entry.stat().st_size
+            for entry in scan
+            if entry.is_file() and (entry.name.endswith(".kvc") or entry.name.startswith(".tmp-"))
+        )
 
 
 _FIXED = struct.Struct("<4sHHBBBBQQ16s")
@@ -73,3 +78,13 @@ def forge_chunk(
         key_hash(key),
     )
     return fixed + struct.pack("<I", crc32(payload, crc32(tail, crc32(fixed)))) + tail + payload
+
+
+def aligned_copy(chunk: KVChunk, offset_bytes: int = 0) -> KVChunk:
+    """``chunk`` copied into memory that starts ``offset_bytes`` past a 4 KiB boundary, like a
+    pinned CPU-tier slot (offset 0): the disk tier then writes and reads it with O_DIRECT."""
+    storage = torch.empty(chunk.nbytes + 2 * 4096, dtype=torch.uint8)
+    start = -storage.data_ptr() % 4096 + offset_bytes
+    tensor = storage[start : start + chunk.nbytes].view(chunk.dtype).view(chunk.tensor.shape)
+    tensor.copy_(chunk.tensor)
+    return KVChunk(tensor, chunk.layout)

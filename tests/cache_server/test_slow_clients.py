@@ -107,8 +107,9 @@ class Trickler:
 def test_slow_hellos_are_cut_and_their_connection_slots_come_back(server, stubs) -> None:
     """Today's 10 s per-recv hello timeout let every connection slot be held by a byte every 3 s."""
     port = bulk_port(stubs)
-    # Half a hello, then one byte every 0.5 s: never silent for long, never finished.
-    tricklers = Trickler(port, NUM_BULK_CONNECTIONS, wire.MAGIC[:2])
+    # A hello announcing a 200-byte token, then one token byte every 0.5 s: never silent for
+    # long, never finished (it would take 100 s).
+    tricklers = Trickler(port, NUM_BULK_CONNECTIONS, wire.HELLO.pack(wire.MAGIC, 200))
     try:
         assert wait_until(
             lambda: tricklers.num_closed_by_server == NUM_BULK_CONNECTIONS, 6 * REQUEST_TIMEOUT_S
@@ -202,7 +203,8 @@ def test_a_grpc_put_that_goes_silent_is_cut_and_frees_its_stream_slot(server, st
 def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:
     """6 uploads announcing 200 MiB and stalling after 150 MiB took RSS from 321 to 1,304 MiB on a
     server capped at 0.25 GiB. Now the second announcement is refused before any byte moves."""
-    announced = 200 * MIB
+    value = make_value(8, 200 * MIB)  # a valid chunk, so the server keeps the bytes that arrive
+    announced = len(value)
     key = b"ns/huge"
     port = bulk_port(stubs)
     process = psutil.Process(server.process.pid)
@@ -227,8 +229,8 @@ def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:
             stubs.put("ns/other", make_value(6, 100 * MIB))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # The first upload sends 150 MiB and stalls; the server holds that much, not 6 x 150 MiB.
-        held[0].sendall(b"\0" * (150 * MIB))
-        wait_until(lambda: process.memory_info().rss - rss_before > 140 * MIB, 10)
+        held[0].sendall(memoryview(value)[: 150 * MIB])
+        assert wait_until(lambda: process.memory_info().rss - rss_before > 140 * MIB, 10)  # it keeps them
         assert process.memory_info().rss - rss_before < 256 * MIB
     finally:
         for sock in held:

@@ -44,11 +44,12 @@ from tests.cache_server.server_process import CacheServerProcess  # noqa: E402
 MIB = 1 << 20
 
 
-def put_all(url: str, keys: list[str], value: bytes, num_threads: int = 8) -> None:
+def put_all(url: str, keys: list[str], seed: int, num_threads: int = 8) -> None:
+    """Put a value of about 64 bytes made for each key (values bind their key), all of one length."""
     backend = create_backend(url)
     try:
         with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, value), keys))
+            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, 64, key=key)), keys))
     finally:
         backend.close()
 
@@ -94,8 +95,8 @@ def slow_hellos(num_connections: int = 24, interval_s: float = 3.0) -> dict:
         seconds_to_cut_all = time.monotonic() - start
         backend = create_backend(server.url)
         try:
-            backend.put_encoded("ns/honest", make_value(1))
-            honest_ok = bytes(backend.get_encoded("ns/honest")) == make_value(1)
+            backend.put_encoded("ns/honest", make_value(1, key="ns/honest"))
+            honest_ok = bytes(backend.get_encoded("ns/honest")) == make_value(1, key="ns/honest")
             honest_over_bulk = backend.stats()["bulk_failures"] == 0
         finally:
             backend.close()
@@ -121,14 +122,14 @@ def stalled_uploads(num_uploads: int = 6, announced: int = 200 * MIB, sent: int 
         rss_before = process.memory_info().rss
         port = bulk_port(server.address)
         # A valid chunk's first bytes, so the server keeps what arrives (zeros fail the header check).
-        value = make_value(4, announced)
+        value = make_value(4, announced, key="ns/stall")
         statuses = []
-        for i in range(num_uploads):
+        for _ in range(num_uploads):
             sock = socket.create_connection(("127.0.0.1", port), timeout=30)
             held.append(sock)
             sock.sendall(wire.HELLO.pack(wire.MAGIC, 0))
             wire.read_reply(sock)
-            key = f"ns/stall-{i}".encode()
+            key = b"ns/stall"
             sock.sendall(wire.REQUEST.pack(wire.OP_PUT, len(key), len(value)) + key)
             reply = wire.read_reply(sock)
             statuses.append(reply.status)
@@ -153,12 +154,12 @@ def stalled_uploads(num_uploads: int = 6, announced: int = 200 * MIB, sent: int 
 def tiny_values(num_values: int = 59000) -> dict:
     server = CacheServerProcess("--memory-gb", "4").start()
     try:
-        value = make_value(2, num_bytes=64)
-        put_all(server.url, [f"warm/{i}" for i in range(2000)], value)
+        value = make_value(2, num_bytes=64, key="warm/0")
+        put_all(server.url, [f"warm/{i}" for i in range(2000)], 2)
         process = psutil.Process(server.process.pid)
         rss_before = process.memory_info().rss
         used_before = memory_tier(server.address).bytes_used
-        put_all(server.url, [f"{i:08d}/".ljust(1024, "k") for i in range(num_values)], value)
+        put_all(server.url, [f"{i:08d}/".ljust(1024, "k") for i in range(num_values)], 2)
         rss_after = process.memory_info().rss
         used_after = memory_tier(server.address).bytes_used
     finally:
@@ -174,7 +175,7 @@ def tiny_values(num_values: int = 59000) -> dict:
 def list_keys(num_keys: int = 30000) -> dict:
     server = CacheServerProcess("--memory-gb", "1").start()
     try:
-        put_all(server.url, [f"k/{i:08d}" for i in range(num_keys)], make_value(3, num_bytes=64))
+        put_all(server.url, [f"k/{i:08d}" for i in range(num_keys)], 3)
         with make_channel(server.address, secure=False) as channel:
             admin = kvstash_pb2_grpc.AdminStub(channel)
             health = health_pb2_grpc.HealthStub(channel)

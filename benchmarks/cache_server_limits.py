@@ -49,11 +49,12 @@ def long_key(index: int) -> str:
     return f"{index:08d}/".ljust(KEY_BYTES, "k")
 
 
-def put_all(url: str, keys: list[str], value: bytes, num_threads: int = 8) -> None:
+def put_all(url: str, keys: list[str], seed: int, num_threads: int = 8) -> None:
+    """Put a value of about 64 bytes made for each key (values bind their key), all of one length."""
     backend = create_backend(url)
     try:
         with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, value), keys))
+            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, 64, key=key)), keys))
     finally:
         backend.close()
 
@@ -67,14 +68,14 @@ def memory_tier_stats(address: str) -> kvstash_pb2.TierStats:
 def measure_entry_overhead(num_entries: int) -> dict:
     server = CacheServerProcess("--memory-gb", "4").start()
     try:
-        value = make_value(0, num_bytes=64)
         keys = [long_key(i) for i in range(num_entries)]
+        value = make_value(0, num_bytes=64, key=keys[0])
         # Warm the server's paths (threads, buffers) first so their one-time memory is not counted.
-        put_all(server.url, [f"warm/{i}" for i in range(2000)], value)
+        put_all(server.url, [f"warm/{i}" for i in range(2000)], 0)
         process = psutil.Process(server.process.pid)
         rss_before = process.memory_info().rss
         used_before = memory_tier_stats(server.address).bytes_used
-        put_all(server.url, keys, value)
+        put_all(server.url, keys, 0)
         rss_after = process.memory_info().rss
         used_after = memory_tier_stats(server.address).bytes_used
     finally:
@@ -91,25 +92,25 @@ def measure_entry_overhead(num_entries: int) -> dict:
     }
 
 
-def alternating_tiers_server(disk_path: str, keys: list[str], value: bytes) -> CacheServerProcess:
+def alternating_tiers_server(disk_path: str, keys: list[str], seed: int) -> CacheServerProcess:
     """A server whose memory tier holds the even-numbered ``keys`` and whose disk tier holds all:
     the memory cap fits half of them, the odd ones are put first (and evicted by the even ones)."""
-    memory_bytes = (len(keys) // 2) * entry_size(keys[0], len(value)) + entry_size(keys[0], len(value)) // 2
+    per_entry = entry_size(keys[0], len(make_value(seed, 64, key=keys[0])))
+    memory_bytes = (len(keys) // 2) * per_entry + per_entry // 2
     server = CacheServerProcess(
         "--memory-gb", repr(memory_bytes / GIB), "--disk-path", disk_path, "--disk-gb", "1"
     ).start()
-    put_all(server.url, keys[1::2], value, num_threads=1)
-    put_all(server.url, keys[0::2], value, num_threads=1)
+    put_all(server.url, keys[1::2], seed, num_threads=1)
+    put_all(server.url, keys[0::2], seed, num_threads=1)
     return server
 
 
 def measure_contains_and_listing(key_counts: list[int]) -> tuple[list[dict], list[dict]]:
     contains_rows, listing_rows = [], []
-    value = make_value(1, num_bytes=64)
     for num_keys in key_counts:
         keys = [f"k/{i:08d}" for i in range(num_keys)]
         with tempfile.TemporaryDirectory(prefix="kvstash-bench-disk-") as disk_path:
-            server = alternating_tiers_server(disk_path, keys, value)
+            server = alternating_tiers_server(disk_path, keys, 1)
             try:
                 with make_channel(server.address, secure=False) as channel:
                     contains_rows.append(_time_contains(kvstash_pb2_grpc.KVCacheStub(channel), keys))

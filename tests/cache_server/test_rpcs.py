@@ -98,7 +98,8 @@ def test_stats_list_info_evict_and_clear(stubs: Stubs) -> None:
     assert memory.name == "memory" and memory.num_keys == 7
     # The cap counts each entry's value, key and fixed overhead.
     expected_bytes = sum(
-        entry_size(key, len(make_value(i))) for i, key in enumerate([*keys_a, "model-b/00", "model-b/01"])
+        entry_size(key, len(make_value(i, key=key)))
+        for i, key in enumerate([*keys_a, "model-b/00", "model-b/01"])
     )
     assert memory.capacity_bytes == 1 << 28 and memory.bytes_used == expected_bytes
 

@@ -119,8 +119,8 @@ def test_slow_hellos_are_cut_and_their_connection_slots_come_back(server, stubs)
         # Every slot is free again: an honest client goes over the bulk channel, not the gRPC fallback.
         backend = create_backend(server.url)
         try:
-            backend.put_encoded("ns/honest", make_value(1))
-            assert bytes(backend.get_encoded("ns/honest")) == make_value(1)
+            backend.put_encoded("ns/honest", make_value(1, key="ns/honest"))
+            assert bytes(backend.get_encoded("ns/honest")) == make_value(1, key="ns/honest")
             assert backend.stats()["bulk_failures"] == 0 and backend.stats()["bulk_calls"] >= 2
         finally:
             backend.close()
@@ -142,8 +142,8 @@ def test_slow_bulk_put_bodies_are_cut_while_an_honest_client_keeps_working(serve
         assert wait_until(lambda: tricklers.num_closed_by_server == NUM_STREAMS, 6 + 4 * REQUEST_TIMEOUT_S)
         assert wait_until(lambda: stats(stubs).num_active_streams == 0, 5)
         assert memory_stats(stubs).bytes_used == 0  # nothing stored, nothing reserved any more
-        stubs.put("ns/honest", make_value(2))
-        assert stubs.get("ns/honest") == make_value(2)
+        stubs.put("ns/honest", make_value(2, key="ns/honest"))
+        assert stubs.get("ns/honest") == make_value(2, key="ns/honest")
         with pytest.raises(grpc.RpcError) as missing:
             stubs.get("ns/slow")
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
@@ -152,7 +152,7 @@ def test_slow_bulk_put_bodies_are_cut_while_an_honest_client_keeps_working(serve
 
 
 def test_a_bulk_get_that_is_never_read_is_cut(server, stubs) -> None:
-    value = make_value(3, 16 * MIB)  # far more than the socket buffers hold
+    value = make_value(3, 16 * MIB, key="ns/big")  # far more than the socket buffers hold
     stubs.put("ns/big", value)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
@@ -171,7 +171,7 @@ def test_a_bulk_get_that_is_never_read_is_cut(server, stubs) -> None:
 
 def test_a_grpc_put_that_goes_silent_is_cut_and_frees_its_stream_slot(server, stubs) -> None:
     """Today a Put stream that stops after its first message holds its slot forever."""
-    value = make_value(4, 2 * MIB)
+    value = make_value(4, 2 * MIB, key="ns/silent")
     silence = threading.Event()
 
     def first_message_then_silence():
@@ -194,8 +194,8 @@ def test_a_grpc_put_that_goes_silent_is_cut_and_frees_its_stream_slot(server, st
         assert {error.code() for error in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}
         assert "too slow" in errors[0].details()
         assert stats(stubs).num_active_streams == 0 and memory_stats(stubs).bytes_used == 0
-        stubs.put("ns/honest", make_value(5))
-        assert stubs.get("ns/honest") == make_value(5)
+        stubs.put("ns/honest", make_value(5, key="ns/honest"))
+        assert stubs.get("ns/honest") == make_value(5, key="ns/honest")
     finally:
         silence.set()
         for thread in threads:
@@ -205,7 +205,9 @@ def test_a_grpc_put_that_goes_silent_is_cut_and_frees_its_stream_slot(server, st
 def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:
     """6 uploads announcing 200 MiB and stalling after 150 MiB took RSS from 321 to 1,304 MiB on a
     server capped at 0.25 GiB. Now the second announcement is refused before any byte moves."""
-    value = make_value(8, 200 * MIB)  # a valid chunk, so the server keeps the bytes that arrive
+    value = make_value(
+        8, 200 * MIB, key="ns/huge"
+    )  # a valid chunk, so the server keeps the bytes that arrive
     announced = len(value)
     key = b"ns/huge"
     port = bulk_port(stubs)
@@ -228,7 +230,7 @@ def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:
         assert announced <= memory.bytes_used <= memory.capacity_bytes
         # The same refusal over gRPC.
         with pytest.raises(grpc.RpcError) as refused:
-            stubs.put("ns/other", make_value(6, 100 * MIB))
+            stubs.put("ns/other", make_value(6, 100 * MIB, key="ns/other"))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # The first upload sends 150 MiB and stalls (sendall returns once the server has read all
         # but the socket buffers); the server holds that much at most, not 6 x 150 MiB.
@@ -240,8 +242,9 @@ def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:
     # Abort: the reservation is released with the connection, and the room is usable again.
     assert wait_until(lambda: memory_stats(stubs).bytes_used == 0, 10)
     assert stats(stubs).num_active_streams == 0
-    stubs.put("ns/after", make_value(7, 100 * MIB))
-    assert stubs.get("ns/after") == make_value(7, 100 * MIB)
+    after = make_value(7, 100 * MIB, key="ns/after")
+    stubs.put("ns/after", after)
+    assert stubs.get("ns/after") == after
 
 
 @pytest.mark.parametrize(

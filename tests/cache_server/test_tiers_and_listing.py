@@ -31,11 +31,12 @@ def long_key(index: int, prefix: str = "ns/") -> str:
     return f"{prefix}{index:06d}/".ljust(KEY_BYTES, "k")
 
 
-def put_all(url: str, keys: Sequence[str], value: bytes, num_threads: int = 4) -> None:
+def put_all(url: str, keys: Sequence[str], seed: int, num_bytes: int = 64, num_threads: int = 4) -> None:
+    """Put a value of ``num_bytes`` made for each key (values bind their key), all of one length."""
     backend = create_backend(url)
     try:
         with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, value), keys))
+            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, num_bytes, key=key)), keys))
     finally:
         backend.close()
 
@@ -62,12 +63,12 @@ def list_all(stubs: Stubs, prefix: str = "", page_size: int = 0) -> tuple[list[t
 # ---- memory accounting ---------------------------------------------------------------------------
 def test_the_memory_cap_counts_keys_and_per_entry_overhead() -> None:
     """59,000 tiny values under 1 KiB keys grew RSS by 134 MiB while the tier reported 4.5 MiB."""
-    value = make_value(0, num_bytes=64)
     capacity = 4 * MIB
     server = CacheServerProcess("--memory-gb", repr(capacity / GIB)).start()
     try:
         keys = [long_key(i) for i in range(3000)]
-        put_all(server.url, keys, value, num_threads=1)  # one at a time: no uploads in flight at the end
+        value = make_value(0, num_bytes=64, key=keys[0])
+        put_all(server.url, keys, 0, num_threads=1)  # one at a time: no uploads in flight at the end
         with Stubs(server.address) as stubs:
             memory = tier_stats(stubs, "memory")
         per_entry = entry_size(keys[0], len(value))
@@ -80,22 +81,22 @@ def test_the_memory_cap_counts_keys_and_per_entry_overhead() -> None:
 
 
 # ---- Contains ------------------------------------------------------------------------------------
-def alternating_tiers_server(disk_path: str, keys: list[str], value: bytes) -> CacheServerProcess:
+def alternating_tiers_server(disk_path: str, keys: list[str], seed: int) -> CacheServerProcess:
     """A server whose memory holds the even-numbered ``keys`` and whose disk holds all of them: the
     memory cap fits half; the odd ones are put first and evicted from memory by the even ones."""
-    per_entry = entry_size(keys[0], len(value))
+    per_entry = entry_size(keys[0], len(make_value(seed, 64, key=keys[0])))
     memory_bytes = (len(keys) // 2) * per_entry + per_entry // 2
     server = CacheServerProcess(
         "--memory-gb", repr(memory_bytes / GIB), "--disk-path", disk_path, "--disk-gb", "1"
     ).start()
-    put_all(server.url, keys[1::2], value, num_threads=1)
-    put_all(server.url, keys[0::2], value, num_threads=1)
+    put_all(server.url, keys[1::2], seed, num_threads=1)
+    put_all(server.url, keys[0::2], seed, num_threads=1)
     return server
 
 
 def test_contains_counts_keys_that_alternate_between_memory_and_disk(tmp_path) -> None:
     keys = [f"ns/{i:05d}" for i in range(200)]
-    server = alternating_tiers_server(str(tmp_path), keys, make_value(1, num_bytes=64))
+    server = alternating_tiers_server(str(tmp_path), keys, 1)
     try:
         with Stubs(server.address) as stubs:
             listed, _ = list_all(stubs, "ns/")
@@ -150,14 +151,13 @@ def test_contains_and_list_keys_do_work_linear_in_keys_and_page(tmp_path, num_ke
     """8x the keys took 34x the time: each step re-sent every remaining key to a tier. The lookups
     a Contains makes are now at most (tiers x keys); a ListKeys page lists at most
     (tiers x (page + 1)) keys however many are stored."""
-    value = make_value(2, num_bytes=64)
     config = ServerConfig(memory_bytes=GIB, disk_path=str(tmp_path), disk_bytes=GIB)
     store = TieredStore(config)
     try:
         keys = [f"ns/{i:05d}" for i in range(num_keys)]
         memory, disk = store.tiers
         for i, key in enumerate(keys):
-            (memory if i % 2 == 0 else disk).put_encoded(key, value)
+            (memory if i % 2 == 0 else disk).put_encoded(key, make_value(2, num_bytes=64, key=key))
         counted = tuple(CountingTier(tier) for tier in store.tiers)
         store.tiers = counted
         assert store.contains(keys) == num_keys
@@ -178,7 +178,7 @@ def test_list_keys_pages_fit_the_message_limit_and_admin_ls_follows_the_cursor()
     server = CacheServerProcess("--memory-gb", "0.25").start()
     try:
         keys = [long_key(i) for i in range(num_keys)]
-        put_all(server.url, keys, make_value(3, num_bytes=64))
+        put_all(server.url, keys, 3)
         with Stubs(server.address) as stubs:
             first = stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(page_size=10000), timeout=30)
             assert 0 < len(first.entries) < num_keys and first.next_page_token
@@ -208,17 +208,16 @@ def test_a_put_refused_for_the_disk_tier_stores_nothing(tmp_path) -> None:
         "--memory-gb", "0.25", "--disk-path", str(tmp_path), "--disk-gb", repr(disk_bytes / GIB)
     ).start()
     try:
-        value = make_value(4, 2 * MIB)
         with Stubs(server.address) as stubs:
             with pytest.raises(grpc.RpcError) as refused:
-                stubs.put("ns/too-big", value)
+                stubs.put("ns/too-big", make_value(4, 2 * MIB, key="ns/too-big"))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "disk tier" in refused.value.details()
             # Over the bulk channel too (the backend reports the refusal as a bad value).
             backend = create_backend(server.url)
             try:
                 with pytest.raises(ChunkFormatError):
-                    backend.put_encoded("ns/too-big-bulk", value)
+                    backend.put_encoded("ns/too-big-bulk", make_value(4, 2 * MIB, key="ns/too-big-bulk"))
                 assert backend.get_encoded("ns/too-big") is None
                 assert backend.get_encoded("ns/too-big-bulk") is None
             finally:
@@ -226,7 +225,7 @@ def test_a_put_refused_for_the_disk_tier_stores_nothing(tmp_path) -> None:
             assert list_all(stubs)[0] == []
             assert tier_stats(stubs, "memory").num_keys == 0
             # A value the disk can take is stored in both tiers.
-            stubs.put("ns/fits", make_value(5, 64 * 1024))
+            stubs.put("ns/fits", make_value(5, 64 * 1024, key="ns/fits"))
             assert list_all(stubs)[0] == [("ns/fits", "memory")]
             assert tier_stats(stubs, "disk").num_keys == 1
     finally:
@@ -236,7 +235,7 @@ def test_a_put_refused_for_the_disk_tier_stores_nothing(tmp_path) -> None:
 def test_a_value_a_lower_tier_refuses_after_the_size_check_is_stored_nowhere(tmp_path) -> None:
     """The disk tier's file also holds the key and a record header, so a value of exactly the
     disk cap passes the size check and is refused by the disk tier: memory must not keep it."""
-    value = make_value(6, 64 * 1024)
+    value = make_value(6, 64 * 1024, key="ns/edge")
     store = TieredStore(ServerConfig(memory_bytes=GIB, disk_path=str(tmp_path), disk_bytes=len(value)))
     try:
         with pytest.raises(ValueError, match="disk tier"):
@@ -256,11 +255,11 @@ def test_every_call_skips_a_redis_that_went_down() -> None:
         keys = ["ns/a/0", "ns/a/1", "ns/a/2", "ns/a/3", "ns/b/0", "ns/b/1"]
         with Stubs(server.address) as stubs:
             for i, key in enumerate(keys):
-                stubs.put(key, make_value(10 + i))
+                stubs.put(key, make_value(10 + i, key=key))
             assert tier_stats(stubs, "redis").num_keys == len(keys)
             redis.stop()
 
-            assert stubs.get(keys[0]) == make_value(10)
+            assert stubs.get(keys[0]) == make_value(10, key=keys[0])
             assert stubs.kv.Contains(kvstash_pb2.ContainsRequest(keys=keys), timeout=30).num_hits == 6
             listed, _ = list_all(stubs, "ns/", page_size=4)
             assert listed == [(key, "memory") for key in keys]
@@ -272,8 +271,8 @@ def test_every_call_skips_a_redis_that_went_down() -> None:
             assert list_all(stubs)[0] == []
             assert stubs.kv.Contains(kvstash_pb2.ContainsRequest(keys=keys), timeout=30).num_hits == 0
             # Puts still land in memory while Redis is down.
-            stubs.put("ns/later", make_value(20))
-            assert stubs.get("ns/later") == make_value(20)
+            stubs.put("ns/later", make_value(20, key="ns/later"))
+            assert stubs.get("ns/later") == make_value(20, key="ns/later")
     finally:
         server.close()
         redis.close()

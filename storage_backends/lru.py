@@ -177,8 +177,16 @@ class IndexedTierMixin:
             return flags
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> list[str]:
+        """Readable keys only (a disk file still being written is skipped, as in ``keys``)."""
         with self._lock:
-            return self._index.keys_page(prefix, after, limit)
+            page: list[str] = []
+            while len(page) < limit:
+                batch = self._index.keys_page(prefix, after, limit - len(page))
+                if not batch:
+                    break
+                page.extend(key for key in batch if self._is_readable(self._index.get(key, touch=False)))
+                after = batch[-1]
+            return page
 
 
 class SlabTierMixin(IndexedTierMixin):

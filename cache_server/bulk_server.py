@@ -19,6 +19,14 @@ A bad request gets an error reply with the gRPC-style status and message the
 gRPC path would give; a garbled or dropped connection is closed and never
 reaches the store. Nothing a client sends can stop the server.
 
+Slow clients: every phase of a connection has a whole deadline, not a per-``recv``
+timeout that a trickle of bytes keeps resetting. The TLS handshake and hello get
+``Limits.request_timeout_s`` in all; a request gets as much for its header and
+key, and ``Limits.transfer_deadline_s(value size)`` from its first byte for the
+whole request with its value (a minimum data rate). One watchdog thread
+(:meth:`BulkServer._cut_late_connections`) shuts the socket of a connection past
+its deadline; its thread then frees the stream slot and the reserved memory.
+
 Built and started by :class:`cache_server.server.CacheServer`, stopped by it
 (:meth:`BulkServer.stop`: no new connections, requests in flight get the grace
 period to finish, idle connections are closed).
@@ -45,12 +53,11 @@ from storage_backends.chunk import ChunkFormatError
 
 logger = logging.getLogger(__name__)
 
-#: seconds a new connection gets for the TLS handshake and its HELLO
-HELLO_TIMEOUT_S = 10.0
-#: seconds a connection may sit idle between requests before the server closes it
+#: seconds a connection may sit idle between requests before the server closes it (an
+#: authenticated client's pooled connection; unauthenticated ones get the hello deadline)
 IDLE_TIMEOUT_S = 300.0
-#: seconds of silence allowed in the middle of a request
-TRANSFER_TIMEOUT_S = 60.0
+#: how often the watchdog looks for connections past their deadline
+DEADLINE_POLL_S = 0.1
 #: most bytes asked of one recv_into (the checksum then runs over them while they are in cache)
 RECV_BYTES = 1 << 20
 #: how often stop() looks for connections that went idle
@@ -68,6 +75,8 @@ class _Connection:
     busy: bool = False
     #: whose token the HELLO carried (set once the HELLO is accepted)
     tenant: Tenant = OPEN_ACCESS
+    #: time.monotonic() by which the current phase (hello, request) must end; None while idle
+    deadline: float | None = None
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -105,6 +114,7 @@ class BulkServer:
         self._service = service
         #: None: an open server (every HELLO is accepted, as an admin)
         self._tenants = tenants
+        self._limits = service.limits
         self._tls_context = tls_context
         self._max_connections = max_connections
         self._listener = _Listener((host, port), self)
@@ -112,6 +122,7 @@ class BulkServer:
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -119,12 +130,29 @@ class BulkServer:
             target=self._listener.serve_forever, name="kvstash-bulk-accept", daemon=True
         )
         self._thread.start()
+        threading.Thread(
+            target=self._cut_late_connections, name="kvstash-bulk-deadlines", daemon=True
+        ).start()
+
+    def _cut_late_connections(self) -> None:
+        """Watchdog (its own thread, until stop): shut every connection past its deadline."""
+        while not self._stopped.wait(DEADLINE_POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c in self._connections if c.deadline is not None and now > c.deadline]
+                for connection in late:
+                    connection.deadline = None  # cut once
+                    _shut(connection.sock)
+            if late:
+                self._service.counters.add(num_rejected=len(late))
+                logger.info("cut %d bulk connection(s) past their deadline (too slow)", len(late))
 
     def stop(self, grace_s: float) -> None:
         """Stop accepting, give busy connections ``grace_s`` seconds, then close every connection."""
         if self._stopping:
             return
         self._stopping = True
+        self._stopped.set()
         if self._thread is not None:
             self._listener.shutdown()
         self._listener.server_close()
@@ -159,10 +187,13 @@ class BulkServer:
                 )
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(HELLO_TIMEOUT_S)
+            # The handshake and hello together get one deadline, however the bytes trickle in.
+            connection.deadline = time.monotonic() + self._limits.request_timeout_s
+            sock.settimeout(self._limits.request_timeout_s)
             if self._tls_context is not None:
                 sock = connection.sock = self._tls_context.wrap_socket(sock, server_side=True)
             if self._accept_hello(connection):
+                connection.deadline = None
                 self._serve_requests(connection)
         except (OSError, ProtocolError) as error:
             # A client that went away or broke the format: its connection ends, nothing else.
@@ -203,13 +234,15 @@ class BulkServer:
             if not first:
                 return  # the client closed between requests: the normal end
             connection.busy = True
-            sock.settimeout(TRANSFER_TIMEOUT_S)
+            started = time.monotonic()
+            connection.deadline = started + self._limits.request_timeout_s
             op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
             key_bytes = _receive(sock, key_len)
             if op == wire.OP_PUT:
+                connection.deadline = started + self._limits.transfer_deadline_s(value_len)
                 self._put(sock, connection.tenant, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
-                self._get(sock, connection.tenant, key_bytes)
+                self._get(connection, key_bytes, started)
             else:
                 # What follows the header cannot be trusted, so the connection ends here.
                 sock.sendall(
@@ -217,6 +250,7 @@ class BulkServer:
                 )
                 raise ProtocolError(f"op {op} with a value of {value_len} bytes")
             connection.busy = False
+            connection.deadline = None
 
     def _put(self, sock: socket.socket, tenant: Tenant, key_bytes: bytes, value_len: int) -> None:
         """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
@@ -224,10 +258,14 @@ class BulkServer:
         try:
             with service.stream_slot():
                 key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "put")
-                assembler = ValueAssembler(service.check_size(value_len), key)
-                sock.sendall(wire.encode_reply(wire.STATUS_OK))
-                data = _receive_value(sock, assembler)
-                service.store.put_verified(key, data)
+                reservation = service.store.memory.reserve(key, service.check_size(value_len))
+                try:
+                    assembler = ValueAssembler(value_len, key)
+                    sock.sendall(wire.encode_reply(wire.STATUS_OK))
+                    data = _receive_value(sock, assembler)
+                    service.store.put_verified(key, data, reservation)
+                finally:
+                    reservation.release()  # a no-op once stored
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
@@ -236,8 +274,8 @@ class BulkServer:
         service.counters.add(num_puts=1, bytes_received=value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
-    def _get(self, sock: socket.socket, tenant: Tenant, key_bytes: bytes) -> None:
-        service = self._service
+    def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
+        service, sock, tenant = self._service, connection.sock, connection.tenant
         try:
             with service.stream_slot():
                 key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "get")
@@ -245,6 +283,8 @@ class BulkServer:
                 stored = service.store.get(key)
                 if stored is None:
                     raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
+                # A reader that stalls is cut like a writer that does.
+                connection.deadline = started + self._limits.transfer_deadline_s(len(stored.data))
                 sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)))
                 sock.sendall(stored.data)
         except (OSError, ProtocolError):

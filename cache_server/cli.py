@@ -70,6 +70,21 @@ __all__ = ["admin", "cache_server"]
     show_default=True,
     help="Bulk-channel connections open at once (more are closed; those clients use gRPC).",
 )
+@click.option(
+    "--request-timeout-s",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds a request may take in all beyond its bytes at the minimum rate (bulk hello, "
+    "request header, Put/Get value); a slower client is cut and its slot and memory freed.",
+)
+@click.option(
+    "--min-rate-mib-s",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Slowest a Put or Get value may move, MiB/s (its deadline: --request-timeout-s + size / rate).",
+)
 def cache_server(
     host: str,
     port: int,
@@ -86,6 +101,8 @@ def cache_server(
     max_value_mb: float,
     max_concurrent_streams: int,
     max_bulk_connections: int,
+    request_timeout_s: float,
+    min_rate_mib_s: float,
 ) -> None:
     """Serve KV chunks over gRPC from memory, with optional disk and Redis tiers below."""
     from cache_server.server import run
@@ -109,6 +126,8 @@ def cache_server(
                 max_value_bytes=int(max_value_mb * (1 << 20)),
                 max_concurrent_streams=max_concurrent_streams,
                 max_bulk_connections=max_bulk_connections,
+                request_timeout_s=request_timeout_s,
+                min_rate_bytes_per_s=int(min_rate_mib_s * (1 << 20)),
             ),
         )
     except ValueError as exc:

@@ -32,6 +32,17 @@ class Limits:
     max_page_size: int = 10000
     #: bulk-channel connections open at once (idle ones count); more are refused
     max_bulk_connections: int = 256
+    #: seconds a whole request may take on top of its bytes at ``min_rate_bytes_per_s``: a bulk
+    #: hello (with the TLS handshake) or request header gets this much in all, a Put or Get value
+    #: this plus its size over the minimum rate; a request past its deadline is cut and its
+    #: stream slot and reserved memory are freed (slow-loris clients)
+    request_timeout_s: float = 10.0
+    #: slowest transfer a value may have (bytes per second), see ``request_timeout_s``
+    min_rate_bytes_per_s: int = MIB
+
+    def transfer_deadline_s(self, num_bytes: int) -> float:
+        """Seconds a request moving a value of ``num_bytes`` may take in all."""
+        return self.request_timeout_s + num_bytes / self.min_rate_bytes_per_s
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -27,13 +27,24 @@ from cache_server.store import TieredStore
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from protos import kvstash_pb2, kvstash_pb2_grpc
-from storage_backends.base import BackendError
+from storage_backends.base import BackendError, CapacityError
 from storage_backends.chunk import verify_chunk
-from storage_backends.grpc_backend import GET_DATA_FIELD, PUT_DATA_FIELD, parse_fields, piece_messages
+from storage_backends.grpc_backend import (
+    GET_DATA_FIELD,
+    MAX_MESSAGE_BYTES,
+    PUT_DATA_FIELD,
+    parse_fields,
+    piece_messages,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 1000
+#: most bytes in one ListKeys page: the message limit less room for the page token (a base64
+#: key), so the largest page always fits the server's own message limit
+MAX_PAGE_BYTES = MAX_MESSAGE_BYTES - 4096
+#: protobuf framing per listed entry (tags and lengths of the entry, its key and its tier), rounded up
+ENTRY_FRAMING_BYTES = 16
 VERSION = "kvstash.v1"
 PUT_KEY_FIELD = kvstash_pb2.PutRequest.DESCRIPTOR.fields_by_name["key"].number
 PUT_TOTAL_SIZE_FIELD = kvstash_pb2.PutRequest.DESCRIPTOR.fields_by_name["total_size"].number
@@ -54,6 +65,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
         return error.code, error.message
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"invalid value: {error}"
+    if isinstance(error, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room: {error}"
     if isinstance(error, BackendError):
         return grpc.StatusCode.UNAVAILABLE, f"storage tier unavailable: {error}"
     logger.exception("unexpected error in a cache server handler")
@@ -200,23 +213,35 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
     @unary_handler
     async def Put(self, request_iterator, context) -> kvstash_pb2.PutResponse:
         """Messages arrive serialized (see ``kvcache_handler``); each piece is copied into place and
-        checksummed as it arrives, so the value is verified when the stream ends."""
+        checksummed as it arrives, so the value is verified when the stream ends.
+
+        The first message must come within ``request_timeout_s``; the whole stream must end
+        within ``Limits.transfer_deadline_s(total_size)`` of the call's start (DEADLINE_EXCEEDED
+        otherwise). Memory for the value is reserved against the memory cap before its buffer
+        is allocated and released however the call ends."""
         tenant = self.tenant_of(context)
-        with self.stream_slot():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.request_timeout_s
+        messages = aiter(request_iterator)
+        with self.stream_slot(), contextlib.ExitStack() as cleanup:
             key, value = None, None
-            async for message in request_iterator:
+            while (message := await _next_before(messages, deadline, loop)) is not None:
                 fields = _parse(message)
                 message_key = _text_field(fields, PUT_KEY_FIELD)
                 if key is None:
                     key = self.check_access(tenant, self.check_key(message_key), "put")
-                    value = ValueAssembler(self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD)), key)
+                    total_size = self.check_size(_int_field(fields, PUT_TOTAL_SIZE_FIELD))
+                    reservation = self.store.memory.reserve(key, total_size)
+                    cleanup.callback(reservation.release)
+                    deadline += self.limits.transfer_deadline_s(total_size) - self.limits.request_timeout_s
+                    value = ValueAssembler(total_size, key)
                 elif message_key and message_key != key:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key changed within one Put stream")
                 value.add(_bytes_field(fields, PUT_DATA_FIELD))
             if key is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
             data = value.finish()
-            await asyncio.to_thread(self.store.put_verified, key, data)
+            await asyncio.to_thread(self.store.put_verified, key, data, reservation)
             self.counters.add(num_puts=1, bytes_received=len(data))
             return kvstash_pb2.PutResponse(num_bytes=len(data))
 
@@ -236,6 +261,12 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"value of {total_size} bytes is larger than the memory tier "
                 f"({self.store.memory_capacity_bytes} bytes)",
+            )
+        disk_capacity = self.store.disk_capacity_bytes
+        if disk_capacity is not None and total_size > disk_capacity:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"value of {total_size} bytes is larger than the disk tier ({disk_capacity} bytes)",
             )
         return total_size
 
@@ -310,6 +341,9 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
 
     @unary_handler
     async def ListKeys(self, request, context) -> kvstash_pb2.ListKeysResponse:
+        """One page in key order, at most ``page_size`` keys and :data:`MAX_PAGE_BYTES` of them;
+        ``next_page_token`` names the last key returned (so paging survives concurrent writes)
+        and is empty on the last page. Costs time proportional to the page on ordered tiers."""
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         if page_size > self.limits.max_page_size:
             raise RequestError(
@@ -317,17 +351,19 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
                 f"page_size {page_size} exceeds the limit of {self.limits.max_page_size}",
             )
         after = _decode_page_token(request.page_token)
-        key_to_tier = await asyncio.to_thread(
-            self._visible_key_to_tier, self.tenant_of(context), request.prefix, "list keys under"
+        key_tiers, more = await asyncio.to_thread(
+            self._visible_page, self.tenant_of(context), request.prefix, after, page_size
         )
-        # Paging by "keys after the last one returned" stays correct while keys come and go.
-        remaining = sorted(key for key in key_to_tier if after is None or key > after)
-        page = remaining[:page_size]
-        next_token = _encode_page_token(page[-1]) if len(remaining) > page_size else ""
-        return kvstash_pb2.ListKeysResponse(
-            entries=[kvstash_pb2.KeyEntry(key=key, tier=key_to_tier[key]) for key in page],
-            next_page_token=next_token,
-        )
+        entries = []
+        num_page_bytes = 0
+        for key, tier in key_tiers:
+            num_page_bytes += len(key.encode()) + len(tier) + ENTRY_FRAMING_BYTES
+            if entries and num_page_bytes > MAX_PAGE_BYTES:
+                more = True  # the rest goes on the next page
+                break
+            entries.append(kvstash_pb2.KeyEntry(key=key, tier=tier))
+        next_token = _encode_page_token(entries[-1].key) if more and entries else ""
+        return kvstash_pb2.ListKeysResponse(entries=entries, next_page_token=next_token)
 
     @unary_handler
     async def Info(self, request, context) -> kvstash_pb2.InfoResponse:
@@ -362,6 +398,28 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
             )
         num_evicted = await asyncio.to_thread(self.store.evict_prefix, request.prefix)
         return kvstash_pb2.EvictResponse(num_evicted=num_evicted)
+
+    def _visible_page(
+        self, tenant: Tenant, prefix: str, after: str | None, limit: int
+    ) -> tuple[list[tuple[str, str]], bool]:
+        """Like ``TieredStore.keys_page`` over the keys ``tenant`` may see (see
+        :meth:`_visible_key_to_tier`): with no prefix, a non-admin's page merges one page per
+        own prefix. Runs on a worker thread."""
+        if tenant.admin or prefix:
+            if not tenant.may_list_prefix(prefix):
+                raise RequestError(
+                    grpc.StatusCode.PERMISSION_DENIED, tenant.denied(f"list keys under {prefix!r}")
+                )
+            return self.store.keys_page(prefix, after, limit)
+        key_to_tier: dict[str, str] = {}
+        more = False
+        for own_prefix in tenant.prefixes:
+            page, own_more = self.store.keys_page(own_prefix, after, limit)
+            key_to_tier.update(page)  # overlapping prefixes list a key twice, with the same tier
+            more = more or own_more
+        # Any key among the first `limit` of the union is among the first `limit` of its prefix's page.
+        ordered = sorted(key_to_tier)
+        return [(key, key_to_tier[key]) for key in ordered[:limit]], more or len(ordered) > limit
 
     def _visible_key_to_tier(self, tenant: Tenant, prefix: str, what: str) -> dict[str, str]:
         """Key -> tier of the keys under ``prefix`` that ``tenant`` may see: with no
@@ -413,6 +471,21 @@ def _decode_page_token(token: str) -> str | None:
         return base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed page_token") from None
+
+
+async def _next_before(messages: AsyncIterator, deadline: float, loop: asyncio.AbstractEventLoop):
+    """The next message of a request stream, None at its end; DEADLINE_EXCEEDED when the
+    stream has not delivered it by ``deadline`` (``loop.time()``), which ends the call."""
+    try:
+        return await asyncio.wait_for(anext(messages), timeout=max(0.0, deadline - loop.time()))
+    except StopAsyncIteration:
+        return None
+    except asyncio.TimeoutError:
+        raise RequestError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "request too slow: not complete within its deadline (--request-timeout-s plus its size "
+            "at --min-rate-mib-s); its stream slot and memory were freed",
+        ) from None
 
 
 def _parse(message: bytes) -> dict:

@@ -134,6 +134,20 @@ class StorageBackend(abc.ABC):
     def keys(self, prefix: str = "") -> list[str]:
         """Keys that start with ``prefix`` (unordered)."""
 
+    def keys_page(self, prefix: str, after: str | None, limit: int) -> list[str]:
+        """Up to ``limit`` keys starting with ``prefix`` and greater than ``after`` (None: from the
+        first), in key order. The cache server's ``ListKeys`` calls it once per page. This default
+        lists and sorts every key; tiers with an ordered index answer in time proportional to the page."""
+        return sorted(key for key in self.keys(prefix) if after is None or key > after)[:limit]
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is present (unlike :meth:`contains`, it does not stop at a miss).
+
+        The cache server's ``Contains`` calls it once per tier over the keys no higher tier
+        holds. This default asks :meth:`contains` key by key; remote tiers answer in one round trip.
+        """
+        return [self.contains([key]) == 1 for key in keys]
+
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: at least ``num_keys``, ``bytes_used``,

@@ -158,7 +158,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         self.io_threads = io_threads
         os.makedirs(self.root, exist_ok=True)
         self._folder_lock = FolderLock(self.root)  # before anything in the folder is touched
-        self._index = LRUIndex(capacity_bytes)
+        self._index = LRUIndex(capacity_bytes, ordered=True)  # ordered: the cache server pages ListKeys
         self._lock = threading.Lock()
         self._index_file_lock = threading.Lock()
         self._counters = Counters()

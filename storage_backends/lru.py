@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sortedcontainers import SortedList
+
 
 @dataclass
 class LRUEntry:
@@ -22,14 +24,20 @@ class LRUEntry:
 
 
 class LRUIndex:
-    """Keys in recency order (oldest first) with a total size that must stay within ``capacity``."""
+    """Keys in recency order (oldest first) with a total size that must stay within ``capacity``.
 
-    def __init__(self, capacity: int) -> None:
+    With ``ordered=True`` the keys are also kept sorted (O(log n) per add and remove), so
+    :meth:`keys_page` lists a page in time proportional to the page (the cache server's
+    tiers, paged by ``ListKeys``); the engine's CPU tier never lists and leaves it off.
+    """
+
+    def __init__(self, capacity: int, *, ordered: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.used = 0
         self._key_to_entry: OrderedDict[str, LRUEntry] = OrderedDict()
+        self._sorted_keys: SortedList | None = SortedList() if ordered else None
 
     def __len__(self) -> int:
         return len(self._key_to_entry)
@@ -58,13 +66,35 @@ class LRUIndex:
         entry = LRUEntry(size, record, num_pins)
         self._key_to_entry[key] = entry
         self.used += size
+        if self._sorted_keys is not None:
+            self._sorted_keys.add(key)
         return entry
 
     def remove(self, key: str) -> LRUEntry | None:
         entry = self._key_to_entry.pop(key, None)
         if entry is not None:
             self.used -= entry.size
+            if self._sorted_keys is not None:
+                self._sorted_keys.remove(key)
         return entry
+
+    def keys_page(self, prefix: str, after: str | None, limit: int) -> list[str]:
+        """Up to ``limit`` keys starting with ``prefix`` and greater than ``after``, in key order.
+
+        O(log n + limit) on an ordered index; an unordered one sorts every key (O(n log n)).
+        """
+        if self._sorted_keys is None:
+            return sorted(
+                k for k in self._key_to_entry if k.startswith(prefix) and (after is None or k > after)
+            )[:limit]
+        # Keys with the prefix form one run of the sorted order, starting at the prefix itself.
+        start, exclusive = (after, True) if after is not None and after >= prefix else (prefix, False)
+        page: list[str] = []
+        for key in self._sorted_keys.irange(minimum=start, inclusive=(not exclusive, True)):
+            if len(page) >= limit or not key.startswith(prefix):
+                break
+            page.append(key)
+        return page
 
     def victims_for(self, size: int) -> list[str] | None:
         """Least-recently-used unpinned keys whose removal frees room for ``size`` more units.
@@ -136,6 +166,27 @@ class IndexedTierMixin:
     def keys(self, prefix: str = "") -> list[str]:
         with self._lock:
             return [key for key, _ in self._index.items() if key.startswith(prefix)]
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present and readable, under one hold of the lock."""
+        with self._lock:
+            flags = []
+            for key in keys:
+                entry = self._index.get(key)
+                flags.append(entry is not None and self._is_readable(entry))
+            return flags
+
+    def keys_page(self, prefix: str, after: str | None, limit: int) -> list[str]:
+        """Readable keys only (a disk file still being written is skipped, as in ``keys``)."""
+        with self._lock:
+            page: list[str] = []
+            while len(page) < limit:
+                batch = self._index.keys_page(prefix, after, limit - len(page))
+                if not batch:
+                    break
+                page.extend(key for key in batch if self._is_readable(self._index.get(key, touch=False)))
+                after = batch[-1]
+            return page
 
 
 class SlabTierMixin(IndexedTierMixin):

@@ -137,19 +137,22 @@ class RedisBackend(StorageBackend):
 
     # ---- reads ---------------------------------------------------------------
     def contains(self, keys: Sequence[str]) -> int:
-        if not keys:
-            return 0
-        with self._guard("contains"):
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._redis_key(key))
-            presence = pipe.execute()
         num_present = 0
-        for present in presence:
+        for present in self.present(keys):
             if not present:
                 break
             num_present += 1
         return num_present
+
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """One pipelined EXISTS per key, one round trip."""
+        if not keys:
+            return []
+        with self._guard("contains"):
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._redis_key(key))
+            return [bool(exists) for exists in pipe.execute()]
 
     def _fetch_many(self, keys: Sequence[str]) -> list[tuple[bytes, ChunkHeader] | None]:
         """Values and their headers in one pipelined round trip, checksums verified (corrupt ones become None)."""

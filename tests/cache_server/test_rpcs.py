@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cache_server.memory_tier import entry_size
 from protos import kvstash_pb2
 from storage_backends.grpc_backend import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests, rpc_error, status_of
@@ -95,7 +96,12 @@ def test_stats_list_info_evict_and_clear(stubs: Stubs) -> None:
     assert stats.version == "kvstash.v1" and stats.uptime_s > 0
     (memory,) = stats.tiers
     assert memory.name == "memory" and memory.num_keys == 7
-    assert memory.capacity_bytes == 1 << 28 and 7 * 4096 < memory.bytes_used < 8 * 4200
+    # The cap counts each entry's value, key and fixed overhead.
+    expected_bytes = sum(
+        entry_size(key, len(make_value(i, key=key)))
+        for i, key in enumerate([*keys_a, "model-b/00", "model-b/01"])
+    )
+    assert memory.capacity_bytes == 1 << 28 and memory.bytes_used == expected_bytes
 
     # Paging: two keys per page, in key order, only under the prefix.
     listed, token, num_pages = [], "", 0

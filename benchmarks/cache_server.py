@@ -217,6 +217,40 @@ def run_phase(
     return latencies
 
 
+def socket_bound_mb_per_s(num_bytes: int, num_clients: int, duration_s: float = 0.5) -> float:
+    """MB/s that ``num_clients`` Unix socket pairs carry on this machine right now: one thread
+    sends ``num_bytes`` buffers with ``sendall``, another receives them with ``recv_into`` (no
+    checksum, no protocol, no allocation). Two copies per byte, as for any socket transfer: the
+    bound of the socket paths, measured in the same run."""
+    payload = bytes(num_bytes)
+    moved = [0] * num_clients
+    stop = time.perf_counter() + duration_s
+
+    def pair(index: int) -> None:
+        sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        view = memoryview(bytearray(num_bytes))
+
+        def send() -> None:
+            while time.perf_counter() < stop:
+                sender.sendall(payload)
+            sender.close()
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        while received := receiver.recv_into(view):
+            moved[index] += received
+        thread.join()
+        receiver.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=pair, args=(i,)) for i in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(moved) / (time.perf_counter() - start) / 1e6
+
+
 def server_cpu_s(process) -> float:
     """User plus system CPU seconds of a server process (``psutil.Process``) so far."""
     times = process.cpu_times()
@@ -338,8 +372,10 @@ def main() -> int:
     rows: list[dict] = []
     load_rows: list[dict] = []
     try:
+        bounds = {}
         for size, num_clients in cells:
             value = make_value(size, seed=size)
+            bounds[(size, num_clients)] = socket_bound_mb_per_s(size, num_clients)
             # Rounds alternate the systems so that a burst of load elsewhere on the
             # machine hits each; the table reports medians over rounds.
             for round_index in range(args.rounds):
@@ -365,6 +401,8 @@ def main() -> int:
         redis_process.wait(30)
         shutil.rmtree(redis_dir, ignore_errors=True)
     cells_summary = summarize(rows, [f"kvstash-{transport}" for transport in args.transports])
+    for cell in cells_summary:
+        cell["unix_socket_bound_mb_per_s"] = bounds[(cell["value_bytes"], cell["num_clients"])]
 
     print_table(cells_summary, args.transports)
     if load_rows:
@@ -436,7 +474,7 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    columns = ["value", "clients", "op", "redis MB/s"]
+    columns = ["value", "clients", "op", "socket bound MB/s", "redis MB/s"]
     for transport in transports:
         columns += [f"{transport} MB/s", f"{transport} ÷ redis (min-max)"]
     columns.append("server CPU ms/MB " + " / ".join((*transports, "redis")))
@@ -446,7 +484,7 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
             cell["redis_server_cpu_ms_per_mb"]
         ]
         row = [f"{cell['value_bytes'] / MIB:.0f} MiB", str(cell["num_clients"]), cell["op"]]
-        row.append(f"{cell['redis_mb_per_s']:.0f}")
+        row += [f"{cell['unix_socket_bound_mb_per_s']:.0f}", f"{cell['redis_mb_per_s']:.0f}"]
         for transport in transports:
             system = f"kvstash-{transport}"
             row += [

@@ -30,6 +30,7 @@ with ``--out`` (every round's rows and the medians).
     .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
     .venv/bin/python benchmarks/cache_server.py --sizes-kib 32768 --clients 1 --load-mib 2048 \
         --load-connections 8 --to-device --out bench-out/cache_server_load.json   # the GPU machine
+    .venv/bin/python benchmarks/cache_server.py --load-only --load-mib 2048 --load-connections 8 --to-device
 """
 
 from __future__ import annotations
@@ -342,17 +343,24 @@ def main() -> int:
         "--load-rounds", type=int, default=3, help="loads per transport; the table shows the best"
     )
     parser.add_argument("--to-device", action="store_true", help="copy each loaded chunk to the GPU too")
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="only the end-to-end load (no Put/Get cells, no redis-server)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
-    cells = [(size * KIB, clients) for size in args.sizes_kib for clients in args.clients]
+    cells = [] if args.load_only else [(s * KIB, c) for s in args.sizes_kib for c in args.clients]
     ops = {cell: max(args.min_ops, args.mib_per_cell * MIB // (cell[0] * cell[1])) for cell in cells}
-    most_bytes = max(size * clients * ops[(size, clients)] for size, clients in cells)
+    most_bytes = max((size * clients * ops[(size, clients)] for size, clients in cells), default=0)
     memory_gb = 2 * most_bytes / (1 << 30) + 0.25
 
     load_bytes = args.load_mib * MIB
     server, address = start_cache_server(memory_gb + 2 * load_bytes / (1 << 30), args.bulk)
-    redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
+    redis_process = None
+    if cells:
+        redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
     import psutil
 
     server_process = psutil.Process(server.pid)
@@ -364,18 +372,19 @@ def main() -> int:
         )
         for transport in args.transports
     }
-    systems["redis"] = (
-        lambda: RedisClient(redis_port),
-        psutil.Process(redis_process.pid),
-        lambda: clear_redis(redis_port),
-    )
+    if redis_process is not None:
+        systems["redis"] = (
+            lambda: RedisClient(redis_port),
+            psutil.Process(redis_process.pid),
+            lambda: clear_redis(redis_port),
+        )
     rows: list[dict] = []
     load_rows: list[dict] = []
     try:
         bounds = {}
         for size, num_clients in cells:
             value = make_value(size, seed=size)
-            bounds[(size, num_clients)] = socket_bound_mb_per_s(size, num_clients)
+            bounds[(len(value), num_clients)] = socket_bound_mb_per_s(len(value), num_clients)
             # Rounds alternate the systems so that a burst of load elsewhere on the
             # machine hits each; the table reports medians over rounds.
             for round_index in range(args.rounds):
@@ -396,15 +405,17 @@ def main() -> int:
             load_rows = measure_load(address, args, server_process)
     finally:
         server.terminate()
-        redis_process.terminate()
         server.wait(30)
-        redis_process.wait(30)
-        shutil.rmtree(redis_dir, ignore_errors=True)
+        if redis_process is not None:
+            redis_process.terminate()
+            redis_process.wait(30)
+            shutil.rmtree(redis_dir, ignore_errors=True)
     cells_summary = summarize(rows, [f"kvstash-{transport}" for transport in args.transports])
     for cell in cells_summary:
         cell["unix_socket_bound_mb_per_s"] = bounds[(cell["value_bytes"], cell["num_clients"])]
 
-    print_table(cells_summary, args.transports)
+    if cells_summary:
+        print_table(cells_summary, args.transports)
     if load_rows:
         print_load_table(load_rows)
     if args.out is not None:
@@ -424,6 +435,7 @@ def main() -> int:
                 "load_mib": args.load_mib,
                 "load_connections": args.load_connections,
                 "to_device": args.to_device,
+                "load_only": args.load_only,
             },
             "cells": cells_summary,
             "load": load_rows,

@@ -329,3 +329,24 @@ def test_the_socket_path_can_be_chosen_and_a_stale_one_is_replaced(tmp_path) -> 
         assert not os.path.exists(path), "a clean stop removes the socket"
     finally:
         first.close()
+
+
+def test_a_bulk_socket_path_that_is_not_a_socket_is_refused_at_start(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.cache_server.server_process import REPO_ROOT, repo_env
+
+    regular = tmp_path / "data.txt"
+    regular.write_text("keep me")
+    for path, message in ((str(regular), "exists and is not a socket"), (" ", "bulk socket path is empty")):
+        result = subprocess.run(
+            [sys.executable, "-m", "cache_server", "--port", "0", "--bulk-socket", path],
+            cwd=REPO_ROOT,
+            env=repo_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert regular.read_text() == "keep me", "a refused path must be left alone"

@@ -358,7 +358,9 @@ def _get_chunk(client: BulkClient, sock: socket.socket, key: bytes, destination:
     if reply.value_len > client.max_value_bytes:
         raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
     try:
-        return receive_chunk(lambda view: recv_exactly(sock, view), reply.value_len, destination)
+        return receive_chunk(
+            lambda view: recv_exactly(sock, view), reply.value_len, destination, key.decode()
+        )
     except ValueError as error:  # ChunkFormatError too: the stream is in step, the connection reusable
         raise _InStepError(error) from None
 

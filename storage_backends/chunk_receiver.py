@@ -7,7 +7,9 @@ host→device copy), running the CRC-32 over each piece while it is in cache. No
 intermediate ``bytes`` object holds the value, and there is no second pass.
 
 The header is checked (:func:`~storage_backends.chunk.parse_header`) before any
-payload byte is written, the checksum when the last byte has landed; whatever
+payload byte is written, the checksum when the last byte has landed (also when
+``out`` does not fit the header, so a corrupt header is a corrupt value, not a
+buffer error); whatever
 fails, the rest of the announced value is read and dropped so the connection
 stays in step, and the caller gets ChunkFormatError (corrupt value: a miss) or
 ValueError (``out`` cannot hold it). ``out``'s contents are undefined after a
@@ -62,8 +64,8 @@ def out_view_for(out: torch.Tensor, header: ChunkHeader, key: str) -> torch.Tens
     return out.reshape(-1)[:numel].view(header.shape)
 
 
-def receive_chunk(read_exactly: ReadExactly, value_len: int, destination: Destination) -> KVChunk:
-    """Read a value of ``value_len`` bytes into ``destination(header)`` and return it as a chunk.
+def receive_chunk(read_exactly: ReadExactly, value_len: int, destination: Destination, key: str) -> KVChunk:
+    """Read the value of ``key``, ``value_len`` bytes, into ``destination(header)`` and return it as a chunk.
 
     Called by the bulk client on a connection's thread, once per Get, after the reply
     announced ``value_len``. Raises ChunkFormatError or ValueError after consuming all
@@ -84,9 +86,22 @@ def receive_chunk(read_exactly: ReadExactly, value_len: int, destination: Destin
         num_read = head_len
         header = parse_header(head)
         if header.total_len != value_len:
-            raise ChunkFormatError(f"chunk of {value_len} bytes, its header says {header.total_len}")
-        view = destination(header)
+            raise ChunkFormatError(
+                f"value of {key!r} is {value_len} bytes, its header says {header.total_len}"
+            )
         checksum = header_checksum(head, header)
+        try:
+            view = destination(header)
+        except ValueError:
+            # A buffer that does not fit may mean a corrupt header (a flipped dtype byte): the
+            # checksum over the whole value tells a corrupt value (a miss) from a wrong buffer.
+            checksum = _discard(read_exactly, header.payload_len, checksum)
+            num_read = value_len
+            if checksum != header.checksum:
+                raise ChunkFormatError(
+                    f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"
+                ) from None
+            raise
         if header.codec == "none":
             payload = memoryview(view.reshape(-1).view(torch.uint8).numpy())
         else:
@@ -122,9 +137,12 @@ def _decompress_into(payload: bytearray, header: ChunkHeader, view: torch.Tensor
     view.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
 
 
-def _discard(read_exactly: ReadExactly, num_bytes: int) -> None:
+def _discard(read_exactly: ReadExactly, num_bytes: int, checksum: int = 0) -> int:
+    """Read and drop ``num_bytes``; returns ``checksum`` continued over them."""
     scratch = memoryview(bytearray(min(num_bytes, RECV_PIECE_BYTES)))
     while num_bytes > 0:
         piece = scratch[: min(num_bytes, len(scratch))]
         read_exactly(piece)
+        checksum = crc32(piece, checksum)
         num_bytes -= len(piece)
+    return checksum

@@ -350,3 +350,20 @@ def test_a_bulk_socket_path_that_is_not_a_socket_is_refused_at_start(tmp_path) -
         )
         assert result.returncode != 0 and message in result.stderr, result.stderr
     assert regular.read_text() == "keep me", "a refused path must be left alone"
+
+
+@pytest.mark.gpu
+def test_get_into_a_pinned_slot_then_to_the_device(server, stubs) -> None:
+    """The engine's path: the value lands in a pinned CPU slot, then one host→device copy."""
+    backend = GrpcBackend(server.address)
+    original = kv_chunk(11, 256)
+    try:
+        backend.put("ns/pinned", original)
+        slot = torch.empty(original.tensor.numel(), dtype=torch.bfloat16, pin_memory=True)
+        chunk = backend.get_into("ns/pinned", slot)
+        assert chunk is not None and chunk.tensor.data_ptr() == slot.data_ptr() and chunk.tensor.is_pinned()
+        on_device = chunk.tensor.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_device.cpu(), original.tensor)
+    finally:
+        backend.close()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import socketserver
 import ssl
@@ -136,6 +137,8 @@ class BulkServer:
         #: None: an open server (every HELLO is accepted, as an admin)
         self._tenants = tenants
         self._limits = service.limits
+        #: random id of this server, answered to every HELLO and advertised in GetBulkEndpoint
+        self.instance_id = secrets.token_hex(16)
         self._tls_context = tls_context
         self._max_connections = max_connections
         self._listener = _Listener((host, port), self)
@@ -262,7 +265,7 @@ class BulkServer:
                 sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
                 return False
             connection.tenant = tenant
-        sock.sendall(wire.encode_reply(wire.STATUS_OK))
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, self.instance_id))
         return True
 
     def _serve_requests(self, connection: _Connection) -> None:

@@ -103,6 +103,7 @@ class CacheServer:
                     protocol_version=PROTOCOL_VERSION,
                     unix_path=unix_path or "",
                     host_id=host_identity() if unix_path else "",
+                    instance_id=bulk.instance_id,
                 )
             server.add_generic_rpc_handlers((kvcache_handler(kvcache),))
             admin_service = AdminService(store, config.limits, counters, tenants)

@@ -63,18 +63,20 @@ class BulkEndpointRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkEndpointResponse(_message.Message):
-    __slots__ = ("port", "tls", "protocol_version", "unix_path", "host_id")
+    __slots__ = ("port", "tls", "protocol_version", "unix_path", "host_id", "instance_id")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     port: int
     tls: bool
     protocol_version: int
     unix_path: str
     host_id: str
-    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., unix_path: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., unix_path: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -17,7 +17,8 @@ protocol, without the TCP/IP stack.
 Wire format (integers little-endian; status codes are gRPC's numbers):
 
 - on connect, client → server: ``HELLO`` = magic ``b"KVB1"``, u16 token length,
-  token bytes (empty without auth); server → client: a reply (below). A wrong
+  token bytes (empty without auth); server → client: a reply (below; its
+  message is the server's instance id, as in ``GetBulkEndpoint``). A wrong
   token gets UNAUTHENTICATED and the connection is closed; so is, at once, a
   connection beyond the server's ``--max-bulk-connections``.
 - request: u8 op (``OP_PUT``, ``OP_GET``), u16 key length, u64 value length
@@ -152,6 +153,7 @@ class BulkClient:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         unix_path: str | None = None,
+        server_instance_id: str | None = None,
     ) -> None:
         if max_connections <= 0:
             raise ValueError(f"bulk connections must be positive, got {max_connections}")
@@ -160,6 +162,8 @@ class BulkClient:
         self.host = host
         self.port = port
         self.unix_path = unix_path
+        #: when set, a connection whose HELLO answer is not this id is another server's (refused)
+        self.server_instance_id = server_instance_id
         #: "unix" or "tcp": how this client reaches the server
         self.transport = TRANSPORT_UNIX if unix_path is not None else TRANSPORT_TCP
         self.max_connections = max_connections
@@ -211,6 +215,9 @@ class BulkClient:
         if reply.status != STATUS_OK:
             sock.close()
             raise BulkStatusError(reply.status, reply.message)
+        if self.server_instance_id is not None and reply.message != self.server_instance_id:
+            sock.close()
+            raise ConnectionError(f"{self.endpoint} belongs to another server than the one advertised")
         return sock
 
     def _take(self) -> tuple[socket.socket, bool]:

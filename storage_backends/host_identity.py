@@ -30,10 +30,13 @@ def _read_first(paths: tuple[str, ...]) -> str:
 
 @functools.cache
 def host_identity() -> str:
-    """``"<machine id>/<boot id>"``, or ``""`` when either is unknown (then no host matches).
+    """``"<machine id>/<boot id>"`` (the machine id may be empty: minimal containers lack the
+    file), or ``""`` when the boot id is unknown (then no host matches).
 
-    Read once per process (neither changes while it runs).
+    Read once per process (neither changes while it runs). Equal identities are necessary,
+    not sufficient: the client also needs the socket file and the server's instance id in its
+    HELLO answer (``storage_backends.transport_policy``).
     """
     machine_id = _read_first(MACHINE_ID_PATHS)
     boot_id = _read_first((BOOT_ID_PATH,))
-    return f"{machine_id}/{boot_id}" if machine_id and boot_id else ""
+    return f"{machine_id}/{boot_id}" if boot_id else ""

@@ -6,7 +6,8 @@
 
 - over the server's Unix socket when the server runs on this host (its host
   identity equals ours, ``storage_backends.host_identity``), the socket file
-  exists and a connection to it says hello; the same-host fast path;
+  exists and a connection to it is answered with the server's instance id (so it
+  is the advertised server's socket); the same-host fast path;
 - otherwise over the bulk TCP port (TLS when the gRPC channel uses it);
 - no client (values go over gRPC) when the server has no bulk channel, the
   client turned it off (``?bulk=off``) or it failed.
@@ -135,6 +136,8 @@ class BulkTransportPolicy:
             return None
         if self.same_host(endpoint):
             unix_client = self._client_for(endpoint, unix_path=endpoint.unix_path)
+            # the socket at that path must be this server's (not another one's on this host)
+            unix_client.server_instance_id = endpoint.instance_id
             try:
                 unix_client.check()
                 return unix_client

@@ -120,6 +120,28 @@ def test_a_socket_that_is_gone_falls_back_to_tcp() -> None:
         process.close()
 
 
+def test_a_socket_of_another_server_at_the_advertised_path_is_not_used(server, stubs, tmp_path) -> None:
+    other = CacheServerProcess("--memory-gb", "0.1", "--bulk-socket", str(tmp_path / "other.sock")).start()
+    process = CacheServerProcess("--memory-gb", "0.1").start()
+    try:
+        with Stubs(process.address) as own_stubs:
+            path = endpoint(own_stubs).unix_path
+        os.unlink(path)
+        os.symlink(tmp_path / "other.sock", path)  # the path now leads to the other server
+        backend = GrpcBackend(process.address)
+        backend.put_encoded("ns/mine", make_value(4))
+        assert backend.transport == "tcp" and backend.stats()["tcp_calls"] == 1
+        backend.close()
+        with Stubs(other.address) as other_stubs:
+            assert other_stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
+        os.unlink(path)
+    finally:
+        process.stop()
+        process.close()
+        other.stop()
+        other.close()
+
+
 def test_bad_url_parameters_are_refused(server) -> None:
     for query, message in (
         ("local=maybe", "local must be 'auto' or 'off'"),

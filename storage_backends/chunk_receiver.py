@@ -6,8 +6,9 @@ directly into ``out`` (a CPU-tier slot, usually pinned, that feeds the
 host→device copy), running the CRC-32 over each piece while it is in cache. No
 intermediate ``bytes`` object holds the value, and there is no second pass.
 
-The header is checked (:func:`~storage_backends.chunk.parse_header`) before any
-payload byte is written, the checksum when the last byte has landed (also when
+The header and the key it was written for are checked
+(:func:`~storage_backends.chunk.parse_header`, :func:`~storage_backends.chunk.check_key`)
+before any payload byte is written, the checksum when the last byte has landed (also when
 ``out`` does not fit the header, so a corrupt header is a corrupt value, not a
 buffer error); whatever
 fails, the rest of the announced value is read and dropped so the connection
@@ -29,6 +30,7 @@ from storage_backends.chunk import (
     ChunkFormatError,
     ChunkHeader,
     KVChunk,
+    check_key,
     header_checksum,
     header_length,
     parse_header,
@@ -85,6 +87,7 @@ def receive_chunk(read_exactly: ReadExactly, value_len: int, destination: Destin
         read_exactly(memoryview(head)[len(prefix) :])
         num_read = head_len
         header = parse_header(head)
+        check_key(header, key)  # a value filed under another key is a miss, before any byte lands
         if header.total_len != value_len:
             raise ChunkFormatError(
                 f"value of {key!r} is {value_len} bytes, its header says {header.total_len}"

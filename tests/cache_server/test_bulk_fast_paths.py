@@ -61,7 +61,7 @@ def transports(stubs: Stubs) -> dict[str, kvstash_pb2.TransportStats]:
 def test_a_client_on_the_same_host_uses_the_unix_socket_and_says_so(server, stubs, caplog) -> None:
     advertised = endpoint(stubs)
     assert advertised.unix_path and os.path.exists(advertised.unix_path) and advertised.host_id
-    value = make_value(1, 3 * MIB)
+    value = make_value(1, 3 * MIB, key="ns/a")
     caplog.set_level(logging.INFO, logger="storage_backends.transport_policy")
     backend = create_backend(server.url)
     try:
@@ -81,7 +81,7 @@ def test_a_client_on_the_same_host_uses_the_unix_socket_and_says_so(server, stub
 
 
 def test_another_host_identity_or_local_off_uses_tcp(server, stubs) -> None:
-    value = make_value(2, MIB)
+    value = make_value(2, MIB, key="ns/t")
     for backend in (
         GrpcBackend(server.address, host_id="another-machine/another-boot"),
         GrpcBackend(server.address, host_id=""),  # identity unknown here: never "same host"
@@ -104,15 +104,17 @@ def test_a_socket_that_is_gone_falls_back_to_tcp() -> None:
             path = endpoint(stubs).unix_path
             os.unlink(path)  # e.g. a temp cleaner removed it; the server keeps serving TCP
             backend = GrpcBackend(process.address)
-            backend.put_encoded("ns/k", make_value(3))
-            assert bytes(backend.get_encoded("ns/k")) == make_value(3)
+            backend.put_encoded("ns/k", make_value(3, key="ns/k"))
+            assert bytes(backend.get_encoded("ns/k")) == make_value(3, key="ns/k")
             assert backend.transport == "tcp" and backend.stats()["tcp_calls"] == 2
             backend.close()
             # A file at the path that is not the server's socket: connecting fails, TCP is used.
             with open(path, "w") as impostor:
                 impostor.write("not a socket")
             backend = GrpcBackend(process.address)
-            assert bytes(backend.get_encoded("ns/k")) == make_value(3) and backend.transport == "tcp"
+            assert (
+                bytes(backend.get_encoded("ns/k")) == make_value(3, key="ns/k") and backend.transport == "tcp"
+            )
             backend.close()
             os.unlink(path)
     finally:
@@ -129,7 +131,7 @@ def test_a_socket_of_another_server_at_the_advertised_path_is_not_used(server, s
         os.unlink(path)
         os.symlink(tmp_path / "other.sock", path)  # the path now leads to the other server
         backend = GrpcBackend(process.address)
-        backend.put_encoded("ns/mine", make_value(4))
+        backend.put_encoded("ns/mine", make_value(4, key="ns/mine"))
         assert backend.transport == "tcp" and backend.stats()["tcp_calls"] == 1
         backend.close()
         with Stubs(other.address) as other_stubs:
@@ -344,8 +346,8 @@ def test_the_socket_path_can_be_chosen_and_a_stale_one_is_replaced(tmp_path) -> 
         assert os.path.exists(path)
         first.start()
         backend = GrpcBackend(first.address)
-        backend.put_encoded("ns/k", make_value(9))
-        assert backend.transport == "unix" and bytes(backend.get_encoded("ns/k")) == make_value(9)
+        backend.put_encoded("ns/k", make_value(9, key="ns/k"))
+        assert backend.transport == "unix" and bytes(backend.get_encoded("ns/k")) == make_value(9, key="ns/k")
         backend.close()
         assert first.stop() == 0
         assert not os.path.exists(path), "a clean stop removes the socket"

@@ -28,18 +28,16 @@ def chunk(num_tokens: int = 300) -> KVChunk:
 @pytest.mark.parametrize("codec", ["none", "lz4"])
 def test_a_value_lands_in_the_buffer_and_the_next_one_follows(codec: str) -> None:
     first, second = chunk(300), chunk(40)
-    data = encode_chunk(first, codec) + encode_chunk(second, codec)
-    stream = io.BytesIO(data)
+    first_value, second_value = encode_chunk(first, codec, key="k"), encode_chunk(second, codec, key="k2")
+    stream = io.BytesIO(first_value + second_value)
     out = torch.empty(first.tensor.numel() + 7, dtype=torch.bfloat16)
-    got = receive_chunk(
-        reader(stream), len(encode_chunk(first, codec)), lambda h: out_view_for(out, h, "k"), "k"
-    )
+    got = receive_chunk(reader(stream), len(first_value), lambda h: out_view_for(out, h, "k"), "k")
     assert got.equal(first) and got.tensor.data_ptr() == out.data_ptr()
-    assert receive_chunk(reader(stream), len(encode_chunk(second, codec)), fresh_tensor, "k2").equal(second)
+    assert receive_chunk(reader(stream), len(second_value), fresh_tensor, "k2").equal(second)
 
 
 def corruptions() -> list[tuple[str, bytes, int, str]]:
-    value = encode_chunk(chunk())
+    value = encode_chunk(chunk(), key="k")
     flipped = bytearray(value)
     flipped[-100] ^= 0x10
     header_flip = bytearray(value)
@@ -51,6 +49,7 @@ def corruptions() -> list[tuple[str, bytes, int, str]]:
         ("too short", value[:5], 5, "truncated chunk"),
         ("announced longer", value + b"\0" * 10, len(value) + 10, "its header says"),
         ("announced shorter", value[:-10], len(value) - 10, "header says"),
+        ("filed under another key", encode_chunk(chunk(), key="other"), len(value), "stored for another key"),
     ]
 
 
@@ -66,7 +65,7 @@ def test_a_bad_value_is_a_chunk_format_error_and_the_stream_stays_in_step(
 
 
 def test_a_buffer_that_cannot_hold_the_value_is_a_value_error_and_the_stream_stays_in_step() -> None:
-    value = encode_chunk(chunk())
+    value = encode_chunk(chunk(), key="k")
     for out, message in (
         (torch.empty(10, dtype=torch.bfloat16), "the buffer has 10 of torch.bfloat16"),
         (torch.empty(1 << 20, dtype=torch.float16), "the buffer has 1048576 of torch.float16"),
@@ -79,6 +78,6 @@ def test_a_buffer_that_cannot_hold_the_value_is_a_value_error_and_the_stream_sta
 
 
 def test_a_stream_that_ends_early_is_a_transport_error() -> None:
-    value = encode_chunk(chunk())
+    value = encode_chunk(chunk(), key="k")
     with pytest.raises(ConnectionError):
         receive_chunk(reader(io.BytesIO(value[:-1])), len(value), fresh_tensor, "k")

@@ -294,9 +294,10 @@ class BulkClient:
             self._permits.release()
 
     # ---- operations ------------------------------------------------------------
-    def put(self, key: str, data: bytes | memoryview) -> int:
-        """Store ``data``; returns the number of bytes the server stored."""
-        return self._call(_put, key, data)
+    def put(self, key: str, *parts: bytes | memoryview) -> int:
+        """Store the value made of ``parts`` back to back (one buffer, or a chunk's header and its
+        tensor's memory, sent without joining them); returns the number of bytes the server stored."""
+        return self._call(_put, key, parts)
 
     def get(self, key: str) -> bytearray | None:
         """The value of ``key`` or None when the server does not hold it (not verified here)."""
@@ -331,12 +332,14 @@ class BulkClient:
         self._close_idle()
 
 
-def _put(client: BulkClient, sock: socket.socket, key: bytes, data: bytes | memoryview) -> int:
-    sock.sendall(REQUEST.pack(OP_PUT, len(key), len(data)) + key)
+def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]) -> int:
+    views = [memoryview(part).cast("B") for part in parts]
+    sock.sendall(REQUEST.pack(OP_PUT, len(key), sum(len(view) for view in views)) + key)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
-    sock.sendall(memoryview(data).cast("B"))
+    for view in views:
+        sock.sendall(view)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)

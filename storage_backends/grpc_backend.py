@@ -41,7 +41,14 @@ from storage_backends.bulk_channel import (
     BulkStatusError,
     BulkUnavailable,
 )
-from storage_backends.chunk import CODECS, ChunkFormatError, KVChunk, decode_chunk, encode_chunk, verify_chunk
+from storage_backends.chunk import (
+    CODECS,
+    ChunkFormatError,
+    KVChunk,
+    decode_chunk,
+    encode_chunk_parts,
+    verify_chunk,
+)
 from storage_backends.chunk_receiver import Destination, fresh_tensor, out_view_for
 from storage_backends.grpc_channel import AUTH_TOKEN_ENV, CHANNEL_OPTIONS, auth_metadata, make_channel
 from storage_backends.grpc_codec import PIECE_BYTES, put_messages, value_from_get_messages
@@ -353,13 +360,22 @@ class GrpcBackend(StorageBackend):
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
+        self._put_parts(key, (data,))
+
+    def put(self, key: str, chunk: KVChunk) -> None:
+        """Over the bulk channel the header and the tensor's own memory are sent as they are
+        (no joined copy of the value); over gRPC the value is joined first."""
         self._check_open()
-        if not data:
+        self._put_parts(key, encode_chunk_parts(chunk, self.codec, key=key))
+
+    def _put_parts(self, key: str, parts: tuple[bytes | memoryview, ...]) -> None:
+        self._check_open()
+        if not sum(len(part) for part in parts):
             raise ValueError("cannot store an empty value")
         bulk = self._bulk_client()
         if bulk is not None:
             try:
-                bulk.put(key, data)
+                bulk.put(key, *parts)
                 self._count("puts")
                 self._bulk_succeeded(bulk)
                 return
@@ -370,6 +386,7 @@ class GrpcBackend(StorageBackend):
                     raise self._refused_value(key, error.message) from None
                 raise self._error("put", error) from None
         self._count("grpc_calls")
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
             self._put_wire(put_messages(key, data), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -377,9 +394,6 @@ class GrpcBackend(StorageBackend):
                 raise self._refused_value(key, error.details()) from None
             raise self._error("put", error) from None
         self._count("puts")
-
-    def put(self, key: str, chunk: KVChunk) -> None:
-        self.put_encoded(key, encode_chunk(chunk, self.codec, key=key))
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
         """Concurrent Puts; raises the first failure after every Put has ended."""

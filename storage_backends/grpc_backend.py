@@ -50,7 +50,13 @@ from storage_backends.chunk import (
     verify_chunk,
 )
 from storage_backends.chunk_receiver import Destination, fresh_tensor, out_view_for
-from storage_backends.grpc_channel import AUTH_TOKEN_ENV, CHANNEL_OPTIONS, auth_metadata, make_channel
+from storage_backends.grpc_channel import (
+    AUTH_TOKEN_ENV,
+    CHANNEL_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    auth_metadata,
+    make_channel,
+)
 from storage_backends.grpc_codec import PIECE_BYTES, put_messages, value_from_get_messages
 from storage_backends.host_identity import host_identity
 from storage_backends.transport_policy import TRANSPORT_GRPC, BulkTransportPolicy
@@ -68,9 +74,16 @@ TRANSPORTS = ("unix", "tcp", TRANSPORT_GRPC)
 _USE_GRPC = object()
 
 logger = logging.getLogger(__name__)
-# make_channel, CHANNEL_OPTIONS and PIECE_BYTES lived here before the channel and the codec had
-# their own modules; they stay importable from here.
-__all__ = ["CHANNEL_OPTIONS", "PIECE_BYTES", "GrpcBackend", "auth_metadata", "make_channel"]
+# make_channel, CHANNEL_OPTIONS, MAX_MESSAGE_BYTES and PIECE_BYTES lived here before the channel
+# and the codec had their own modules; they stay importable from here.
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "PIECE_BYTES",
+    "GrpcBackend",
+    "auth_metadata",
+    "make_channel",
+]
 
 
 class GrpcBackend(StorageBackend):

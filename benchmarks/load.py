@@ -142,7 +142,8 @@ def cache_client(
 
     from protos import kvstash_pb2, kvstash_pb2_grpc
     from storage_backends.chunk import encode_chunk
-    from storage_backends.grpc_backend import PIECE_BYTES, make_channel
+    from storage_backends.grpc_channel import make_channel
+    from storage_backends.grpc_codec import PIECE_BYTES
 
     rng = random.Random(seed)
     latencies: dict[str, list[float]] = defaultdict(list)
@@ -238,7 +239,7 @@ def run_cache_load(
 
 def server_memory(address: str) -> dict:
     from protos import kvstash_pb2, kvstash_pb2_grpc
-    from storage_backends.grpc_backend import make_channel
+    from storage_backends.grpc_channel import make_channel
 
     with make_channel(address, secure=False) as channel:
         stats = kvstash_pb2_grpc.AdminStub(channel).Stats(kvstash_pb2.StatsRequest(), timeout=30)

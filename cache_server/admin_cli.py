@@ -33,6 +33,7 @@ TIER_COLUMNS = (
     "corrupt",
     "errors",
 )
+TRANSPORT_COLUMNS = ("num_puts", "num_gets", "bytes_received", "bytes_sent")
 BYTE_FIELDS = ("bytes_used", "capacity_bytes", "bytes_received", "bytes_sent")
 SERVER_FIELDS = (
     "version",
@@ -61,7 +62,7 @@ class AdminTarget:
         """An open ``grpc.Channel``; RPC failures inside become one-line click errors."""
         import grpc
 
-        from storage_backends.grpc_backend import make_channel
+        from storage_backends.grpc_channel import make_channel
 
         try:
             channel = make_channel(self.server, secure=self.tls_ca is not None, ca_path=self.tls_ca)
@@ -157,6 +158,10 @@ def stats(target: AdminTarget, as_json: bool) -> None:
     tiers = [
         {"name": tier.name, **{name: getattr(tier, name) for name in TIER_COLUMNS}} for tier in reply.tiers
     ]
+    transports = [
+        {"name": path.name, **{name: getattr(path, name) for name in TRANSPORT_COLUMNS}}
+        for path in reply.transports
+    ]
     server_table = Table("counter", "value", title=f"cache server {target.server}")
     for name, value in server.items():
         shown = (
@@ -170,10 +175,16 @@ def stats(target: AdminTarget, as_json: bool) -> None:
     for name in TIER_COLUMNS:
         cells = [_human_bytes(tier[name]) if name in BYTE_FIELDS else str(tier[name]) for tier in tiers]
         tier_table.add_row(name, *cells)
+    # Values moved per path: "unix" / "tcp" (bulk channel) or "grpc".
+    transport_table = Table("transport", *(path["name"] for path in transports), title="transports")
+    for name in TRANSPORT_COLUMNS:
+        cells = [_human_bytes(path[name]) if name in BYTE_FIELDS else str(path[name]) for path in transports]
+        transport_table.add_row(name, *cells)
     grid = Table.grid()
     grid.add_row(server_table)
     grid.add_row(tier_table)
-    _emit(as_json, {"server": server, "tiers": tiers}, grid)
+    grid.add_row(transport_table)
+    _emit(as_json, {"server": server, "tiers": tiers, "transports": transports}, grid)
 
 
 @admin.command("ls")

@@ -27,6 +27,12 @@ whole request with its value (a minimum data rate). One watchdog thread
 (:meth:`BulkServer._cut_late_connections`) shuts the socket of a connection past
 its deadline; its thread then frees the stream slot and the reserved memory.
 
+The same protocol is served on a Unix domain socket as well (``unix_path``),
+for clients on this host: no TCP/IP stack, no TLS (the kernel carries the bytes
+within the machine); the token is checked as on TCP, and so are the deadlines.
+A Get is sent from the stored buffer itself: reply header and value leave in
+one ``sendmsg`` of two memoryviews (no copy, no join).
+
 Built and started by :class:`cache_server.server.CacheServer`, stopped by it
 (:meth:`BulkServer.stop`: no new connections, requests in flight get the grace
 period to finish, idle connections are closed).
@@ -36,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
 import socket
 import socketserver
 import ssl
@@ -71,6 +79,8 @@ class ProtocolError(Exception):
 @dataclass(eq=False)  # identity hashing: kept in a set
 class _Connection:
     sock: socket.socket
+    #: "tcp" or "unix" (per-path counters)
+    transport: str
     #: True while a request is being served (stop() lets it finish within the grace period)
     busy: bool = False
     #: whose token the HELLO carried (set once the HELLO is accepted)
@@ -93,9 +103,20 @@ class _Listener(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
 
 
+class _UnixListener(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = socket.SOMAXCONN
+
+    def __init__(self, path: str, bulk: BulkServer) -> None:
+        self.bulk = bulk
+        super().__init__(path, _Handler)
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        self.server.bulk.serve_connection(self.request)
+        transport = wire.TRANSPORT_UNIX if self.request.family == socket.AF_UNIX else wire.TRANSPORT_TCP
+        self.server.bulk.serve_connection(self.request, transport)
 
 
 class BulkServer:
@@ -110,26 +131,42 @@ class BulkServer:
         tenants: TenantRegistry | None,
         tls_context: ssl.SSLContext | None,
         max_connections: int,
+        unix_path: str | None = None,
     ) -> None:
         self._service = service
         #: None: an open server (every HELLO is accepted, as an admin)
         self._tenants = tenants
         self._limits = service.limits
+        #: random id of this server, answered to every HELLO and advertised in GetBulkEndpoint
+        self.instance_id = secrets.token_hex(16)
         self._tls_context = tls_context
         self._max_connections = max_connections
         self._listener = _Listener((host, port), self)
         self.port: int = self._listener.server_address[1]
+        #: the Unix socket's path (None: no Unix socket)
+        self.unix_path = unix_path
+        self._unix_listener: _UnixListener | None = None
+        if unix_path is not None:
+            try:
+                _remove_stale_socket(unix_path)
+                self._unix_listener = _UnixListener(unix_path, self)
+            except BaseException:
+                self._listener.server_close()
+                raise
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+
+    def _listeners(self) -> list[socketserver.BaseServer]:
+        return [self._listener] + ([self._unix_listener] if self._unix_listener is not None else [])
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._listener.serve_forever, name="kvstash-bulk-accept", daemon=True
-        )
-        self._thread.start()
+        for listener in self._listeners():
+            thread = threading.Thread(target=listener.serve_forever, name="kvstash-bulk-accept", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         threading.Thread(
             target=self._cut_late_connections, name="kvstash-bulk-deadlines", daemon=True
         ).start()
@@ -153,9 +190,13 @@ class BulkServer:
             return
         self._stopping = True
         self._stopped.set()
-        if self._thread is not None:
-            self._listener.shutdown()
-        self._listener.server_close()
+        for listener in self._listeners():
+            if self._threads:
+                listener.shutdown()
+            listener.server_close()
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):  # already gone
+                os.unlink(self.unix_path)
         deadline = time.monotonic() + grace_s
         while True:
             with self._lock:
@@ -170,10 +211,10 @@ class BulkServer:
             time.sleep(STOP_POLL_S)
 
     # ---- one connection ------------------------------------------------------------
-    def serve_connection(self, sock: socket.socket) -> None:
+    def serve_connection(self, sock: socket.socket, transport: str) -> None:
         """Serve one client until it disconnects, breaks the protocol or the server stops.
         Runs on the connection's own thread; never raises."""
-        connection = _Connection(sock)
+        connection = _Connection(sock, transport)
         with self._lock:
             self._connections.add(connection)
             num_connections = len(self._connections)
@@ -186,11 +227,12 @@ class BulkServer:
                     "bulk connection refused: %d open (limit %d)", num_connections - 1, self._max_connections
                 )
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if transport == wire.TRANSPORT_TCP:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # The handshake and hello together get one deadline, however the bytes trickle in.
             connection.deadline = time.monotonic() + self._limits.request_timeout_s
             sock.settimeout(self._limits.request_timeout_s)
-            if self._tls_context is not None:
+            if self._tls_context is not None and transport == wire.TRANSPORT_TCP:
                 sock = connection.sock = self._tls_context.wrap_socket(sock, server_side=True)
             if self._accept_hello(connection):
                 connection.deadline = None
@@ -223,7 +265,7 @@ class BulkServer:
                 sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
                 return False
             connection.tenant = tenant
-        sock.sendall(wire.encode_reply(wire.STATUS_OK))
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, self.instance_id))
         return True
 
     def _serve_requests(self, connection: _Connection) -> None:
@@ -240,7 +282,7 @@ class BulkServer:
             key_bytes = _receive(sock, key_len)
             if op == wire.OP_PUT:
                 connection.deadline = started + self._limits.transfer_deadline_s(value_len)
-                self._put(sock, connection.tenant, key_bytes, value_len)
+                self._put(connection, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
                 self._get(connection, key_bytes, started)
             else:
@@ -252,12 +294,14 @@ class BulkServer:
             connection.busy = False
             connection.deadline = None
 
-    def _put(self, sock: socket.socket, tenant: Tenant, key_bytes: bytes, value_len: int) -> None:
+    def _put(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
         """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
-        service = self._service
+        service, sock = self._service, connection.sock
         try:
             with service.stream_slot():
-                key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "put")
+                key = service.check_access(
+                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
+                )
                 reservation = service.store.memory.reserve(key, service.check_size(value_len))
                 try:
                     assembler = ValueAssembler(value_len, key)
@@ -271,28 +315,29 @@ class BulkServer:
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
             self._refuse(sock, error)
             return
-        service.counters.add(num_puts=1, bytes_received=value_len)
+        service.counters.count_put(connection.transport, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
     def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
-        service, sock, tenant = self._service, connection.sock, connection.tenant
+        service, sock = self._service, connection.sock
         try:
             with service.stream_slot():
-                key = service.check_access(tenant, service.check_key(_decode_key(key_bytes)), "get")
+                key = service.check_access(
+                    connection.tenant, service.check_key(_decode_key(key_bytes)), "get"
+                )
                 service.counters.add(num_gets=1)
                 stored = service.store.get(key)
                 if stored is None:
                     raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
                 # A reader that stalls is cut like a writer that does.
                 connection.deadline = started + self._limits.transfer_deadline_s(len(stored.data))
-                sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)))
-                sock.sendall(stored.data)
+                _send_all(sock, wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)), stored.data)
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
             self._refuse(sock, error)
             return
-        service.counters.add(num_get_hits=1, bytes_sent=len(stored.data))
+        service.counters.count_get_hit(connection.transport, len(stored.data))
 
     def _refuse(self, sock: socket.socket, error: Exception) -> None:
         code, message = status_for(error)
@@ -339,6 +384,40 @@ def _discard(sock: socket.socket, num_bytes: int) -> None:
         if received == 0:
             raise ConnectionError("client closed in the middle of a refused value")
         num_bytes -= received
+
+
+def _send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
+    """Send ``buffers`` back to back without joining them: one ``sendmsg`` of memoryviews
+    (the stored value is sent from where it lies), repeated for what a short send left.
+    TLS sockets have no ``sendmsg``; they send each buffer in turn."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
+    while views:
+        num_sent = sock.sendmsg(views)
+        while views and num_sent >= len(views[0]):
+            num_sent -= len(views.pop(0))
+        if views:
+            views[0] = views[0][num_sent:]
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a Unix socket left at ``path`` by a server that is gone; refuse one that answers."""
+    if not os.path.exists(path):
+        return
+    import stat
+
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise ValueError(f"bulk socket path {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a leftover of a killed server
+            return
+    raise ValueError(f"bulk socket {path} is in use by another process")
 
 
 def _shut(sock: socket.socket) -> None:

@@ -28,6 +28,13 @@ __all__ = ["admin", "cache_server"]
     "a number, 'any' for a free port, or 0 / 'off' to move values over gRPC only.",
 )
 @click.option(
+    "--bulk-socket",
+    default="auto",
+    show_default=True,
+    help="Unix domain socket of the bulk data channel, used by clients on this host instead of TCP: "
+    "'auto' (a private folder under the temp dir), a path, or 'off'.",
+)
+@click.option(
     "--memory-gb", type=float, default=4.0, show_default=True, help="Byte cap of the memory tier, GiB."
 )
 @click.option(
@@ -89,6 +96,7 @@ def cache_server(
     host: str,
     port: int,
     bulk_port: str,
+    bulk_socket: str,
     memory_gb: float,
     disk_path: str | None,
     disk_gb: float | None,
@@ -113,6 +121,7 @@ def cache_server(
             host=host,
             port=port,
             bulk_port=_parse_bulk_port(bulk_port),
+            bulk_socket=None if bulk_socket.strip().lower() == "off" else bulk_socket,
             memory_bytes=int(memory_gb * GIB),
             disk_path=disk_path,
             disk_bytes=int(disk_gb * GIB) if disk_gb is not None else None,

@@ -57,11 +57,14 @@ class ServerConfig:
     ``port`` 0 lets the OS pick a free port; the server prints the one it bound.
     ``bulk_port`` is the bulk data channel's TCP port (docs/cache_server.md): 0 lets
     the OS pick one (clients learn it over gRPC), None turns the channel off.
+    ``bulk_socket`` is its Unix domain socket for clients on this host: ``"auto"`` (a
+    new private folder under the temp dir), a path, or None (none).
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     bulk_port: int | None = 0
+    bulk_socket: str | None = "auto"
     memory_bytes: int = 4 * GIB
     disk_path: str | None = None
     disk_bytes: int | None = None
@@ -81,6 +84,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk port must be in 0..65535, got {self.bulk_port}")
+        if self.bulk_socket is not None and not self.bulk_socket.strip():
+            raise ValueError("the bulk socket path is empty (use 'auto' or 'off')")
         if self.bulk_port and self.bulk_port == self.port:
             raise ValueError(f"the bulk port and the gRPC port are both {self.port}")
         if self.memory_bytes <= 0:

@@ -14,10 +14,13 @@ seconds to finish, then the store is closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import ssl
 import sys
+import tempfile
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,7 +36,8 @@ from cache_server.service import AdminService, Counters, KVCacheService, kvcache
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.bulk_channel import PROTOCOL_VERSION
-from storage_backends.grpc_backend import CHANNEL_OPTIONS
+from storage_backends.grpc_channel import CHANNEL_OPTIONS
+from storage_backends.host_identity import host_identity
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +60,21 @@ class CacheServer:
         self.port = port
         #: the bulk channel's port, 0 when it is off
         self.bulk_port = bulk.port if bulk is not None else 0
+        #: the bulk channel's Unix socket, None when there is none
+        self.bulk_socket = bulk.unix_path if bulk is not None else None
         self._server = server
         self._bulk = bulk
         self._health = health_aio.HealthServicer()
         self._stopped = False
+        #: the folder made for an "auto" bulk socket, removed on stop
+        self._socket_dir: str | None = None
 
     @classmethod
     async def start(cls, config: ServerConfig) -> CacheServer:
         """Open the storage tiers, bind the port and start serving. Called once per server."""
         store = TieredStore(config)
         bulk = None
+        socket_dir = None
         try:
             tenants = config.tenant_registry()
             interceptors = [BearerTokenInterceptor(tenants)] if tenants is not None else []
@@ -74,6 +83,11 @@ class CacheServer:
             counters = Counters()
             kvcache = KVCacheService(store, config.limits, counters, tenants)
             if config.bulk_port is not None:
+                unix_path = config.bulk_socket
+                if unix_path == "auto":
+                    # A private folder (mode 0700): only this user's processes reach the socket.
+                    socket_dir = tempfile.mkdtemp(prefix="kvstash-bulk-")
+                    unix_path = os.path.join(socket_dir, "bulk.sock")
                 bulk = BulkServer(
                     kvcache,
                     config.host,
@@ -81,9 +95,15 @@ class CacheServer:
                     tenants=tenants,
                     tls_context=_server_tls_context(config),
                     max_connections=config.limits.max_bulk_connections,
+                    unix_path=unix_path,
                 )
                 kvcache.bulk_endpoint = kvstash_pb2.BulkEndpointResponse(
-                    port=bulk.port, tls=config.tls_cert is not None, protocol_version=PROTOCOL_VERSION
+                    port=bulk.port,
+                    tls=config.tls_cert is not None,
+                    protocol_version=PROTOCOL_VERSION,
+                    unix_path=unix_path or "",
+                    host_id=host_identity() if unix_path else "",
+                    instance_id=bulk.instance_id,
                 )
             server.add_generic_rpc_handlers((kvcache_handler(kvcache),))
             admin_service = AdminService(store, config.limits, counters, tenants)
@@ -96,6 +116,7 @@ class CacheServer:
             else:
                 port = server.add_insecure_port(address)
             instance = cls(config, store, server, port, bulk)
+            instance._socket_dir = socket_dir
             health_pb2_grpc.add_HealthServicer_to_server(instance._health, server)
             reflection.enable_server_reflection(
                 (
@@ -111,6 +132,7 @@ class CacheServer:
         except Exception:
             if bulk is not None:
                 bulk.stop(0)
+            _remove_folder(socket_dir)
             store.close()
             raise
         for name in ("", *SERVICE_NAMES):
@@ -131,7 +153,15 @@ class CacheServer:
         if self._bulk is not None:
             stopping.append(asyncio.to_thread(self._bulk.stop, grace_s))
         await asyncio.gather(*stopping)
+        _remove_folder(self._socket_dir)
         await asyncio.to_thread(self.store.close)
+
+
+def _remove_folder(path: str | None) -> None:
+    """Remove the (empty once the socket is gone) folder of an "auto" bulk socket."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _server_tls_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -151,6 +181,8 @@ async def serve(config: ServerConfig) -> None:
     print(f"kvstash cache server listening on {scheme}://{config.host}:{server.port}", flush=True)
     tiers = ", ".join(tier.name for tier in server.store.tiers)
     bulk = f"port {server.bulk_port}" if server.bulk_port else "off"
+    if server.bulk_socket:
+        bulk += f" and Unix socket {server.bulk_socket}"
     registry = config.tenant_registry()
     auth = "off" if registry is None else f"{len(registry.tenants)} tenant(s)"
     logger.info("tiers: %s; auth %s; bulk channel %s", tiers, auth, bulk)

@@ -29,13 +29,8 @@ from cache_server.value_assembly import ValueAssembler
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError, CapacityError
 from storage_backends.chunk import verify_chunk
-from storage_backends.grpc_backend import (
-    GET_DATA_FIELD,
-    MAX_MESSAGE_BYTES,
-    PUT_DATA_FIELD,
-    parse_fields,
-    piece_messages,
-)
+from storage_backends.grpc_channel import MAX_MESSAGE_BYTES
+from storage_backends.grpc_codec import GET_DATA_FIELD, PUT_DATA_FIELD, parse_fields, piece_messages
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +112,8 @@ class Counters:
     bytes_received: int = 0
     bytes_sent: int = 0
     num_rejected: int = 0
+    #: per path ("unix", "tcp", "grpc"): {"num_puts", "num_gets", "bytes_received", "bytes_sent"}
+    transports: dict[str, dict[str, int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -124,6 +121,30 @@ class Counters:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+
+    def count_put(self, transport: str, num_bytes: int) -> None:
+        """One value of ``num_bytes`` stored, received over ``transport``."""
+        self._count_transfer(transport, "num_puts", "num_puts", "bytes_received", num_bytes)
+
+    def count_get_hit(self, transport: str, num_bytes: int) -> None:
+        """One value of ``num_bytes`` sent over ``transport`` (num_get_hits and bytes_sent)."""
+        self._count_transfer(transport, "num_get_hits", "num_gets", "bytes_sent", num_bytes)
+
+    def _count_transfer(
+        self, transport: str, total_name: str, count_name: str, bytes_name: str, num_bytes: int
+    ) -> None:
+        with self._lock:
+            setattr(self, total_name, getattr(self, total_name) + 1)
+            setattr(self, bytes_name, getattr(self, bytes_name) + num_bytes)
+            per_path = self.transports.setdefault(
+                transport, {"num_puts": 0, "num_gets": 0, "bytes_received": 0, "bytes_sent": 0}
+            )
+            per_path[count_name] += 1
+            per_path[bytes_name] += num_bytes
+
+    def transport_snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {name: dict(values) for name, values in self.transports.items()}
 
     def try_open_stream(self, limit: int) -> bool:
         """Take one of ``limit`` stream slots; False when all are taken."""
@@ -242,7 +263,7 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no key)")
             data = value.finish()
             await asyncio.to_thread(self.store.put_verified, key, data, reservation)
-            self.counters.add(num_puts=1, bytes_received=len(data))
+            self.counters.count_put("grpc", len(data))
             return kvstash_pb2.PutResponse(num_bytes=len(data))
 
     def check_size(self, total_size: int) -> int:
@@ -279,12 +300,11 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
             stored = await asyncio.to_thread(self.store.get, key)
             if stored is None:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
-            self.counters.add(num_get_hits=1)
             total_size = len(stored.data)
             head = kvstash_pb2.GetResponse(total_size=total_size).SerializeToString()
             for message in piece_messages(head, GET_DATA_FIELD, stored.data):
                 yield message
-            self.counters.add(bytes_sent=total_size)
+            self.counters.count_get_hit("grpc", total_size)
 
     @unary_handler
     async def Contains(self, request, context) -> kvstash_pb2.ContainsResponse:
@@ -337,6 +357,10 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
             bytes_sent=counters.bytes_sent,
             num_rejected=counters.num_rejected,
             version=VERSION,
+            transports=[
+                kvstash_pb2.TransportStats(name=name, **values)
+                for name, values in sorted(counters.transport_snapshot().items())
+            ],
         )
 
     @unary_handler

@@ -63,14 +63,20 @@ class BulkEndpointRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkEndpointResponse(_message.Message):
-    __slots__ = ("port", "tls", "protocol_version")
+    __slots__ = ("port", "tls", "protocol_version", "unix_path", "host_id", "instance_id")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     port: int
     tls: bool
     protocol_version: int
-    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    unix_path: str
+    host_id: str
+    instance_id: str
+    def __init__(self, port: _Optional[int] = ..., tls: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., unix_path: _Optional[str] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -101,7 +107,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_keys: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "uptime_s", "num_active_streams", "num_puts", "num_gets", "num_get_hits", "bytes_received", "bytes_sent", "num_rejected", "version")
+    __slots__ = ("tiers", "uptime_s", "num_active_streams", "num_puts", "num_gets", "num_get_hits", "bytes_received", "bytes_sent", "num_rejected", "version", "transports")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +118,7 @@ class StatsResponse(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     uptime_s: float
     num_active_streams: int
@@ -122,7 +129,22 @@ class StatsResponse(_message.Message):
     bytes_sent: int
     num_rejected: int
     version: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., num_puts: _Optional[int] = ..., num_gets: _Optional[int] = ..., num_get_hits: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., num_rejected: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    transports: _containers.RepeatedCompositeFieldContainer[TransportStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., num_puts: _Optional[int] = ..., num_gets: _Optional[int] = ..., num_get_hits: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., num_rejected: _Optional[int] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[TransportStats, _Mapping]]] = ...) -> None: ...
+
+class TransportStats(_message.Message):
+    __slots__ = ("name", "num_puts", "num_gets", "bytes_received", "bytes_sent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_PUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_puts: int
+    num_gets: int
+    bytes_received: int
+    bytes_sent: int
+    def __init__(self, name: _Optional[str] = ..., num_puts: _Optional[int] = ..., num_gets: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class ListKeysRequest(_message.Message):
     __slots__ = ("prefix", "page_size", "page_token")

@@ -9,10 +9,16 @@ buffer that will hold them. Control stays on gRPC: the client learns the port
 from the ``GetBulkEndpoint`` RPC and falls back to gRPC whenever the bulk
 channel is off or broken.
 
+The server also listens on a Unix domain socket (its path comes with the TCP
+port in ``GetBulkEndpoint``, with the server's host identity); a client on the
+same host (``storage_backends.host_identity``) uses it instead of TCP: the same
+protocol, without the TCP/IP stack.
+
 Wire format (integers little-endian; status codes are gRPC's numbers):
 
 - on connect, client → server: ``HELLO`` = magic ``b"KVB1"``, u16 token length,
-  token bytes (empty without auth); server → client: a reply (below). A wrong
+  token bytes (empty without auth); server → client: a reply (below; its
+  message is the server's instance id, as in ``GetBulkEndpoint``). A wrong
   token gets UNAUTHENTICATED and the connection is closed; so is, at once, a
   connection beyond the server's ``--max-bulk-connections``.
 - request: u8 op (``OP_PUT``, ``OP_GET``), u16 key length, u64 value length
@@ -25,8 +31,10 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   storing it (or INVALID_ARGUMENT; it reads the whole announced value either
   way, so the connection stays usable).
 
-:class:`BulkClient` holds a pool of connections (one per concurrent caller,
-reused). Thread-safe. Transport failures (refused, reset, closed, timed out,
+:class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
+Unix socket): at most ``max_connections`` in use at once, each reused by the
+next caller; concurrent callers (``get_many``/``put_many``) spread over them
+and wait for one when all are busy. Thread-safe. Transport failures (refused, reset, closed, timed out,
 garbled) raise :class:`BulkUnavailable`; the gRPC tier then retries the call
 over gRPC. A reply with an error status raises :class:`BulkStatusError`.
 """
@@ -37,7 +45,11 @@ import socket
 import ssl
 import struct
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from storage_backends.chunk import KVChunk
+    from storage_backends.chunk_receiver import Destination
 
 PROTOCOL_VERSION = 1
 MAGIC = b"KVB1"
@@ -73,6 +85,9 @@ MAX_TOKEN_BYTES = 4096
 MAX_KEY_BYTES = 0xFFFF
 #: largest Get value a client accepts; a larger announced length means a garbled stream
 DEFAULT_MAX_VALUE_BYTES = 1 << 30
+#: connections one client keeps in use at once by default (values of MiBs: a few fill the link)
+DEFAULT_MAX_CONNECTIONS = 4
+TRANSPORT_TCP, TRANSPORT_UNIX = "tcp", "unix"
 
 
 class BulkUnavailable(Exception):
@@ -123,7 +138,8 @@ def read_reply(sock: socket.socket) -> Reply:
 
 
 class BulkClient:
-    """Connections to one server's bulk port; ``put`` and ``get`` as the gRPC tier needs them."""
+    """Connections to one server's bulk port (or its Unix socket, ``unix_path``); ``put``, ``get``
+    and ``get_into`` as the gRPC tier needs them."""
 
     def __init__(
         self,
@@ -134,30 +150,61 @@ class BulkClient:
         timeout_s: float,
         connect_timeout_s: float | None = None,
         tls_context: ssl.SSLContext | None = None,
-        max_idle_connections: int = 64,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        unix_path: str | None = None,
+        server_instance_id: str | None = None,
     ) -> None:
+        if max_connections <= 0:
+            raise ValueError(f"bulk connections must be positive, got {max_connections}")
+        if unix_path is not None and tls_context is not None:
+            raise ValueError("the bulk channel's Unix socket does not speak TLS")
         self.host = host
         self.port = port
+        self.unix_path = unix_path
+        #: when set, a connection whose HELLO answer is not this id is another server's (refused)
+        self.server_instance_id = server_instance_id
+        #: "unix" or "tcp": how this client reaches the server
+        self.transport = TRANSPORT_UNIX if unix_path is not None else TRANSPORT_TCP
+        self.max_connections = max_connections
         self.timeout_s = timeout_s
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self._token = (token or "").encode()
         if len(self._token) > MAX_TOKEN_BYTES:
             raise ValueError(f"auth token longer than {MAX_TOKEN_BYTES} bytes")
         self._tls_context = tls_context
-        self._max_idle = max_idle_connections
+        # one permit per connection in use: callers beyond max_connections wait for one
+        self._permits = threading.BoundedSemaphore(max_connections)
         self.max_value_bytes = max_value_bytes
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
 
     # ---- connections -----------------------------------------------------------
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
-        try:
-            sock.settimeout(self.timeout_s)
+    @property
+    def endpoint(self) -> str:
+        """Where this client connects, for messages: ``HOST:PORT`` or the socket path."""
+        return self.unix_path if self.unix_path is not None else f"{self.host}:{self.port}"
+
+    def _open_socket(self) -> socket.socket:
+        if self.unix_path is None:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
             # Requests and replies are small messages answered at once: no Nagle delay.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(self.unix_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _connect(self) -> socket.socket:
+        sock = self._open_socket()
+        try:
+            sock.settimeout(self.timeout_s)
             if self._tls_context is not None:
                 sock = self._tls_context.wrap_socket(sock, server_hostname=self.host)
             sock.sendall(HELLO.pack(MAGIC, len(self._token)) + self._token)
@@ -168,6 +215,9 @@ class BulkClient:
         if reply.status != STATUS_OK:
             sock.close()
             raise BulkStatusError(reply.status, reply.message)
+        if self.server_instance_id is not None and reply.message != self.server_instance_id:
+            sock.close()
+            raise ConnectionError(f"{self.endpoint} belongs to another server than the one advertised")
         return sock
 
     def _take(self) -> tuple[socket.socket, bool]:
@@ -181,7 +231,7 @@ class BulkClient:
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < self._max_idle:
+            if not self._closed and len(self._idle) < self.max_connections:
                 self._idle.append(sock)
                 return
         sock.close()
@@ -195,38 +245,76 @@ class BulkClient:
         encoded_key = key.encode()
         if len(encoded_key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(encoded_key)} bytes is too long for the bulk channel")
+        if not self._permits.acquire(timeout=self.timeout_s):
+            raise BulkUnavailable(f"no free bulk connection to {self.endpoint} within {self.timeout_s:g} s")
+        try:
+            return self._call_with_permit(operation, encoded_key, *args)
+        finally:
+            self._permits.release()
+
+    def _call_with_permit(self, operation, encoded_key: bytes, *args):
         while True:
             try:
                 sock, pooled = self._take()
             except OSError as error:
-                raise BulkUnavailable(f"cannot connect to {self.host}:{self.port}: {error}") from None
+                raise BulkUnavailable(f"cannot connect to {self.endpoint}: {error}") from None
             try:
                 sock.settimeout(self.timeout_s)
                 result = operation(self, sock, encoded_key, *args)
             except BulkStatusError:
                 self._give_back(sock)
                 raise
+            except _InStepError as refused:
+                self._give_back(sock)
+                raise refused.error from None
             except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
                 sock.close()
                 if pooled and not isinstance(error, TimeoutError):
                     self._close_idle()  # they are as old as this one
                     continue
-                raise BulkUnavailable(f"bulk transfer with {self.host}:{self.port} failed: {error}") from None
+                raise BulkUnavailable(f"bulk transfer with {self.endpoint} failed: {error}") from None
             except BaseException:
                 sock.close()
                 raise
             self._give_back(sock)
             return result
 
+    def check(self) -> None:
+        """Open one connection (HELLO answered) and pool it; BulkUnavailable when that fails,
+        BulkStatusError when the server refuses (token). Used to try a Unix socket before using it."""
+        if not self._permits.acquire(timeout=self.timeout_s):
+            raise BulkUnavailable(f"no free bulk connection to {self.endpoint} within {self.timeout_s:g} s")
+        try:
+            try:
+                sock = self._connect()
+            except OSError as error:
+                raise BulkUnavailable(f"cannot connect to {self.endpoint}: {error}") from None
+            self._give_back(sock)
+        finally:
+            self._permits.release()
+
     # ---- operations ------------------------------------------------------------
-    def put(self, key: str, data: bytes | memoryview) -> int:
-        """Store ``data``; returns the number of bytes the server stored."""
-        return self._call(_put, key, data)
+    def put(self, key: str, *parts: bytes | memoryview) -> int:
+        """Store the value made of ``parts`` back to back (one buffer, or a chunk's header and its
+        tensor's memory, sent without joining them); returns the number of bytes the server stored."""
+        return self._call(_put, key, parts)
 
     def get(self, key: str) -> bytearray | None:
         """The value of ``key`` or None when the server does not hold it (not verified here)."""
         try:
             return self._call(_get, key)
+        except BulkStatusError as error:
+            if error.code == STATUS_NOT_FOUND:
+                return None
+            raise
+
+    def get_chunk(self, key: str, destination: Destination) -> KVChunk | None:
+        """Read ``key``'s chunk straight into ``destination(header)`` (a tensor: the caller's buffer
+        or a new one; see ``storage_backends.chunk_receiver``), verifying it as it lands; None when
+        the server does not hold it. ChunkFormatError for a corrupt value, ValueError from
+        ``destination`` (the connection stays usable after both)."""
+        try:
+            return self._call(_get_chunk, key, destination)
         except BulkStatusError as error:
             if error.code == STATUS_NOT_FOUND:
                 return None
@@ -244,12 +332,14 @@ class BulkClient:
         self._close_idle()
 
 
-def _put(client: BulkClient, sock: socket.socket, key: bytes, data: bytes | memoryview) -> int:
-    sock.sendall(REQUEST.pack(OP_PUT, len(key), len(data)) + key)
+def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]) -> int:
+    views = [memoryview(part).cast("B") for part in parts]
+    sock.sendall(REQUEST.pack(OP_PUT, len(key), sum(len(view) for view in views)) + key)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
-    sock.sendall(memoryview(data).cast("B"))
+    for view in views:
+        sock.sendall(view)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
@@ -266,3 +356,28 @@ def _get(client: BulkClient, sock: socket.socket, key: bytes) -> bytearray:
     value = bytearray(reply.value_len)
     recv_exactly(sock, memoryview(value))
     return value
+
+
+def _get_chunk(client: BulkClient, sock: socket.socket, key: bytes, destination: Destination) -> KVChunk:
+    from storage_backends.chunk_receiver import receive_chunk
+
+    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
+    reply = read_reply(sock)
+    if reply.status != STATUS_OK:
+        raise BulkStatusError(reply.status, reply.message)
+    if reply.value_len > client.max_value_bytes:
+        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
+    try:
+        return receive_chunk(
+            lambda view: recv_exactly(sock, view), reply.value_len, destination, key.decode()
+        )
+    except ValueError as error:  # ChunkFormatError too: the stream is in step, the connection reusable
+        raise _InStepError(error) from None
+
+
+class _InStepError(Exception):
+    """A refusal of the value that left the connection in step (carries the original ``error``)."""
+
+    def __init__(self, error: ValueError) -> None:
+        super().__init__(str(error))
+        self.error = error

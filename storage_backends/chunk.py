@@ -372,3 +372,22 @@ def decode_verified_chunk(data: bytes | bytearray | memoryview, header: ChunkHea
         flat.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
     tensor = flat.view(header.dtype).reshape(header.shape)
     return KVChunk(tensor, header.layout)
+
+
+#: leading bytes of every serialized chunk that say how long its header is (magic, version, length)
+HEADER_LENGTH_PREFIX = struct.Struct("<4sHH")
+
+
+def header_length(prefix: bytes | bytearray | memoryview) -> int:
+    """The header length a chunk's first ``HEADER_LENGTH_PREFIX.size`` bytes announce.
+
+    For receivers that read a chunk from a stream: they read this many bytes, then the rest of
+    the header, then hand the header to :func:`parse_header` (which checks everything).
+    ChunkFormatError for a foreign magic or a length shorter than the prefix itself.
+    """
+    magic, _version, length = HEADER_LENGTH_PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise ChunkFormatError(f"not a kvstash chunk: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if length < HEADER_LENGTH_PREFIX.size:
+        raise ChunkFormatError(f"inconsistent chunk header: length {length}")
+    return length

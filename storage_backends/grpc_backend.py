@@ -6,192 +6,90 @@ URL parameters: ``token`` (bearer token; default ``$KVSTASH_AUTH_TOKEN``),
 default 30), ``codec`` (``none`` or ``lz4``, used when this tier encodes a
 chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8),
 ``bulk`` (``on``, the default, or ``off``: move values over gRPC only, e.g. when
-only the gRPC port is forwarded to the client).
+only the gRPC port is forwarded to the client), ``bulk_connections`` (bulk
+connections in use at once, default 4: the calls of ``get_many`` / ``put_many``
+spread over them), ``local`` (``auto``, the default: use the server's Unix socket
+when it runs on this host; ``off``: always TCP).
 
 A synchronous API over one gRPC channel (channels are thread-safe, so is this
-class). Values move over the server's bulk data channel when it has one
-(``storage_backends.bulk_channel``: raw bytes on a TCP port that the first Put
-or Get asks for with ``GetBulkEndpoint``; TLS and the token as for gRPC); when
-it is off, unreachable or fails mid-call, the call goes over gRPC instead and
-the bulk channel is tried again ``BULK_RETRY_S`` seconds later (doubling after
-each failure in a row, up to ``BULK_MAX_RETRY_S``). Over gRPC,
-values travel as streams of ``PIECE_BYTES`` pieces, so no message comes
-near the size limits that both sides set in ``CHANNEL_OPTIONS``; the pieces are
-written and read in protobuf's wire format directly (one copy each, see below). Every call has
-a deadline; a failed call raises :class:`~storage_backends.base.BackendError`
-naming the server and the reason, except that an unknown key is a miss and a
-refused value is a ``ValueError``.
+class). Values move over the server's bulk data channel when it has one; which
+path (Unix socket, TCP, gRPC) and the fallback to gRPC are
+:class:`~storage_backends.transport_policy.BulkTransportPolicy`'s job, the gRPC
+wire form of Put and Get is ``storage_backends.grpc_codec``'s and the channel's
+``storage_backends.grpc_channel``'s. Every call has a deadline; a failed call
+raises :class:`~storage_backends.base.BackendError` naming the server and the
+reason, except that an unknown key is a miss and a refused value is a
+``ValueError``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import ssl
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError, StorageBackend
-from storage_backends.bulk_channel import PROTOCOL_VERSION, BulkClient, BulkStatusError, BulkUnavailable
-from storage_backends.chunk import CODECS, ChunkFormatError, KVChunk, decode_chunk, encode_chunk, verify_chunk
+from storage_backends.bulk_channel import (
+    DEFAULT_MAX_CONNECTIONS,
+    BulkClient,
+    BulkStatusError,
+    BulkUnavailable,
+)
+from storage_backends.chunk import (
+    CODECS,
+    ChunkFormatError,
+    KVChunk,
+    decode_chunk,
+    encode_chunk_parts,
+    verify_chunk,
+)
+from storage_backends.chunk_receiver import Destination, fresh_tensor, out_view_for
+from storage_backends.grpc_channel import (
+    AUTH_TOKEN_ENV,
+    CHANNEL_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    auth_metadata,
+    make_channel,
+)
+from storage_backends.grpc_codec import PIECE_BYTES, put_messages, value_from_get_messages
+from storage_backends.host_identity import host_identity
+from storage_backends.transport_policy import TRANSPORT_GRPC, BulkTransportPolicy
 from storage_backends.urls import parse_float, split_backend_url
 
-#: bytes of value per Put/Get message
-PIECE_BYTES = 1 << 20
-#: the largest message either side accepts: a piece plus framing, with room to spare
-MAX_MESSAGE_BYTES = 8 * PIECE_BYTES
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-#: client channels retry a lost server at least once a second (gRPC's default backoff grows
-#: to 120 s, so hits would come back minutes after a restarted server is up again)
-RECONNECT_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-AUTH_TOKEN_ENV = "KVSTASH_AUTH_TOKEN"
+if TYPE_CHECKING:
+    import torch
+
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CONCURRENCY = 8
 LIST_PAGE_SIZE = 5000
-#: seconds values go over gRPC after the bulk channel failed (or was off) before it is asked for again
-BULK_RETRY_S = 5.0
-#: the longest such wait, reached after failures in a row (an unreachable port costs a connect each time)
-BULK_MAX_RETRY_S = 300.0
-#: seconds a bulk connection may take to open (a filtered port must not stall a call for the whole timeout)
-BULK_CONNECT_TIMEOUT_S = 3.0
 CODE_TO_STATUS = {status.value[0]: status for status in grpc.StatusCode}
+TRANSPORTS = ("unix", "tcp", TRANSPORT_GRPC)
+#: what a bulk Get answers when the channel failed and the call must go over gRPC
+_USE_GRPC = object()
 
 logger = logging.getLogger(__name__)
-
-
-def make_channel(address: str, *, secure: bool, ca_path: str | None = None) -> grpc.Channel:
-    """A channel to ``address`` ("host:port"), TLS when ``secure`` (trusting ``ca_path`` or the system roots)."""
-    if not secure:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-    root_certificates = None
-    if ca_path is not None:
-        try:
-            with open(ca_path, "rb") as ca_file:
-                root_certificates = ca_file.read()
-        except OSError as exc:
-            raise ValueError(f"cannot read the TLS CA file {ca_path}: {exc.strerror}") from None
-    credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-
-
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying a bearer token (empty without one)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-# ---- the wire form of Put and Get -----------------------------------------------
-# Building each piece as a protobuf message and serializing it copies the bytes
-# three times, and parsing does the same on the other side; on the hit path that
-# is most of the cost. So both sides write and read the pieces in protobuf's
-# documented wire format themselves (field tag, length, bytes) through
-# memoryviews: one copy per piece. The bytes on the wire are exactly the
-# PutRequest / GetResponse messages of kvstash.proto, so generated and
-# reflection-based clients interoperate unchanged.
-_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-PUT_DATA_FIELD = kvstash_pb2.PutRequest.DESCRIPTOR.fields_by_name["data"].number
-GET_DATA_FIELD = kvstash_pb2.GetResponse.DESCRIPTOR.fields_by_name["data"].number
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(view: memoryview, position: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if position >= len(view) or shift > 63:
-            raise ValueError("malformed message: bad varint")
-        byte = view[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, position
-
-
-def parse_fields(message: bytes) -> dict[int, int | memoryview]:
-    """Top-level fields of one serialized message: number → int (varint) or memoryview (bytes).
-
-    Length-delimited fields come back as views into ``message`` (no copy). A
-    repeated field keeps its last value, as protobuf does for scalars.
-    Raises ValueError for a malformed message.
-    """
-    view = memoryview(message)
-    fields: dict[int, int | memoryview] = {}
-    position = 0
-    while position < len(view):
-        key, position = _read_varint(view, position)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == _WIRE_VARINT:
-            fields[number], position = _read_varint(view, position)
-        elif wire_type == _WIRE_LEN:
-            length, position = _read_varint(view, position)
-            if position + length > len(view):
-                raise ValueError("malformed message: field runs past the end")
-            fields[number] = view[position : position + length]
-            position += length
-        elif wire_type in (_WIRE_I64, _WIRE_I32):
-            position += 8 if wire_type == _WIRE_I64 else 4
-        else:
-            raise ValueError(f"malformed message: wire type {wire_type}")
-    if position != len(view):
-        raise ValueError("malformed message: truncated field")
-    return fields
-
-
-def piece_messages(head: bytes, data_field: int, data: bytes) -> Iterator[bytes]:
-    """Serialized messages carrying ``data`` in pieces of PIECE_BYTES: the first starts with
-    ``head`` (the other fields, already serialized), each has one ``data_field``."""
-    view = memoryview(data)
-    tag = _varint((data_field << 3) | _WIRE_LEN)
-    for start in range(0, max(len(data), 1), PIECE_BYTES):
-        piece = view[start : start + PIECE_BYTES]
-        yield b"".join((head if start == 0 else b"", tag, _varint(len(piece)), piece))
-
-
-def put_messages(key: str, data: bytes) -> Iterator[bytes]:
-    """The Put stream for one value, serialized (key and total_size ride on the first message)."""
-    head = kvstash_pb2.PutRequest(key=key, total_size=len(data)).SerializeToString()
-    return piece_messages(head, PUT_DATA_FIELD, data)
-
-
-def value_from_get_messages(messages: Iterator[bytes]) -> bytes:
-    """The value carried by a serialized Get stream; ValueError when it is inconsistent."""
-    total_size_field = kvstash_pb2.GetResponse.DESCRIPTOR.fields_by_name["total_size"].number
-    total_size = None
-    pieces = []
-    for message in messages:
-        fields = parse_fields(message)
-        if total_size is None:
-            total_size = fields.get(total_size_field, 0)
-        pieces.append(fields.get(GET_DATA_FIELD, b""))
-    data = b"".join(pieces)
-    if total_size is None or len(data) != total_size:
-        raise ValueError(f"incomplete Get stream: {len(data)} bytes, announced {total_size}")
-    return data
+# make_channel, CHANNEL_OPTIONS, MAX_MESSAGE_BYTES and PIECE_BYTES lived here before the channel
+# and the codec had their own modules; they stay importable from here.
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "MAX_MESSAGE_BYTES",
+    "PIECE_BYTES",
+    "GrpcBackend",
+    "auth_metadata",
+    "make_channel",
+]
 
 
 class GrpcBackend(StorageBackend):
     """Remote tier backed by a kvstash cache server. Usually built by ``create_backend("grpc://…")``;
-    the token falls back to ``$KVSTASH_AUTH_TOKEN``."""
+    the token falls back to ``$KVSTASH_AUTH_TOKEN``. ``host_id`` is this host's identity for
+    choosing the Unix socket (default: :func:`~storage_backends.host_identity.host_identity`)."""
 
     name = "grpc"
 
@@ -206,24 +104,27 @@ class GrpcBackend(StorageBackend):
         codec: str = "none",
         concurrency: int = DEFAULT_CONCURRENCY,
         bulk: bool = True,
+        bulk_connections: int = DEFAULT_MAX_CONNECTIONS,
+        local: bool = True,
+        host_id: str | None = None,
     ) -> None:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
         if ca_path is not None and not secure:
             raise ValueError("a TLS CA only makes sense with TLS (grpcs://)")
-        if timeout_s <= 0 or concurrency <= 0:
-            raise ValueError(f"timeout and concurrency must be positive, got {timeout_s} and {concurrency}")
+        if timeout_s <= 0 or concurrency <= 0 or bulk_connections <= 0:
+            raise ValueError(
+                f"timeout, concurrency and bulk_connections must be positive, "
+                f"got {timeout_s}, {concurrency} and {bulk_connections}"
+            )
         self.address = address
         self.codec = codec
         self.timeout_s = timeout_s
         token = token or os.environ.get(AUTH_TOKEN_ENV)
-        self._token = token
         self._metadata = auth_metadata(token)
-        self._secure = secure
-        self._ca_path = ca_path
         self._channel = make_channel(address, secure=secure, ca_path=ca_path)
         self._kv = kvstash_pb2_grpc.KVCacheStub(self._channel)
-        # Put and Get carry pre-serialized messages (see put_messages / value_from_get_messages).
+        # Put and Get carry pre-serialized messages (see grpc_codec).
         self._put_wire = self._channel.stream_unary(
             "/kvstash.v1.KVCache/Put",
             request_serializer=None,
@@ -238,19 +139,31 @@ class GrpcBackend(StorageBackend):
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvstash-grpc")
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
-        # values moved over the bulk channel, and bulk calls that failed and went over gRPC instead
-        self._counts.update(bulk_calls=0, bulk_failures=0)
+        # values moved over the bulk channel (and per path), and bulk calls that failed and went
+        # over gRPC instead
+        self._counts.update(bulk_calls=0, bulk_failures=0, **{f"{name}_calls": 0 for name in TRANSPORTS})
         self._closed = False
-        self._bulk: BulkClient | None = None
-        self._use_bulk = bulk
-        self._bulk_asked_at = -BULK_MAX_RETRY_S  # monotonic time of the last GetBulkEndpoint
-        self._bulk_retry_s = BULK_RETRY_S  # wait after the last failure
-        self._num_bulk_failures_in_row = 0
+        self._transport = BulkTransportPolicy(
+            address=address,
+            ask_endpoint=lambda: self._kv.GetBulkEndpoint(
+                kvstash_pb2.BulkEndpointRequest(), timeout=self.timeout_s, metadata=self._metadata
+            ),
+            token=token,
+            timeout_s=timeout_s,
+            secure=secure,
+            ca_path=ca_path,
+            enabled=bulk,
+            local=local,
+            max_connections=bulk_connections,
+            host_id=host_identity() if host_id is None else host_id,
+        )
 
     @classmethod
     def from_url(cls, url: str) -> GrpcBackend:
         """``grpc://host:port`` or ``grpcs://host:port`` with the parameters in the module docstring."""
-        parts, params = split_backend_url(url, ("token", "ca", "timeout", "codec", "concurrency", "bulk"))
+        parts, params = split_backend_url(
+            url, ("token", "ca", "timeout", "codec", "concurrency", "bulk", "bulk_connections", "local")
+        )
         if parts.scheme not in ("grpc", "grpcs"):
             raise ValueError(f"not a grpc:// or grpcs:// URL: {url!r}")
         if not parts.hostname or parts.port is None:
@@ -258,12 +171,21 @@ class GrpcBackend(StorageBackend):
         if parts.path not in ("", "/"):
             raise ValueError(f"grpc URL takes no path, got {parts.path!r} in {url!r}")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        concurrency = params.get("concurrency", str(DEFAULT_CONCURRENCY))
         bulk = params.get("bulk", "on")
         if bulk not in ("on", "off"):
             raise ValueError(f"grpc bulk must be 'on' or 'off', got {bulk!r}")
-        if not concurrency.isdigit():
-            raise ValueError(f"grpc concurrency must be a positive integer, got {concurrency!r}")
+        local = params.get("local", "auto")
+        if local not in ("auto", "off"):
+            raise ValueError(f"grpc local must be 'auto' or 'off', got {local!r}")
+        counts = {}
+        for name, default in (
+            ("concurrency", DEFAULT_CONCURRENCY),
+            ("bulk_connections", DEFAULT_MAX_CONNECTIONS),
+        ):
+            text = params.get(name, str(default))
+            if not text.isdigit() or int(text) == 0:
+                raise ValueError(f"grpc {name} must be a positive integer, got {text!r}")
+            counts[name] = int(text)
         return cls(
             f"{host}:{parts.port}",
             secure=parts.scheme == "grpcs",
@@ -273,9 +195,15 @@ class GrpcBackend(StorageBackend):
             if "timeout" in params
             else DEFAULT_TIMEOUT_S,
             codec=params.get("codec", "none"),
-            concurrency=int(concurrency),
             bulk=bulk == "on",
+            local=local == "auto",
+            **counts,
         )
+
+    @property
+    def transport(self) -> str:
+        """The path values take now: "unix" (same host), "tcp" (bulk port) or "grpc"."""
+        return self._transport.transport
 
     # ---- helpers -------------------------------------------------------------
     def _count(self, name: str) -> None:
@@ -300,59 +228,18 @@ class GrpcBackend(StorageBackend):
         return BackendError(f"grpc tier {what} failed: {reason}")
 
     def _bulk_client(self) -> BulkClient | None:
-        """The bulk channel, asking the server for it at most once per retry period; None: use gRPC."""
-        with self._lock:
-            if self._bulk is not None or self._closed or not self._use_bulk:
-                return self._bulk
-            now = time.monotonic()
-            if now - self._bulk_asked_at < self._bulk_retry_s:
-                return None
-            self._bulk_asked_at = now
-        try:
-            endpoint = self._kv.GetBulkEndpoint(
-                kvstash_pb2.BulkEndpointRequest(), timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError:
-            return None  # an older server (UNIMPLEMENTED) or none at all: the gRPC call reports it
-        # A server with TLS on gRPC has it on the bulk port too; anything else is not used.
-        if not endpoint.port or endpoint.protocol_version != PROTOCOL_VERSION or endpoint.tls != self._secure:
-            return None
-        tls_context = ssl.create_default_context(cafile=self._ca_path) if self._secure else None
-        client = BulkClient(
-            self.address.rsplit(":", 1)[0].strip("[]"),
-            endpoint.port,
-            token=self._token,
-            timeout_s=self.timeout_s,
-            connect_timeout_s=min(self.timeout_s, BULK_CONNECT_TIMEOUT_S),
-            tls_context=tls_context,
-        )
-        with self._lock:
-            if self._bulk is None and not self._closed:
-                self._bulk = client
-                return client
-        client.close()
-        return self._bulk
+        self._check_open()
+        return self._transport.client()
 
-    def _bulk_succeeded(self) -> None:
+    def _bulk_succeeded(self, client: BulkClient) -> None:
+        self._transport.succeeded()
         with self._lock:
             self._counts["bulk_calls"] += 1
-            self._num_bulk_failures_in_row = 0
+            self._counts[f"{client.transport}_calls"] += 1
 
     def _bulk_failed(self, client: BulkClient, error: BulkUnavailable) -> None:
-        """Stop using a bulk channel that failed; this call and those of the next retry period
-        (doubled after each failure in a row) go over gRPC instead."""
-        with self._lock:
-            self._counts["bulk_failures"] += 1
-            if self._bulk is client:
-                self._bulk = None
-                self._bulk_asked_at = time.monotonic()
-                self._bulk_retry_s = min(BULK_RETRY_S * 2**self._num_bulk_failures_in_row, BULK_MAX_RETRY_S)
-                self._num_bulk_failures_in_row += 1
-            retry_s = self._bulk_retry_s
-        # INFO, not WARNING: the call goes on over gRPC, and a server that is really down is
-        # reported once by the caller (the connector's tier incident), not once per channel.
-        logger.info("bulk channel of %s failed, using gRPC for %g s: %s", self.address, retry_s, error)
-        client.close()
+        self._count("bulk_failures")
+        self._transport.failed(client, error)
 
     def _refused_value(self, key: str, details: str) -> ChunkFormatError:
         return ChunkFormatError(f"{self.address} refused the value for {key!r}: {details}")
@@ -376,17 +263,21 @@ class GrpcBackend(StorageBackend):
 
     def _fetch(self, key: str) -> bytes | bytearray | None:
         """Raw value bytes or None when the server does not hold ``key``."""
-        self._check_open()
         bulk = self._bulk_client()
         if bulk is not None:
             try:
                 data = bulk.get(key)
-                self._bulk_succeeded()
+                self._bulk_succeeded(bulk)
                 return data
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)
             except BulkStatusError as error:
                 raise self._error("get", error) from None
+        return self._fetch_over_grpc(key)
+
+    def _fetch_over_grpc(self, key: str) -> bytes | None:
+        self._check_open()
+        self._count("grpc_calls")
         try:
             return value_from_get_messages(
                 self._get_wire(
@@ -416,7 +307,14 @@ class GrpcBackend(StorageBackend):
         return data
 
     def get(self, key: str) -> KVChunk | None:
-        data = self._fetch(key)
+        """Over the bulk channel the payload lands in a new tensor as it arrives, verified on the
+        way (no value object, no decode copy); over gRPC the value is fetched and decoded."""
+        bulk = self._bulk_client()
+        if bulk is not None:
+            received = self._bulk_get_chunk(bulk, key, fresh_tensor)
+            if received is not _USE_GRPC:
+                return received
+        data = self._fetch_over_grpc(key)
         if data is None:
             self._count("misses")
             return None
@@ -429,21 +327,70 @@ class GrpcBackend(StorageBackend):
         self._count("hits")
         return chunk
 
+    def get_into(self, key: str, out: torch.Tensor) -> KVChunk | None:
+        """Read ``key`` into ``out`` (see ``StorageBackend.get_into``). Over the bulk channel the
+        payload is received with ``recv_into`` straight into ``out`` and its CRC-32 computed as
+        the pieces land (``storage_backends.chunk_receiver``): no intermediate value object.
+        When the bulk channel is off or fails, the value comes over gRPC and is copied in.
+        A miss or a corrupt value is None (counted); ValueError when ``out`` cannot hold it."""
+        bulk = self._bulk_client()
+        if bulk is not None:
+            received = self._bulk_get_chunk(bulk, key, lambda header: out_view_for(out, header, key))
+            if received is not _USE_GRPC:
+                return received
+        return super().get_into(key, out)
+
+    def _bulk_get_chunk(
+        self, bulk: BulkClient, key: str, destination: Destination
+    ) -> KVChunk | None | object:
+        """A Get over the bulk channel into ``destination``: the chunk, None (miss or corrupt, counted)
+        or ``_USE_GRPC`` when the channel failed (then the caller goes over gRPC)."""
+        try:
+            chunk = bulk.get_chunk(key, destination)
+        except BulkUnavailable as error:
+            self._bulk_failed(bulk, error)
+            return _USE_GRPC
+        except BulkStatusError as error:
+            raise self._error("get", error) from None
+        except ChunkFormatError as error:
+            self._bulk_succeeded(bulk)
+            self._count("corrupt")
+            logger.warning(
+                "grpc tier %s: corrupt value for %r treated as a miss: %s", self.address, key, error
+            )
+            return None
+        except ValueError:
+            self._bulk_succeeded(bulk)  # the channel carried the call; the buffer was wrong
+            raise
+        self._bulk_succeeded(bulk)
+        self._count("misses" if chunk is None else "hits")
+        return chunk
+
     def get_many(self, keys: Sequence[str]) -> list[KVChunk | None]:
-        """Concurrent Gets (``concurrency`` at a time), results in key order."""
+        """Concurrent Gets (``concurrency`` at a time, over at most ``bulk_connections`` bulk
+        connections), results in key order."""
         return list(self._pool.map(self.get, keys))
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
+        self._put_parts(key, (data,))
+
+    def put(self, key: str, chunk: KVChunk) -> None:
+        """Over the bulk channel the header and the tensor's own memory are sent as they are
+        (no joined copy of the value); over gRPC the value is joined first."""
         self._check_open()
-        if not data:
+        self._put_parts(key, encode_chunk_parts(chunk, self.codec, key=key))
+
+    def _put_parts(self, key: str, parts: tuple[bytes | memoryview, ...]) -> None:
+        self._check_open()
+        if not sum(len(part) for part in parts):
             raise ValueError("cannot store an empty value")
         bulk = self._bulk_client()
         if bulk is not None:
             try:
-                bulk.put(key, data)
+                bulk.put(key, *parts)
                 self._count("puts")
-                self._bulk_succeeded()
+                self._bulk_succeeded(bulk)
                 return
             except BulkUnavailable as error:
                 self._bulk_failed(bulk, error)
@@ -451,6 +398,8 @@ class GrpcBackend(StorageBackend):
                 if error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
                     raise self._refused_value(key, error.message) from None
                 raise self._error("put", error) from None
+        self._count("grpc_calls")
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
             self._put_wire(put_messages(key, data), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -458,9 +407,6 @@ class GrpcBackend(StorageBackend):
                 raise self._refused_value(key, error.details()) from None
             raise self._error("put", error) from None
         self._count("puts")
-
-    def put(self, key: str, chunk: KVChunk) -> None:
-        self.put_encoded(key, encode_chunk(chunk, self.codec, key=key))
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
         """Concurrent Puts; raises the first failure after every Put has ended."""
@@ -504,10 +450,12 @@ class GrpcBackend(StorageBackend):
             raise self._error("keys", error) from None
 
     def stats(self) -> dict[str, Any]:
-        """Client-side counters plus the server's memory-tier gauges (None when unreachable, or
-        when the token is a non-admin tenant's)."""
+        """Client-side counters (``transport``: the path values take now; ``*_calls`` per path)
+        plus the server's memory-tier gauges (None when unreachable, or when the token is a
+        non-admin tenant's)."""
         with self._lock:
             result: dict[str, Any] = dict(self._counts)
+        result["transport"] = self.transport
         result.update(num_keys=None, bytes_used=None, capacity_bytes=None, evictions=None)
         if self._closed:
             return result
@@ -537,8 +485,6 @@ class GrpcBackend(StorageBackend):
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
-        with self._lock:
-            bulk, self._bulk = self._bulk, None
-        if bulk is not None:
-            bulk.close()
+        self._transport.close()
         self._channel.close()
+        super().close()

@@ -10,7 +10,8 @@ import torch
 
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.chunk import KVChunk, encode_chunk
-from storage_backends.grpc_backend import PIECE_BYTES, make_channel
+from storage_backends.grpc_channel import make_channel
+from storage_backends.grpc_codec import PIECE_BYTES
 from tests.cache_server.server_process import REPO_ROOT, kvstash_command, repo_env
 
 

@@ -106,7 +106,7 @@ class CacheServerProcess:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from storage_backends.grpc_backend import make_channel
+        from storage_backends.grpc_channel import make_channel
 
         deadline = time.monotonic() + START_TIMEOUT_S
         with make_channel(self.address, secure=self.scheme == "grpcs", ca_path=tls_ca) as channel:
@@ -152,7 +152,7 @@ class CacheServerProcess:
 
 def clear_server(address: str, metadata: tuple = ()) -> None:
     from protos import kvstash_pb2, kvstash_pb2_grpc
-    from storage_backends.grpc_backend import make_channel
+    from storage_backends.grpc_channel import make_channel
 
     with make_channel(address, secure=False) as channel:
         kvstash_pb2_grpc.AdminStub(channel).Clear(kvstash_pb2.ClearRequest(), timeout=30, metadata=metadata)

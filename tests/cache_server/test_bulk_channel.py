@@ -271,7 +271,7 @@ def test_tls_bulk_channel(tls_files) -> None:  # noqa: F811 - the fixture import
         backend.put_encoded("ns/tls", value)
         assert bytes(backend.get_encoded("ns/tls")) == value
         assert backend.stats()["bulk_calls"] == 2 and backend.stats()["bulk_failures"] == 0
-        port = backend._bulk.port
+        port = backend._transport.client().port
         backend.close()
         # A plaintext client on the TLS port gets nowhere, and the server keeps serving.
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

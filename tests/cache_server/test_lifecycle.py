@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import kvstash_pb2
 from storage_backends import create_backend
-from storage_backends.grpc_backend import PIECE_BYTES
+from storage_backends.grpc_codec import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests
 from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
 

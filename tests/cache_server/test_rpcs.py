@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_server.memory_tier import entry_size
 from protos import kvstash_pb2
-from storage_backends.grpc_backend import PIECE_BYTES
+from storage_backends.grpc_codec import PIECE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, put_requests, rpc_error, status_of
 from tests.cache_server.server_process import CacheServerProcess, clear_server
 from tests.storage_backends.helpers import forge_chunk

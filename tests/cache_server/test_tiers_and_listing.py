@@ -18,7 +18,7 @@ from cache_server.store import TieredStore
 from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.chunk import ChunkFormatError
-from storage_backends.grpc_backend import MAX_MESSAGE_BYTES
+from storage_backends.grpc_channel import MAX_MESSAGE_BYTES
 from tests.cache_server.helpers import Stubs, make_value, run_kvstash
 from tests.cache_server.server_process import CacheServerProcess
 from tests.redis_fixtures import RedisServerProcess

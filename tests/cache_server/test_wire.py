@@ -8,13 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protos import kvstash_pb2
-from storage_backends.grpc_backend import (
-    PIECE_BYTES,
-    make_channel,
-    parse_fields,
-    put_messages,
-    value_from_get_messages,
-)
+from storage_backends.grpc_channel import make_channel
+from storage_backends.grpc_codec import PIECE_BYTES, parse_fields, put_messages, value_from_get_messages
 from tests.cache_server.helpers import make_value
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos import kvstash_pb2
-from storage_backends.grpc_backend import make_channel
+from storage_backends.grpc_channel import make_channel
 from tests.cache_server.helpers import Stubs, make_value
 from tests.cache_server.server_process import CacheServerProcess
 from tests.reliability.rpc_calls import METHODS, Method, raw_call

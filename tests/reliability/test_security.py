@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from connector import OffloadConfig
 from protos import kvstash_pb2
-from storage_backends.grpc_backend import make_channel
+from storage_backends.grpc_channel import make_channel
 from tests.cache_server.helpers import Stubs, make_value, status_of
 from tests.cache_server.server_process import CacheServerProcess
 from tests.reliability.engine_stream import (

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from connector.tiers import TierManager
+from connector.tiers import PendingPut, TierManager
 from connector.token_db import KV_LAYOUT, ChunkSpan, TokenDatabase
 from connector.transfer import KVMover
 
@@ -46,7 +46,7 @@ class LoadPlan(NamedTuple):
 class PendingStore(NamedTuple):
     """Host buffers being filled from the paged cache, published by ``finish_store``."""
 
-    key_buffers: list[tuple[str, torch.Tensor]]
+    puts: list[PendingPut]
     num_stored_tokens: int
 
 
@@ -217,26 +217,26 @@ class CacheEngine:
         mover.wait_for_compute()
         device_slots = mover.to_device(host_slots, for_store=True)
         offset = spans[0].start
-        key_buffers = []
+        puts = []
         num_stored_tokens = 0
         for span in spans:
             shape = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
-            buffer = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
-            if buffer is None:
+            pending = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
+            if pending is None:
                 continue
             try:
-                mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], buffer)
+                mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], pending.buffer)
             except Exception:
-                self.tiers.abort_put(span.key)
+                self.tiers.abort_put(pending)
                 raise
-            key_buffers.append((span.key, buffer))
+            puts.append(pending)
             num_stored_tokens += span.end - span.start
-        return PendingStore(key_buffers, num_stored_tokens)
+        return PendingStore(puts, num_stored_tokens)
 
     def finish_store(self, pending: PendingStore) -> int:
         """Publish filled buffers (call after the mover synchronized); returns tokens stored."""
-        for key, buffer in pending.key_buffers:
-            self.tiers.end_put(key, buffer)
+        for put in pending.puts:
+            self.tiers.end_put(put)
         return pending.num_stored_tokens
 
     def finish_store_later(self, pending: PendingStore, on_published: Callable[[int], None]) -> None:

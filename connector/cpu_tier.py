@@ -11,8 +11,11 @@ model's dtype, so slots never fragment and the byte cap is the slab's size.
 Zero-copy reads: :meth:`get` returns a view into the slab. A view stays valid
 only while its key holds a pin (:meth:`pin`) — the tier manager takes one for
 every read and releases it after the transfer. Writes go through
-:meth:`reserve` (a slot that nobody can see yet) and :meth:`publish`.
-Thread-safe.
+:meth:`reserve` (a :class:`Reservation`: a slot that nobody can see yet) and
+:meth:`publish` of that same reservation: publishing goes by the reservation's
+identity, never by key, so a second writer of the same key (which got a private
+buffer earlier, or came later) can never publish a slot another copy is still
+filling. Thread-safe.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +31,18 @@ from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
 from storage_backends.lru import LRUIndex, SlabTierMixin
+
+
+@dataclass(eq=False)
+class Reservation:
+    """One slot reserved for ``key`` by :meth:`PinnedChunkPool.reserve`: fill ``buffer``,
+    then :meth:`~PinnedChunkPool.publish` or :meth:`~PinnedChunkPool.cancel` this object.
+    Compared by identity: two reservations of one key are never the same."""
+
+    key: str
+    slot_id: int
+    shape: tuple[int, ...]
+    buffer: torch.Tensor  # the slot's view [num_layers, 2, num_tokens, num_kv_heads, head_dim]
 
 
 class PinnedChunkPool(SlabTierMixin, StorageBackend):
@@ -61,7 +77,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self._slab = torch.empty((self.num_slots, self.slot_numel), dtype=dtype, pin_memory=pin_memory)
         self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
         self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
-        self._key_to_reserved: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._key_to_reservation: dict[str, Reservation] = {}
         self._lock = threading.Lock()
         self._counters = Counters()
 
@@ -121,7 +137,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             self.unpin([key])
 
     # ---- writes --------------------------------------------------------------
-    def reserve(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    def reserve(self, key: str, shape: tuple[int, ...]) -> Reservation | None:
         """A slot to fill with the chunk stored under ``key``, invisible until :meth:`publish`.
 
         Evicts least-recently-used unpinned chunks. Returns None when ``key`` is
@@ -130,12 +146,12 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         """
         self._check_shape(tuple(shape))
         with self._lock:
-            if key in self._index or key in self._key_to_reserved:
+            if key in self._index or key in self._key_to_reservation:
                 self._index.get(key)  # refresh recency
                 return None
             if not self._free_slot_ids:
                 # Reserved slots are outside the index but take capacity all the same.
-                victim_keys = self._index.victims_for(1 + len(self._key_to_reserved))
+                victim_keys = self._index.victims_for(1 + len(self._key_to_reservation))
                 if victim_keys is None:
                     self._counters.add("rejected")
                     raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")
@@ -143,39 +159,42 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
                     self._free_slot_ids.append(self._index.remove(victim_key).record[0])
                 self._counters.add("evictions", len(victim_keys))
             slot_id = self._free_slot_ids.pop()
-            self._key_to_reserved[key] = (slot_id, tuple(shape))
-            return self._view(slot_id, tuple(shape))
+            reservation = Reservation(key, slot_id, tuple(shape), self._view(slot_id, tuple(shape)))
+            self._key_to_reservation[key] = reservation
+            return reservation
 
-    def is_reserved(self, key: str) -> bool:
+    def publish(self, reservation: Reservation, *, pin: bool = False) -> None:
+        """Make a filled reservation readable (most recently used); with ``pin`` it
+        starts with one pin (to release with :meth:`unpin`), taken under the same lock
+        so no concurrent put can evict it first. ``ValueError`` for a reservation that
+        is not outstanding (already published or cancelled)."""
         with self._lock:
-            return key in self._key_to_reserved
-
-    def publish(self, key: str) -> None:
-        """Make a filled reservation readable (most recently used)."""
-        with self._lock:
-            slot_id, shape = self._key_to_reserved.pop(key)
-            self._index.add(key, 1, (slot_id, shape))
+            if self._key_to_reservation.get(reservation.key) is not reservation:
+                raise ValueError(f"reservation of {reservation.key!r} is not outstanding")
+            del self._key_to_reservation[reservation.key]
+            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape), int(pin))
         self._counters.add("puts")
 
-    def cancel(self, key: str) -> None:
-        """Give back a reservation that will not be filled (the transfer failed)."""
+    def cancel(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be filled (the transfer failed); a
+        reservation that is no longer outstanding is ignored."""
         with self._lock:
-            reserved = self._key_to_reserved.pop(key, None)
-            if reserved is not None:
-                self._free_slot_ids.append(reserved[0])
+            if self._key_to_reservation.get(reservation.key) is reservation:
+                del self._key_to_reservation[reservation.key]
+                self._free_slot_ids.append(reservation.slot_id)
 
     def put(self, key: str, chunk: KVChunk) -> None:
         if chunk.layout != self.layout:
             raise ValueError(f"cpu tier stores layout {self.layout!r}, got {chunk.layout!r}")
-        slot = self.reserve(key, tuple(chunk.tensor.shape))
-        if slot is None:
+        reservation = self.reserve(key, tuple(chunk.tensor.shape))
+        if reservation is None:
             return
         try:
-            slot.copy_(chunk.tensor)
+            reservation.buffer.copy_(chunk.tensor)
         except Exception:
-            self.cancel(key)
+            self.cancel(reservation)
             raise
-        self.publish(key)
+        self.publish(reservation)
 
     def put_encoded(self, key: str, data: bytes) -> None:
         self.put(key, decode_chunk(data, key=key))

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from connector.config import OffloadConfig
-from connector.cpu_tier import PinnedChunkPool
+from connector.cpu_tier import PinnedChunkPool, Reservation
 from connector.token_db import KV_LAYOUT
 from storage_backends import create_backend
 from storage_backends.base import CapacityError, StorageBackend
@@ -80,6 +80,14 @@ class PrefixRead(NamedTuple):
     chunks: list[KVChunk]
     held_keys: list[str]
     tier_names: list[str]
+
+
+class PendingPut(NamedTuple):
+    """A store of one chunk between :meth:`TierManager.begin_put` and ``end_put``/``abort_put``."""
+
+    key: str
+    buffer: torch.Tensor  # host [num_layers, 2, num_tokens, num_kv_heads, head_dim] to fill
+    reservation: Reservation | None  # the CPU-tier slot ``buffer`` is, or None (a private buffer)
 
 
 def backend_urls(config: OffloadConfig) -> list[str]:
@@ -233,50 +241,53 @@ class TierManager:
             self.cpu.unpin(held_keys)
 
     # ---- writes --------------------------------------------------------------
-    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor | None:
+    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> PendingPut | None:
         """A host buffer ``shape`` ([num_layers, 2, num_tokens, heads, head_dim]) to fill
-        with the chunk for ``key``: a CPU-tier slot, or a private tensor when there is
-        no CPU tier or it has no room. None when the CPU tier already holds ``key``.
-        Follow with :meth:`end_put` (filled) or :meth:`abort_put`."""
+        with the chunk for ``key``: a CPU-tier slot (its reservation), or a private
+        tensor when there is no CPU tier or it has no room. None when the CPU tier
+        already holds or is filling ``key``, or there is nowhere to put it.
+        Follow with :meth:`end_put` (filled) or :meth:`abort_put` of the same object."""
         if self.cpu is not None:
             try:
-                return self.cpu.reserve(key, shape)
+                reservation = self.cpu.reserve(key, shape)
+                return None if reservation is None else PendingPut(key, reservation.buffer, reservation)
             except CapacityError:
                 # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
                 # skip the CPU tier, still write through below.
                 self._count("dropped_writes_cpu", 1)
         if not self.lower:
             return None
-        return torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory)
+        return PendingPut(key, torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory), None)
 
-    def end_put(self, key: str, buffer: torch.Tensor) -> None:
-        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks)."""
-        in_cpu = self.cpu is not None and self.cpu.is_reserved(key)
+    def end_put(self, pending: PendingPut) -> None:
+        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks).
+        Only ``pending``'s own reservation is published: another put of the same key
+        (still filling its slot) stays invisible until its own ``end_put``."""
+        in_cpu = pending.reservation is not None
         if in_cpu:
-            self.cpu.publish(key)
+            # Pinned at publication while a write-through will read the slot.
+            self.cpu.publish(pending.reservation, pin=bool(self.lower))
         if not self.lower:
             return
-        if in_cpu and self.cpu.pin([key]) == 0:
-            return  # evicted at once by a concurrent put: nothing valid to write through
         self._ensure_writer()
         try:
-            self._write_queue.put_nowait((key, KVChunk(buffer, KV_LAYOUT), in_cpu))
+            self._write_queue.put_nowait((pending.key, KVChunk(pending.buffer, KV_LAYOUT), in_cpu))
         except queue.Full:
             self._count("dropped_writes", 1)
             if in_cpu:
-                self.cpu.unpin([key])
+                self.cpu.unpin([pending.key])
 
-    def abort_put(self, key: str) -> None:
+    def abort_put(self, pending: PendingPut) -> None:
         """Forget a :meth:`begin_put` buffer that was not filled."""
-        if self.cpu is not None:
-            self.cpu.cancel(key)
+        if pending.reservation is not None:
+            self.cpu.cancel(pending.reservation)
 
     def put(self, key: str, chunk: KVChunk) -> None:
         """Store a host chunk (copying it into the CPU tier) and queue its write-through."""
-        buffer = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
-        if buffer is not None:
-            buffer.copy_(chunk.tensor)
-            self.end_put(key, buffer)
+        pending = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
+        if pending is not None:
+            pending.buffer.copy_(chunk.tensor)
+            self.end_put(pending)
 
     def _put_cpu(self, key: str, chunk: KVChunk) -> None:
         """Copy a lower-tier hit into the CPU tier (no write-through: it came from below)."""

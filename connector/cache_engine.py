@@ -151,15 +151,17 @@ class CacheEngine:
         kv_caches: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [end]
         cache_salt: str | None = None,
+        cpu_only: bool = False,
     ) -> LoadPlan:
         """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
-        come from all of ``tokens``, which may run past ``end``). Stops at the first
+        come from all of ``tokens``, which may run past ``end``); with ``cpu_only`` only
+        from the CPU tier (a step never waits on a lower tier). Stops at the first
         missing or corrupt chunk. Releases the lookup pins of the chunks up to ``end``."""
         covering = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.start < end]
         # The lookup pinned every chunk up to its hit, also those before ``start``.
         self.tiers.unpin([span.key for span in covering])
         spans = [span for span in covering if span.end > start]
-        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans])
+        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans], cpu_only=cpu_only)
         tensors = []
         for span, chunk in zip(spans, chunks, strict=False):
             if not self._chunk_fits(span, chunk):

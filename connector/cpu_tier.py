@@ -163,16 +163,16 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             self._key_to_reservation[key] = reservation
             return reservation
 
-    def publish(self, reservation: Reservation, *, pin: bool = False) -> None:
-        """Make a filled reservation readable (most recently used); with ``pin`` it
-        starts with one pin (to release with :meth:`unpin`), taken under the same lock
-        so no concurrent put can evict it first. ``ValueError`` for a reservation that
-        is not outstanding (already published or cancelled)."""
+    def publish(self, reservation: Reservation, *, num_pins: int = 0) -> None:
+        """Make a filled reservation readable (most recently used), holding ``num_pins``
+        pins (each released with :meth:`unpin`), taken under the same lock so no
+        concurrent put can evict it first. ``ValueError`` for a reservation that is not
+        outstanding (already published or cancelled)."""
         with self._lock:
             if self._key_to_reservation.get(reservation.key) is not reservation:
                 raise ValueError(f"reservation of {reservation.key!r} is not outstanding")
             del self._key_to_reservation[reservation.key]
-            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape), int(pin))
+            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape), num_pins)
         self._counters.add("puts")
 
     def cancel(self, reservation: Reservation) -> None:

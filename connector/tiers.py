@@ -141,6 +141,8 @@ class TierManager:
         self._write_queue: queue.Queue = queue.Queue(maxsize=save_queue_size)
         self._writer: threading.Thread | None = None
         self._closed = False
+        #: lower tier name -> its circuit breaker (set by create_kv_connector with async loads)
+        self.breakers: dict = {}
 
     @classmethod
     def from_config(
@@ -195,9 +197,11 @@ class TierManager:
                         break
         return num_found
 
-    def get_prefix(self, keys: Sequence[str]) -> PrefixRead:
+    def get_prefix(self, keys: Sequence[str], *, cpu_only: bool = False) -> PrefixRead:
         """The chunks of the leading present ``keys`` (stops at the first key that no
-        tier returns). Lower-tier hits are promoted into the CPU tier.
+        tier returns; with ``cpu_only`` the lower tiers are not read: the fetcher
+        brought what a step may load into the CPU tier). Lower-tier hits are promoted
+        into the CPU tier.
 
         Returns ``(chunks, held_keys, tier_names)``: CPU-tier chunks are zero-copy views
         kept valid by a pin on each of ``held_keys``; the caller must :meth:`release`
@@ -209,7 +213,7 @@ class TierManager:
             for key, chunk in self.cpu.pin_and_get(keys).items():
                 key_to_found[key] = (chunk, self.cpu)
                 held_keys.append(key)
-        for tier in self.lower:
+        for tier in [] if cpu_only else self.lower:
             wanted = [key for key in keys if key not in key_to_found]
             if not wanted:
                 break
@@ -234,6 +238,11 @@ class TierManager:
                 self._put_cpu(key, chunk)
                 self._count("promotions", 1)
         return PrefixRead(found, held_keys, tier_names)
+
+    def count_hits(self, tier_to_num_chunks: dict[str, int]) -> None:
+        """Count chunks read from lower tiers outside :meth:`get_prefix` (background fetches)."""
+        for tier_name, num_chunks in tier_to_num_chunks.items():
+            self._count(f"hits_{tier_name}", num_chunks)
 
     def release(self, held_keys: Sequence[str]) -> None:
         """Drop the read pins that :meth:`get_prefix` took."""
@@ -266,7 +275,7 @@ class TierManager:
         in_cpu = pending.reservation is not None
         if in_cpu:
             # Pinned at publication while a write-through will read the slot.
-            self.cpu.publish(pending.reservation, pin=bool(self.lower))
+            self.cpu.publish(pending.reservation, num_pins=int(bool(self.lower)))
         if not self.lower:
             return
         self._ensure_writer()

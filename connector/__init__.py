@@ -59,6 +59,7 @@ def create_cache_engine(
     engine = CacheEngine(
         token_db, tiers, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
+    engine.cpu_async_moves = config.cpu_async_moves
     weakref.finalize(engine, tiers.close)
     return engine
 

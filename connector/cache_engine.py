@@ -72,6 +72,8 @@ class CacheEngine:
             num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         )
         self._mover: KVMover | None = None
+        #: CPU moves on a worker thread (``OffloadConfig.cpu_async_moves``: CI runs the async paths)
+        self.cpu_async_moves = False
         self.num_corrupt_chunks = 0
         # Stores whose device→host copies are queued but maybe not done, oldest first:
         # (event after their copies or None on CPU, the store, called with its token count).
@@ -139,7 +141,9 @@ class CacheEngine:
     def mover(self, kv_caches: torch.Tensor) -> KVMover:
         """The mover for the KV tensor's device (made on first use)."""
         if self._mover is None or self._mover.device != kv_caches.device:
-            self._mover = KVMover(kv_caches.device, self.dtype, self.chunk_shape)
+            self._mover = KVMover(
+                kv_caches.device, self.dtype, self.chunk_shape, cpu_worker_thread=self.cpu_async_moves
+            )
         return self._mover
 
     def plan_load(
@@ -246,7 +250,7 @@ class CacheEngine:
         call ``on_published(num_stored_tokens)``. Stores publish in the order given, from
         :meth:`publish_finished_stores` (each lookup and step polls it)."""
         mover = self._mover
-        event = mover.record_stores() if mover is not None and mover.on_cuda else None
+        event = mover.record_stores() if mover is not None and (mover.on_cuda or mover.threaded) else None
         self._stores_in_flight.append((event, pending, on_published))
         self.publish_finished_stores()
 

@@ -73,6 +73,9 @@ class OffloadConfig:
     #: "planned": load a lower-tier hit only where it beats recomputing (measured rates);
     #: "always": load every hit, waiting for the fetch however long it takes
     load_policy: str = "planned"
+    #: on CPU, run KV moves on a worker thread so stores publish and loads complete
+    #: asynchronously as on CUDA (tests and CI exercise those paths; slower, not for production)
+    cpu_async_moves: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -94,7 +97,7 @@ class OffloadConfig:
                 )
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for name in ("save_partial_chunks", "layerwise", "async_loads"):
+        for name in ("save_partial_chunks", "layerwise", "async_loads", "cpu_async_moves"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.save_queue_size, bool) or not isinstance(self.save_queue_size, int):

@@ -20,10 +20,13 @@ filling. Thread-safe.
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +34,16 @@ from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
 from storage_backends.lru import LRUIndex, SlabTierMixin
+
+
+class PinKind(str, enum.Enum):
+    """Who holds a pin: each kind is taken and released on its own, so one holder can
+    never release another's pin, and ``pin_counts`` shows which kind keeps a slot."""
+
+    LOOKUP = "lookup"  # an admitted request's chunks, until its load is planned (or a timeout)
+    READ = "read"  # a load reading the slot's zero-copy view
+    WRITE_THROUGH = "write_through"  # a write to the lower tiers reading the slot
+    FETCH = "fetch"  # a request waiting on its background fetch
 
 
 @dataclass(eq=False)
@@ -78,6 +91,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
         self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
         self._key_to_reservation: dict[str, Reservation] = {}
+        self._key_to_pin_kinds: dict[str, Counter[PinKind]] = {}
         self._lock = threading.Lock()
         self._counters = Counters()
 
@@ -109,32 +123,83 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
 
     def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
         """Pin every present key and return its zero-copy view, under one lock (the
-        read path of a retrieve). Each returned key holds one pin to release with :meth:`unpin`."""
+        read path of a retrieve). Each returned key holds one READ pin to release with :meth:`unpin`."""
         key_to_chunk = {}
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
                 if entry is not None:
-                    self._index.pin([key])
+                    self._add_pins(key, PinKind.READ, 1)
                     slot_id, shape = entry.record
                     key_to_chunk[key] = KVChunk(self._view(slot_id, shape), self.layout)
         self._counters.add("hits", len(key_to_chunk))
         self._counters.add("misses", len(keys) - len(key_to_chunk))
         return key_to_chunk
 
-    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+    def pin_each(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> list[bool]:
         """Pin each present key (absent ones are skipped, not a stop); one lock for all."""
         with self._lock:
-            return [self._index.pin([key]) == 1 for key in keys]
+            pinned = []
+            for key in keys:
+                present = key in self._index
+                if present:
+                    self._add_pins(key, kind, 1)
+                pinned.append(present)
+            return pinned
+
+    def pin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> int:
+        """Pin the leading present ``keys`` (stops at the first absent one); returns how many."""
+        with self._lock:
+            num_pinned = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                self._add_pins(key, kind, 1)
+                num_pinned += 1
+            return num_pinned
+
+    def unpin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> None:
+        """Drop one pin of ``kind`` from each key (keys without such a pin are ignored)."""
+        with self._lock:
+            for key in keys:
+                kinds = self._key_to_pin_kinds.get(key)
+                if not kinds or kinds[kind] <= 0:
+                    continue
+                kinds[kind] -= 1
+                if kinds[kind] == 0:
+                    del kinds[kind]
+                    if not kinds:
+                        del self._key_to_pin_kinds[key]
+                self._index.unpin([key])
+
+    def _add_pins(self, key: str, kind: PinKind, count: int) -> None:
+        """Under the lock, ``key`` indexed."""
+        if count <= 0:
+            return
+        self._key_to_pin_kinds.setdefault(key, Counter())[kind] += count
+        entry = self._index.get(key, touch=False)
+        entry.num_pins += count
+
+    def pin_counts(self) -> dict[str, int]:
+        """Pins held now, per kind (``lookup``, ``read``, ``write_through``, ``fetch``)."""
+        with self._lock:
+            totals: Counter[str] = Counter()
+            for kinds in self._key_to_pin_kinds.values():
+                for kind, count in kinds.items():
+                    totals[kind.value] += count
+            return dict(totals)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "pins_by_kind": self.pin_counts()}
 
     def get_encoded(self, key: str) -> bytes | None:
-        if self.pin([key]) == 0:
+        if self.pin([key], PinKind.READ) == 0:
             return None
         try:
             chunk = self.get(key)
             return None if chunk is None else encode_chunk(chunk, key=key)
         finally:
-            self.unpin([key])
+            self.unpin([key], PinKind.READ)
 
     # ---- writes --------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, ...]) -> Reservation | None:
@@ -163,16 +228,19 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             self._key_to_reservation[key] = reservation
             return reservation
 
-    def publish(self, reservation: Reservation, *, num_pins: int = 0) -> None:
+    def publish(
+        self, reservation: Reservation, *, num_pins: int = 0, kind: PinKind = PinKind.WRITE_THROUGH
+    ) -> None:
         """Make a filled reservation readable (most recently used), holding ``num_pins``
         pins (each released with :meth:`unpin`), taken under the same lock so no
-        concurrent put can evict it first. ``ValueError`` for a reservation that is not
+        concurrent put can evict it first (pins of ``kind``). ``ValueError`` for a reservation that is not
         outstanding (already published or cancelled)."""
         with self._lock:
             if self._key_to_reservation.get(reservation.key) is not reservation:
                 raise ValueError(f"reservation of {reservation.key!r} is not outstanding")
             del self._key_to_reservation[reservation.key]
-            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape), num_pins)
+            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape))
+            self._add_pins(reservation.key, kind, num_pins)
         self._counters.add("puts")
 
     def cancel(self, reservation: Reservation) -> None:
@@ -208,4 +276,4 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             self._free_slot_ids.append(self._index.remove(key).record[0])
             return True
 
-    # pin, unpin, keys and stats come from SlabTierMixin
+    # keys comes from SlabTierMixin

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from connector.breaker import CircuitBreaker
-from connector.cpu_tier import PinnedChunkPool
+from connector.cpu_tier import PinKind, PinnedChunkPool
 from storage_backends.base import CapacityError, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ChunkFetcher:
                     read.waiters.append((job, index))
                     continue
                 # In the CPU tier already (listed there, or stored or promoted since the lookup)?
-                in_cpu = self.cpu.pin_each([key])[0]
+                in_cpu = self.cpu.pin_each([key], PinKind.FETCH)[0]
                 if in_cpu or tier_name == CPU:
                     self._resolve(job, index, in_cpu)
                     continue
@@ -179,7 +179,7 @@ class ChunkFetcher:
             for key in drop:
                 job.pinned_keys.remove(key)
         if drop:
-            self.cpu.unpin(drop)
+            self.cpu.unpin(drop, PinKind.FETCH)
 
     def close(self) -> None:
         """Stop taking jobs; queued reads are dropped (idempotent)."""
@@ -233,12 +233,12 @@ class ChunkFetcher:
             waiters = [(job, index) for job, index in read.waiters if not job.done]
             if reservation is not None:
                 if ok:
-                    self.cpu.publish(reservation, num_pins=len(waiters))
+                    self.cpu.publish(reservation, num_pins=len(waiters), kind=PinKind.FETCH)
                 else:
                     self.cpu.cancel(reservation)
             elif waiters:
                 # Present already (stored or promoted meanwhile): pin it for each waiter.
-                ok = all(self.cpu.pin_each([read.key] * len(waiters)))
+                ok = all(self.cpu.pin_each([read.key] * len(waiters), PinKind.FETCH))
             for job, index in waiters:
                 if ok and num_bytes:
                     old_bytes, _ = job.tier_to_transfer.get(read.tier_name, (0, 0.0))
@@ -268,7 +268,7 @@ class ChunkFetcher:
         drop = [key for key in job.pinned_keys if key not in usable]
         job.pinned_keys = [key for key in job.pinned_keys if key in usable]
         if drop:
-            self.cpu.unpin(drop)
+            self.cpu.unpin(drop, PinKind.FETCH)
         if job in self._running_jobs:
             self._running_jobs.remove(job)
         self._finished_jobs.append(job)

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from connector.config import OffloadConfig
-from connector.cpu_tier import PinnedChunkPool, Reservation
+from connector.cpu_tier import PinKind, PinnedChunkPool, Reservation
 from connector.token_db import KV_LAYOUT
 from storage_backends import create_backend
 from storage_backends.base import CapacityError, StorageBackend
@@ -247,7 +247,7 @@ class TierManager:
     def release(self, held_keys: Sequence[str]) -> None:
         """Drop the read pins that :meth:`get_prefix` took."""
         if self.cpu is not None and held_keys:
-            self.cpu.unpin(held_keys)
+            self.cpu.unpin(held_keys, PinKind.READ)
 
     # ---- writes --------------------------------------------------------------
     def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> PendingPut | None:
@@ -284,7 +284,7 @@ class TierManager:
         except queue.Full:
             self._count("dropped_writes", 1)
             if in_cpu:
-                self.cpu.unpin([pending.key])
+                self.cpu.unpin([pending.key], PinKind.WRITE_THROUGH)
 
     def abort_put(self, pending: PendingPut) -> None:
         """Forget a :meth:`begin_put` buffer that was not filled."""
@@ -338,7 +338,7 @@ class TierManager:
                     self._count(f"dropped_writes_{tier.name}", len(items))
             held_keys = [key for key, _, held in entries if held]
             if held_keys:
-                self.cpu.unpin(held_keys)
+                self.cpu.unpin(held_keys, PinKind.WRITE_THROUGH)
             for _ in batch:
                 self._write_queue.task_done()
             if len(entries) != len(batch):

@@ -152,12 +152,17 @@ class OffloadWorker(KVConnectorWorker):
         if not self._loads:
             return
         event = self._layer_to_event.get(layer_idx)
+        mover = self.cache_engine.mover(self.kv_cache)
         if event is not None:
             torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
-        elif self.layerwise and not self.cache_engine.mover(self.kv_cache).on_cuda:
+        elif self.layerwise and not mover.on_cuda:
             while self._num_layers_moved <= layer_idx:
                 self._move_on_cpu(self._num_layers_moved)
                 self._num_layers_moved += 1
+            if mover.threaded:
+                mover.synchronize_loads()
+        elif mover.threaded:
+            mover.synchronize_loads()  # the loads queued on the CPU mover's thread
 
     def _finish_loads(self) -> None:
         """Wait for every load of the step, release its pins, record its figures."""

@@ -8,6 +8,11 @@ Called by the engine core once per step (`schedule`, then `update_from_output`).
 Never touches tensors. Calls the connector's scheduler side, when present, at
 admission (`get_num_new_matched_tokens`, `update_state_after_alloc`), once per
 step (`build_connector_meta`) and when a request finishes (`request_finished`).
+A request whose KV the connector must first fetch from a lower tier waits aside in
+WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`, no blocks held) and is put back
+at the front of the waiting queue when the worker reports the fetch finished; one
+whose lookup is not answered yet is skipped for the step. Neither holds up the
+requests behind it.
 """
 
 from __future__ import annotations

@@ -200,3 +200,44 @@ def test_two_requests_waiting_on_the_same_chunks_share_the_reads(model_dir, tmp_
     assert [o.metrics.num_external_cached_tokens for o in outputs] == [223, 223]
     assert disk.stats().get("hits", 0) - hits_before == 7  # each chunk read once for both
     assert connector_of(llm).cache_engine.tiers.cpu.stats()["num_pinned"] == 0
+
+
+def test_cpu_moves_on_a_worker_thread_publish_only_when_done(tmp_path):
+    """Issue #15 item 5: with ``cpu_async_moves`` a store's copy completes on the mover's
+    thread, so the publish-when-done path of CUDA runs on CPU too."""
+    import threading
+
+    from tests.connector.kv_helpers import make_cache_engine, new_kv_cache, random_slots
+
+    engine = make_cache_engine(cpu_async_moves=True)
+    kv, slots = new_kv_cache(1), random_slots(16, 1)
+    tokens = list(range(16))
+    mover = engine.mover(kv)
+    assert mover.threaded
+    gate = threading.Event()
+    mover._worker.submit(gate.wait)  # the thread is busy: the store's copy cannot run yet
+    published = []
+    pending = engine.begin_store(tokens, 0, kv_caches=kv, slot_mapping=slots)
+    engine.finish_store_later(pending, published.append)
+    engine.publish_finished_stores()
+    keys = [span.key for span in engine.token_db.chunk_spans(tokens)]
+    assert published == [] and engine.tiers.cpu.contains(keys) == 0
+    gate.set()
+    engine.publish_finished_stores(wait=True)
+    assert published == [16] and engine.tiers.cpu.contains(keys) == 2
+    out = new_kv_cache(fill=0.0)
+    assert bool(engine.retrieve(tokens, kv_caches=out, slot_mapping=random_slots(16, 2)).all())
+    engine.tiers.close()
+
+
+def test_engine_with_threaded_cpu_moves_gives_identical_tokens(model_dir, tmp_path):
+    prompts = [make_prompt(150, 21), make_prompt(90, 22)]
+    baseline = [o.token_ids for o in new_llm(model_dir, None).generate(prompts, PARAMS)]
+    write_to(model_dir, disk_config(tmp_path, cpu_async_moves=True), prompts)
+    llm = new_llm(model_dir, disk_config(tmp_path, cpu_async_moves=True, load_policy="always"))
+    outputs = llm.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outputs] == baseline
+    assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"disk": 149}, {"disk": 89}]
+    again = llm.generate(prompts, PARAMS)  # now from the CPU tier, layer hooks on a thread
+    assert [o.token_ids for o in again] == baseline
+    assert [o.metrics.tier_to_loaded_tokens for o in again] == [{"cpu": 149}, {"cpu": 89}]

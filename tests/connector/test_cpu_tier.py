@@ -77,3 +77,20 @@ def test_pins_protect_views_from_eviction_and_deletion():
 def test_capacity_smaller_than_one_chunk_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot hold one chunk"):
         PinnedChunkPool(SLOT_BYTES - 1, CHUNK_SHAPE, torch.float32, pin_memory=False, layout="LKTHD")
+
+
+def test_pins_of_each_kind_are_counted_and_released_on_their_own():
+    from connector.cpu_tier import PinKind
+
+    tier = pool(2)
+    tier.put("a", chunk())
+    assert tier.pin(["a"]) == 1  # a lookup pin
+    assert set(tier.pin_and_get(["a"])) == {"a"}  # a read pin
+    assert tier.pin_counts() == {"lookup": 1, "read": 1}
+    tier.unpin(["a"], PinKind.FETCH)  # nobody holds a fetch pin: changes nothing
+    tier.unpin(["a"], PinKind.READ)
+    assert tier.pin_counts() == {"lookup": 1}
+    tier.unpin(["a"], PinKind.READ)  # a second read release must not drop the lookup pin
+    assert tier.pin_counts() == {"lookup": 1} and not tier.delete("a")
+    tier.unpin(["a"])
+    assert tier.pin_counts() == {} and tier.stats()["pins_by_kind"] == {} and tier.delete("a")

@@ -118,6 +118,8 @@ class ChunkFetcher:
     def start(self, job: FetchJob) -> None:
         """Pin the job's chunks that are in the CPU tier already and queue reads of the
         others (a chunk some other job is reading is shared). Never blocks on I/O."""
+        if job.done:
+            return  # released (its request ended) before the worker got to start it
         job.started = self._clock()
         job.deadline = job.started + job.deadline_s
         job.outcomes = [None] * len(job.keys)

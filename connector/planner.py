@@ -158,7 +158,7 @@ class LoadPlanner:
     ) -> LoadDecision:
         """Plan one request: ``chunk_tiers[i]`` holds chunk i, which ends at prompt token
         ``chunk_ends[i]``; tokens before ``num_computed`` are on the GPU already; the
-        last prompt token is always computed."""
+        last prompt token is always computed. Side-effect free (see :meth:`record`)."""
         num_loadable_end = num_prompt_tokens - 1
         # Leading CPU-tier chunks: copied in the admitting step.
         index = 0
@@ -214,9 +214,12 @@ class LoadPlanner:
             num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end,
             rates=rates,
         )
+        return decision
+
+    def record(self, decision: LoadDecision, num_computed: int) -> None:
+        """Count a decision that was acted on (a request admitted or its fetch started)."""
         with self._lock:
             self.counts["requests"] += 1
-            self.counts["fetched_tokens"] += num_fetched
-            self.counts["cpu_tokens"] += max(0, num_cpu_end - num_computed)
+            self.counts["fetched_tokens"] += decision.num_fetch_end - decision.num_cpu_end
+            self.counts["cpu_tokens"] += max(0, decision.num_cpu_end - num_computed)
             self.counts["recomputed_tokens"] += decision.num_planned_recompute_tokens
-        return decision

@@ -86,6 +86,7 @@ class OffloadScheduler(KVConnectorScheduler):
             self.registry.preempted(transfer)  # back in the queue: ask again
         num_loadable_end = request.num_prompt_tokens - 1
         if transfer.phase is TransferPhase.FETCHED:
+            transfer.num_computed_at_plan = num_computed_tokens  # the GPU hit may have changed
             return self._fetched_tokens(transfer, num_computed_tokens), False
         spans = self.cache_engine.token_db.chunk_spans(prompt, transfer.cache_salt)
         chunk_tiers = self._chunk_tiers(transfer, [span.key for span in spans], num_computed_tokens)
@@ -95,6 +96,9 @@ class OffloadScheduler(KVConnectorScheduler):
         transfer.num_computed_at_plan = num_computed_tokens
         if num_computed_tokens >= num_loadable_end or num_hit <= num_computed_tokens:
             transfer.decision = None
+            transfer.figures.num_planned_recompute_tokens = len(prompt) - min(
+                num_computed_tokens, num_loadable_end
+            )
             return 0, False
         if self.planner is None or self.fetcher is None:
             # Without a CPU tier every hit is read in the admitting step (the old, blocking path).
@@ -170,6 +174,8 @@ class OffloadScheduler(KVConnectorScheduler):
         transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
         num_gpu_hit = transfer.num_computed_at_plan
         decision = transfer.decision
+        if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
+            self.planner.record(decision, transfer.num_computed_at_plan)
         if transfer.phase is TransferPhase.NEW and decision is not None and decision.num_fetch_chunks:
             if block_ids:
                 raise ValueError(f"request {request.request_id!r} must wait for its fetch without blocks")

@@ -255,7 +255,8 @@ class OffloadWorker(KVConnectorWorker):
                 if self.planner is not None:
                     for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
                         self.planner.observe_read(tier_name, num_bytes, seconds)
-                self.registry.fetch_finished(job)
+                if self.registry.fetch_finished(job) is None:
+                    self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
         return self.registry.take_finished_sending(), self.registry.take_finished_recving()
 
     def load_failures(self) -> dict[str, int]:

@@ -169,6 +169,9 @@ def main() -> None:
     parser.add_argument("--tiers", default=None, help="comma-separated: disk, redis, grpc")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--proxy-rate", type=float, default=200_000, help="CPU mode: proxy bytes/s")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="chunked-prefill budget (8192 GPU, 256 tiny)"
+    )
     parser.add_argument("--load-policy", default="planned", choices=("planned", "always"))
     parser.add_argument("--disk-path", type=Path, default=None, help="disk tier folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
@@ -183,7 +186,7 @@ def main() -> None:
     engine_args = dict(
         device=device,
         dtype=dtype_name,
-        max_num_batched_tokens=min(length, 8192),
+        max_num_batched_tokens=args.max_num_batched_tokens or (256 if args.tiny else 8192),
         num_gpu_blocks=(length + 2048) // block_size * 2,
         max_num_seqs=4,
     )

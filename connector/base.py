@@ -143,6 +143,25 @@ class KVConnectorScheduler(abc.ABC):
         freed, and it is looked up and admitted again later. Saves need nothing: the next
         ``build_connector_meta`` sees its ``num_computed_tokens`` went back."""
 
+    def get_compute_limit(self, request: ConnectorRequest) -> int | None:
+        """The prompt position a running request must not compute past yet: its head is
+        recomputed while the chunks from there on are fetched (None: no limit). Called
+        per step for running requests still in their prompt; side-effect free."""
+        return None
+
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
+        """For a request at its compute limit: how many tokens from there can be loaded
+        now (0 when its fetch got nothing: it recomputes on), or None while the fetch
+        runs (the request skips the step; the others go on)."""
+        return 0
+
+    def update_state_after_tail_alloc(  # noqa: B027
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+    ) -> None:
+        """Blocks for the tail were allocated: records the load of ``num_tail_tokens``
+        from the request's compute limit on (called once per non-None
+        ``get_num_tail_tokens`` answer that the scheduler acted on)."""
+
     def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:  # noqa: B027
         """A step computed ``num_prefill_tokens`` prompt tokens (of prompts up to
         ``num_max_prompt_tokens`` long) in ``seconds``: the measured prefill rate."""

@@ -8,13 +8,15 @@ token). Until a tier has been measured its prior is conservative (slow).
 
 The plan for a prompt whose hit prefix is ``chunk_tiers`` (tier per chunk):
 the leading chunks already in the CPU tier are loaded in the admitting step
-(always: a host→device copy beats recomputing); of the chunks after them, the
-leading ``k`` are fetched into the CPU tier in the background, with ``k`` chosen to
-minimise ``fetch_time(k) + recompute_time(rest)``; the fetch's deadline is
+(always: a host→device copy beats recomputing). After them, recomputing tokens
+[0, m) needs nothing from [m, n): the head up to ``m`` is recomputed on the GPU
+while chunks [j, k) (starting at m) are fetched into the CPU tier in the
+background, then loaded, and the rest recomputed; j and k minimise
+``max(head, fetch) + rest``. With m at the CPU run's end the request waits
+unadmitted for its fetch. The fetch's deadline is the head's time plus
 ``deadline_fraction`` of the time recomputing the fetched tokens would take, so a
-tier slower than its estimate delays the request by at most that fraction of
-its recompute time (the chunks that arrived in time are used, the rest is
-recomputed).
+tier slower than its estimate delays the request by at most that fraction (the
+chunks that arrived in time are used, the rest is recomputed).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class LoadDecision:
     #: chunks [first_fetch_chunk, first_fetch_chunk + num_fetch_chunks) are fetched first
     first_fetch_chunk: int
     num_fetch_chunks: int
-    #: tokens [num_cpu_end, num_fetch_end) arrive by the fetch
+    #: tokens [num_head_end, num_fetch_end) arrive by the fetch
     num_fetch_end: int
     #: seconds the fetch may take before the request stops waiting for it
     fetch_deadline_s: float
@@ -65,6 +67,9 @@ class LoadDecision:
     num_planned_recompute_tokens: int = 0
     #: the rates used: tier name -> bytes/s, and "prefill" -> tokens/s
     rates: dict[str, float] = field(default_factory=dict)
+    #: tokens [num_cpu_end, num_head_end) are recomputed while the fetch runs (the
+    #: request is admitted at once); equal to ``num_cpu_end`` when it waits unadmitted
+    num_head_end: int = 0
 
     def describe(self) -> str:
         """One line for the request's log."""
@@ -169,57 +174,75 @@ class LoadPlanner:
         first_fetch = index
         prefill = self.prefill_rate(num_prompt_tokens)
         rates = {"prefill": prefill}
-        # Choose how many chunks after the CPU run to fetch: minimise fetch + recompute.
-        best_k, best_time = 0, (num_prompt_tokens - num_cpu_end) / prefill
-        tier_to_bytes: dict[str, int] = {}
-        for k in range(1, len(chunk_tiers) - first_fetch + 1):
-            chunk = first_fetch + k - 1
-            start = max(chunk_ends[chunk - 1] if chunk > 0 else 0, num_cpu_end)
-            end = min(chunk_ends[chunk], num_loadable_end)
-            if end <= start:
-                continue
-            tier = chunk_tiers[chunk]
-            if tier != "cpu":
-                # A chunk is read whole even when part of it is on the GPU already.
-                chunk_start = chunk_ends[chunk - 1] if chunk > 0 else 0
-                tier_to_bytes[tier] = (
-                    tier_to_bytes.get(tier, 0) + (chunk_ends[chunk] - chunk_start) * self.bytes_per_token
-                )
-                rates[tier] = self.tier_rate(tier)
-            # Tiers are read in parallel, several reads each: the slowest tier decides.
-            fetch_time = max((n / self.tier_rate(t) for t, n in tier_to_bytes.items()), default=0.0)
-            total = fetch_time + (num_prompt_tokens - end) / prefill
-            if total < best_time or self.always_load:
-                best_k, best_time = k, total
-        num_fetch_end = num_cpu_end
+        for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
+            rates[tier] = self.tier_rate(tier)
+
+        def chunk_start(chunk: int) -> int:
+            return chunk_ends[chunk - 1] if chunk > 0 else 0
+
+        # Recompute the head [num_cpu_end, m) on the GPU while chunks [j, k) are fetched
+        # (m = where chunk j starts), then load them and recompute the rest: minimise
+        # max(head, fetch) + rest. j = first_fetch is "wait for the fetch"; k = j is
+        # "recompute everything".
+        best = (first_fetch, first_fetch)
+        best_time = (num_prompt_tokens - num_cpu_end) / prefill
+        for j in range(first_fetch, len(chunk_tiers)):
+            num_head_end = max(num_cpu_end, chunk_start(j))
+            if num_head_end >= num_loadable_end:
+                break
+            head_s = (num_head_end - num_cpu_end) / prefill
+            tier_to_bytes: dict[str, int] = {}
+            for k in range(j + 1, len(chunk_tiers) + 1):
+                tier = chunk_tiers[k - 1]
+                if tier != "cpu":
+                    # A chunk is read whole even when part of it is on the GPU already.
+                    size = (chunk_ends[k - 1] - chunk_start(k - 1)) * self.bytes_per_token
+                    tier_to_bytes[tier] = tier_to_bytes.get(tier, 0) + size
+                end = min(chunk_ends[k - 1], num_loadable_end)
+                # Tiers are read in parallel, several reads each: the slowest tier decides.
+                fetch_s = max((n / rates[t] for t, n in tier_to_bytes.items()), default=0.0)
+                total = max(head_s, fetch_s) + (num_prompt_tokens - end) / prefill
+                if total < best_time:
+                    best, best_time = (j, k), total
+            if self.always_load:
+                best = (first_fetch, len(chunk_tiers))
+                break
+        first_tail, tail_end = best
+        num_head_end = max(num_cpu_end, chunk_start(first_tail)) if tail_end > first_tail else num_cpu_end
+        num_fetch_end = num_head_end
         tier_to_tokens: dict[str, int] = {}
         if num_cpu_end > num_computed:
             tier_to_tokens["cpu"] = num_cpu_end - num_computed
-        for chunk in range(first_fetch, first_fetch + best_k):
-            start = max(chunk_ends[chunk - 1] if chunk > 0 else 0, num_fetch_end)
+        for chunk in range(first_tail, tail_end):
+            start = max(chunk_start(chunk), num_fetch_end)
             end = min(chunk_ends[chunk], num_loadable_end)
             if end > start:
                 tier_to_tokens[chunk_tiers[chunk]] = tier_to_tokens.get(chunk_tiers[chunk], 0) + end - start
                 num_fetch_end = end
-        num_fetched = num_fetch_end - num_cpu_end
-        decision = LoadDecision(
+        num_fetched = num_fetch_end - num_head_end
+        head_s = (num_head_end - num_cpu_end) / prefill
+        return LoadDecision(
             num_cpu_end=num_cpu_end,
-            first_fetch_chunk=first_fetch,
-            num_fetch_chunks=best_k,
+            first_fetch_chunk=first_tail,
+            num_fetch_chunks=tail_end - first_tail,
             num_fetch_end=num_fetch_end,
             fetch_deadline_s=(
-                ALWAYS_LOAD_DEADLINE_S if self.always_load else self.deadline_fraction * num_fetched / prefill
+                ALWAYS_LOAD_DEADLINE_S
+                if self.always_load
+                else head_s + self.deadline_fraction * num_fetched / prefill
             ),
             tier_to_planned_tokens=tier_to_tokens,
-            num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end,
+            num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end + (num_head_end - num_cpu_end),
             rates=rates,
+            num_head_end=num_head_end,
         )
-        return decision
 
     def record(self, decision: LoadDecision, num_computed: int) -> None:
         """Count a decision that was acted on (a request admitted or its fetch started)."""
         with self._lock:
             self.counts["requests"] += 1
-            self.counts["fetched_tokens"] += decision.num_fetch_end - decision.num_cpu_end
+            self.counts["fetched_tokens"] += decision.num_fetch_end - max(
+                decision.num_cpu_end, decision.num_head_end
+            )
             self.counts["cpu_tokens"] += max(0, decision.num_cpu_end - num_computed)
             self.counts["recomputed_tokens"] += decision.num_planned_recompute_tokens

@@ -98,6 +98,8 @@ class RequestTransfer:
     num_pending_saves: int = 0
     #: this step's load stopped early: leading tokens truly in the paged cache
     num_valid_after_load: int | None = None
+    #: admitted with its head recomputing while ``fetch`` brings the tail (see decision.num_head_end)
+    tail_pending: bool = False
     finished: bool = False
 
 
@@ -144,6 +146,8 @@ class TransferRegistry:
             transfer = self._request_id_to_transfer.get(job.request_id)
             if transfer is None or transfer.fetch is not job or transfer.finished:
                 return None
+            if transfer.tail_pending:
+                return transfer  # a tail: the running request takes it at its compute limit
             transfer.phase = TransferPhase.FETCHED
             self._finished_recving_ids.add(job.request_id)
             return transfer
@@ -168,6 +172,7 @@ class TransferRegistry:
             transfer.chunk_tiers = None
             transfer.decision = None
             transfer.fetch = None
+            transfer.tail_pending = False
 
     def finish(self, request_id: str) -> tuple[RequestTransfer | None, bool]:
         """A request finished or was aborted: returns its state (the caller releases

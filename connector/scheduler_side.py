@@ -83,6 +83,8 @@ class OffloadScheduler(KVConnectorScheduler):
         prompt = self._prompt(request)
         transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
         if transfer.phase is TransferPhase.ADMITTED:
+            if transfer.fetch is not None and self.fetcher is not None:
+                self.fetcher.release(transfer.fetch)  # a tail fetch of the preempted admission
             self.registry.preempted(transfer)  # back in the queue: ask again
         num_loadable_end = request.num_prompt_tokens - 1
         if transfer.phase is TransferPhase.FETCHED:
@@ -113,7 +115,7 @@ class OffloadScheduler(KVConnectorScheduler):
         transfer.num_computed_at_plan = num_computed_tokens
         transfer.figures.num_planned_recompute_tokens = decision.num_planned_recompute_tokens
         transfer.figures.plan = decision.describe()
-        if decision.num_fetch_chunks:
+        if decision.num_fetch_chunks and decision.num_head_end == decision.num_cpu_end:
             return decision.num_fetch_end - num_computed_tokens, True
         transfer.token_origins = [(num_computed_tokens, decision.num_cpu_end, "cpu")]
         return max(0, decision.num_cpu_end - num_computed_tokens), False
@@ -176,7 +178,17 @@ class OffloadScheduler(KVConnectorScheduler):
         decision = transfer.decision
         if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
             self.planner.record(decision, transfer.num_computed_at_plan)
-        if transfer.phase is TransferPhase.NEW and decision is not None and decision.num_fetch_chunks:
+        splits = (
+            decision is not None
+            and decision.num_fetch_chunks
+            and decision.num_head_end > decision.num_cpu_end
+        )
+        if (
+            transfer.phase is TransferPhase.NEW
+            and decision is not None
+            and decision.num_fetch_chunks
+            and not splits
+        ):
             if block_ids:
                 raise ValueError(f"request {request.request_id!r} must wait for its fetch without blocks")
             self._start_fetch(transfer)
@@ -190,7 +202,14 @@ class OffloadScheduler(KVConnectorScheduler):
             ]
         chunk_tiers = transfer.chunk_tiers or []
         num_hit = spans[len(chunk_tiers) - 1].end if chunk_tiers else 0
+        tail = None
+        if splits and transfer.phase is TransferPhase.NEW:
+            # The head is recomputed from now on while the tail comes into the CPU tier.
+            tail = self._start_fetch(transfer, first_chunk=decision.first_fetch_chunk)
         self.registry.admitted(transfer, num_gpu_hit, num_external_tokens)
+        if tail is not None:
+            transfer.fetch = tail
+            transfer.tail_pending = True
         if transfer.num_expected_computed is None:
             # Chunks wholly present need no save; a present trailing partial chunk counts
             # only when the whole prompt is present.
@@ -209,16 +228,80 @@ class OffloadScheduler(KVConnectorScheduler):
                     transfer.cache_salt,
                 )
             )
-        if transfer.fetch is not None and self.fetcher is not None:
+        if transfer.fetch is not None and self.fetcher is not None and not transfer.tail_pending:
             self.fetcher.release(transfer.fetch)  # the lookup pins above hold the chunks now
             transfer.fetch = None
 
-    def _start_fetch(self, transfer: RequestTransfer) -> None:
-        """The chunks from the first one not on the GPU to the planned fetch end: the CPU
-        tier's are pinned while the request waits, the others are read into it."""
+    # ---- a head recomputed while the tail is fetched -------------------------------
+    def get_compute_limit(self, request: ConnectorRequest) -> int | None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None:
+            return None
+        decision = transfer.decision
+        admitting_split = (
+            transfer.phase is TransferPhase.NEW
+            and decision is not None
+            and decision.num_fetch_chunks
+            and decision.num_head_end > decision.num_cpu_end
+        )
+        if not (transfer.tail_pending or admitting_split):
+            return None
+        return decision.num_head_end
+
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None or not transfer.tail_pending:
+            return 0
+        job = transfer.fetch
+        if not job.done:
+            return None
+        num_ready = job.num_ready_chunks
+        if not num_ready:
+            return 0
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        num_end = min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
+        return max(0, num_end - request.num_computed_tokens)
+
+    def update_state_after_tail_alloc(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+    ) -> None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None or not transfer.tail_pending:
+            return
+        transfer.tail_pending = False
+        job, transfer.fetch = transfer.fetch, None
+        num_start = request.num_computed_tokens
+        num_end = num_start + num_tail_tokens
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        if num_tail_tokens > 0:
+            self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
+            transfer.token_origins = [
+                (max(spans[job.first_chunk + i].start, num_start), spans[job.first_chunk + i].end, tier)
+                for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
+            ]
+            self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, num_tail_tokens)
+            self._pending_loads.append(
+                LoadSpec(
+                    request.request_id,
+                    transfer.prompt,
+                    slot_mapping_for(block_ids, self.block_size, num_end),
+                    num_start,
+                    num_end,
+                    transfer.cache_salt,
+                )
+            )
+        if self.fetcher is not None:
+            self.fetcher.release(job)
+
+    def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchJob:
+        """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the
+        planned fetch end: the CPU tier's are pinned while the request waits, the others
+        are read into it."""
         decision = transfer.decision
         spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-        first = next(i for i, span in enumerate(spans) if span.end > transfer.num_computed_at_plan)
+        first = first_chunk
+        if first is None:
+            first = next(i for i, span in enumerate(spans) if span.end > transfer.num_computed_at_plan)
         spans = spans[first : decision.first_fetch_chunk + decision.num_fetch_chunks]
         engine = self.cache_engine
         job = FetchJob(
@@ -234,6 +317,7 @@ class OffloadScheduler(KVConnectorScheduler):
         )
         self.registry.fetch_started(transfer, job)
         self._pending_fetches.append(job)
+        return job
 
     # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:

@@ -106,6 +106,19 @@ class Scheduler:
                 continue
             self.step_requests.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tail = None  # tokens loaded at the connector's compute limit (its tail fetch)
+            if self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                limit = self.connector.get_compute_limit(request)
+                if limit is not None and request.num_computed_tokens >= limit:
+                    num_tail = self.connector.get_num_tail_tokens(request)
+                    if num_tail is None:
+                        index += 1  # its tail is still being fetched: the others go on
+                        continue
+                    num_tail = max(0, min(num_tail, request.num_tokens - 1 - request.num_computed_tokens))
+                    num_new = min(request.num_tokens - request.num_computed_tokens - num_tail, budget)
+                elif limit is not None:
+                    num_new = min(num_new, limit - request.num_computed_tokens)
+            num_loaded = num_tail or 0
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
             num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
             # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
@@ -118,13 +131,20 @@ class Scheduler:
             ):
                 request_id_to_spec_token_ids[request.request_id] = spec_token_ids
                 num_new += len(spec_token_ids)
-            while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
+            while not self.block_manager.allocate_slots(
+                request, request.num_computed_tokens + num_loaded + num_new
+            ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
+                if num_tail is not None:
+                    self.connector.update_state_after_tail_alloc(request, list(request.block_ids), num_tail)
+                    request.num_computed_tokens += num_tail
+                    request.metrics.num_external_cached_tokens += num_tail
+                    self.stats.num_external_hit_tokens += num_tail
                 scheduled.append(request)
                 num_scheduled.append(num_new)
                 budget -= num_new
@@ -162,6 +182,11 @@ class Scheduler:
                 num_external = max(0, min(num_matched, request.num_tokens - 1 - num_gpu_hit))
             num_computed = num_gpu_hit + num_external
             num_new = min(request.num_tokens - num_computed, budget)
+            if self.connector is not None:
+                # A head recomputed while the connector fetches the tail stops where the tail starts.
+                limit = self.connector.get_compute_limit(request)
+                if limit is not None and limit > num_computed:
+                    num_new = min(num_new, limit - num_computed)
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
                 break
             self._take_waiting(request, candidates, only)

@@ -241,3 +241,34 @@ def test_engine_with_threaded_cpu_moves_gives_identical_tokens(model_dir, tmp_pa
     again = llm.generate(prompts, PARAMS)  # now from the CPU tier, layer hooks on a thread
     assert [o.token_ids for o in again] == baseline
     assert [o.metrics.tier_to_loaded_tokens for o in again] == [{"cpu": 149}, {"cpu": 89}]
+
+
+def test_head_recomputed_while_the_tail_is_fetched_gives_identical_tokens(model_dir, tmp_path):
+    """The planner splits when fetching a chunk takes about as long as recomputing one:
+    the request is admitted at once, recomputes its head and loads its tail from disk."""
+    prompt = make_prompt(256, 31)
+    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
+    write_to(model_dir, disk_config(tmp_path), [prompt])
+    llm = new_llm(model_dir, disk_config(tmp_path))
+    planner = connector_of(llm).planner
+    bytes_per_chunk = connector_of(llm).cache_engine.bytes_per_token * CHUNK_SIZE
+    # Estimates, not measurements: a chunk recomputed in 0.32 s and read in 0.32 s (the
+    # fetch deadline, a second or two, leaves the local disk all the time it needs).
+    planner.observe_prefill(256, 100, 1.0)
+    planner.observe_read("disk", bytes_per_chunk, 0.32)
+    engine = llm.engine
+    engine.add_request("split", prompt, PARAMS)
+    request = engine.requests["split"]
+    statuses = set()
+    output = None
+    while output is None:
+        outputs = engine.step()
+        statuses.add(request.status)
+        output = next((o for o in outputs if o.request_id == "split" and o.finished), None)
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS not in statuses  # admitted at once
+    assert output.token_ids == baseline
+    loaded = output.metrics.tier_to_loaded_tokens
+    assert set(loaded) == {"disk"} and 0 < loaded["disk"] < 255
+    assert output.metrics.num_planned_recompute_tokens == 256 - loaded["disk"]
+    assert output.metrics.num_external_cached_tokens == loaded["disk"]
+    assert connector_of(llm).cache_engine.tiers.cpu.pin_counts() == {}

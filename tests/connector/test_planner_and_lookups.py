@@ -47,17 +47,30 @@ def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
     planner.observe_read("redis", 1 << 30, 100.0)  # far slower than recompute
     decision = plan(planner, ["cpu", "disk", "disk", "redis"])
     assert decision.num_cpu_end == 256
-    assert decision.num_fetch_chunks == 2 and decision.num_fetch_end == 768
-    assert decision.tier_to_planned_tokens == {"cpu": 256, "disk": 512}
-    assert decision.num_planned_recompute_tokens == 1025 - 768
-    # Never wait longer than a fraction of recomputing what is fetched.
-    assert decision.fetch_deadline_s == pytest.approx(0.5 * 512 / 1000)
-    assert "disk:512" in decision.describe() and "recompute=257" in decision.describe()
+    # Chunk 1 is recomputed while chunk 2 is fetched (0.256 s for both), then chunk 3
+    # recomputed: 0.513 s, where waiting for both disk chunks would take 0.757 s.
+    assert decision.num_head_end == 512
+    assert decision.first_fetch_chunk == 2 and decision.num_fetch_chunks == 1
+    assert decision.num_fetch_end == 768
+    assert decision.tier_to_planned_tokens == {"cpu": 256, "disk": 256}
+    assert decision.num_planned_recompute_tokens == 256 + (1025 - 768)
+    # Never wait longer than the head plus a fraction of recomputing what is fetched.
+    assert decision.fetch_deadline_s == pytest.approx(0.256 + 0.5 * 256 / 1000)
+    assert "disk:256" in decision.describe() and "recompute=513" in decision.describe()
 
-    planner.observe_read("disk", 1 << 30, 100.0)
-    planner.observe_read("disk", 1 << 30, 100.0)
+    for _ in range(10):  # the disk turns far slower than recompute: the moving average follows
+        planner.observe_read("disk", 1 << 30, 100.0)
     slow = plan(planner, ["cpu", "disk", "disk", "redis"])
     assert slow.num_fetch_chunks == 0 and slow.num_planned_recompute_tokens == 1025 - 256
+
+
+def test_planner_waits_for_a_tier_much_faster_than_prefill():
+    planner = LoadPlanner(bytes_per_token=MIB)
+    planner.observe_prefill(1025, 1000, 1.0)
+    planner.observe_read("disk", 100 << 30, 1.0)  # 0.0025 s per chunk
+    decision = plan(planner, ["disk", "disk", "disk", "disk"])
+    assert decision.num_head_end == decision.num_cpu_end == 0  # wait unadmitted, load it all
+    assert decision.num_fetch_chunks == 4 and decision.num_fetch_end == 1024
 
 
 def test_planner_with_always_load_fetches_every_hit():

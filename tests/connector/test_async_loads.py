@@ -41,6 +41,12 @@ def write_to(model_dir, config: OffloadConfig, prompts) -> None:
     writer = new_llm(model_dir, config)
     writer.generate(prompts, PARAMS)
     writer.flush_kv_offload()
+    close(writer)
+
+
+def close(llm: LLM) -> None:
+    """Close the engine's tiers now (a disk folder takes one engine at a time)."""
+    llm.engine.runner.connector.close()
 
 
 def connector_of(llm: LLM):
@@ -74,6 +80,7 @@ def test_loaded_recomputed_and_split_give_identical_tokens(model_dir, tmp_path):
     assert [o.token_ids for o in outputs] == baseline
     assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"disk": 199}, {"disk": 199}]
     assert [o.metrics.num_planned_recompute_tokens for o in outputs] == [1, 1]
+    close(loader)
 
     # Everything recomputed: the planner measured the disk far slower than prefill.
     recomputer = new_llm(model_dir, disk_config(tmp_path))
@@ -82,6 +89,7 @@ def test_loaded_recomputed_and_split_give_identical_tokens(model_dir, tmp_path):
     assert [o.token_ids for o in outputs] == baseline
     assert [o.metrics.num_external_cached_tokens for o in outputs] == [0, 0]
     assert [o.metrics.num_planned_recompute_tokens for o in outputs] == [200, 200]
+    close(recomputer)
 
     # Split: a chunk in the middle is gone from disk, the fetch stops there (a read that
     # fails midway) and the rest is recomputed; the first chunk comes from the CPU tier.

@@ -263,8 +263,14 @@ class ChunkFetcher:
         self._detach(job)
         job.done = True
         num_ready = job.num_ready_chunks
-        for index in range(num_ready, len(job.outcomes)):
+        elapsed = self._clock() - job.started
+        for index in range(len(job.outcomes)):
             if job.outcomes[index] is None:
+                # Still being read at the deadline: the tier delivered at most what arrived in
+                # that time, and the planner must learn it (else it keeps waiting on it).
+                tier_name = job.tier_names[index]
+                num_bytes, _ = job.tier_to_transfer.get(tier_name, (0, 0.0))
+                job.tier_to_transfer[tier_name] = (max(num_bytes, 1), elapsed)
                 job.outcomes[index] = False
         usable = set(job.keys[:num_ready])
         drop = [key for key in job.pinned_keys if key not in usable]

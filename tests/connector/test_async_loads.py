@@ -280,3 +280,27 @@ def test_head_recomputed_while_the_tail_is_fetched_gives_identical_tokens(model_
     assert output.metrics.num_planned_recompute_tokens == 256 - loaded["disk"]
     assert output.metrics.num_external_cached_tokens == loaded["disk"]
     assert connector_of(llm).cache_engine.tiers.cpu.pin_counts() == {}
+
+
+def test_a_fetch_cut_by_its_deadline_teaches_the_planner_the_tier_is_slow(model_dir, redis_server):
+    """The planner's prior says Redis beats recompute; the real one sits behind a 50 KB/s
+    proxy: the fetch hits its deadline with nothing in, the prompt is recomputed, and the
+    measured rate makes the next request skip Redis instead of waiting again."""
+    redis_server.flushall()
+    prompt, other = make_prompt(256, 41), make_prompt(256, 42)
+    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
+    with DelayProxy(redis_server.port) as proxy:
+        url = f"redis://127.0.0.1:{proxy.port}"
+        config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, remote_url=url)
+        write_to(model_dir, config, [prompt, other])
+        proxy.rate_bytes_per_s = 50_000
+        llm = new_llm(model_dir, config)
+        planner = connector_of(llm).planner
+        assert planner.tier_rate("redis") > 50e6  # the prior
+        first = llm.generate([prompt], PARAMS)[0]
+        assert first.token_ids == baseline
+        assert planner.tier_rate("redis") < 1e6  # measured from the cut fetch
+        second = llm.generate([other], PARAMS)[0]
+        assert second.metrics.tier_to_loaded_tokens == {}
+        transfer = connector_of(llm).request_stats(second.request_id)
+        assert "redis" in transfer.plan and "recompute=256" in transfer.plan

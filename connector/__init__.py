@@ -9,12 +9,16 @@ import weakref
 import torch
 
 from connector.base import KVConnectorScheduler, KVConnectorWorker
+from connector.breaker import CircuitBreaker
 from connector.cache_engine import CacheEngine
 from connector.config import OffloadConfig
+from connector.fetcher import ChunkFetcher
+from connector.lookup import TierLookups
+from connector.planner import LoadPlanner
+from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
-from connector.tracker import TransferTracker
 from connector.worker_side import OffloadWorker
 
 __all__ = ["CacheEngine", "OffloadConfig", "create_cache_engine", "create_kv_connector"]
@@ -55,6 +59,7 @@ def create_cache_engine(
     engine = CacheEngine(
         token_db, tiers, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
+    engine.cpu_async_moves = config.cpu_async_moves
     weakref.finalize(engine, tiers.close)
     return engine
 
@@ -80,7 +85,36 @@ def create_kv_connector(
         head_dim=head_dim,
         device=device,
     )
-    tracker = TransferTracker()
-    scheduler = OffloadScheduler(cache_engine, tracker, block_size=block_size)
-    worker = OffloadWorker(cache_engine, tracker, layerwise=config.layerwise)
+    registry = TransferRegistry()
+    tiers = cache_engine.tiers
+    lookups = planner = fetcher = None
+    if config.async_loads and tiers.cpu is not None and tiers.lower:
+        name_to_breaker = {
+            tier.name: CircuitBreaker(tier.name, backoff_s=config.breaker_backoff_s) for tier in tiers.lower
+        }
+        tiers.breakers = name_to_breaker
+        lookups = TierLookups(
+            tiers, name_to_breaker, wait_s=config.lookup_wait_s, timeout_s=config.lookup_timeout_s
+        )
+        planner = LoadPlanner(
+            bytes_per_token=cache_engine.bytes_per_token,
+            deadline_fraction=config.fetch_deadline_fraction,
+            always_load=config.load_policy == "always",
+        )
+        fetcher = ChunkFetcher(
+            tiers.cpu,
+            {tier.name: tier for tier in tiers.lower},
+            name_to_breaker,
+            reads_in_flight=config.reads_in_flight,
+            dtype=dtype,
+            layout=tiers.cpu.layout,
+        )
+        weakref.finalize(cache_engine, lookups.close)
+        weakref.finalize(cache_engine, fetcher.close)
+    scheduler = OffloadScheduler(
+        cache_engine, registry, block_size=block_size, lookups=lookups, planner=planner, fetcher=fetcher
+    )
+    worker = OffloadWorker(
+        cache_engine, registry, layerwise=config.layerwise, fetcher=fetcher, planner=planner
+    )
     return scheduler, worker

@@ -74,6 +74,8 @@ class ConnectorMetadata:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: background fetches to start (``connector.fetcher.FetchJob``: keys, shapes, tiers; no tensors)
+    fetches: list = field(default_factory=list)
 
 
 class RequestTransferStats(NamedTuple):
@@ -86,28 +88,40 @@ class RequestTransferStats(NamedTuple):
     num_loaded_bytes: int
     load_seconds: float
     num_saved_tokens: int
-    #: loaded tokens per tier they came from ("cpu", "disk", "redis", "grpc"); sums to num_loaded_tokens
-    tier_to_loaded_tokens: dict[str, int]
+    #: tokens loaded per origin tier ("cpu", "disk", "redis", "grpc")
+    tier_to_loaded_tokens: dict[str, int] = {}
+    #: prompt tokens the planner chose to recompute (0 before it planned)
+    num_planned_recompute_tokens: int = 0
+    #: the planner's decision in words (for the request's log line)
+    plan: str = ""
 
 
 class KVConnectorScheduler(abc.ABC):
     """Scheduler-side role. Never touches tensors other than building slot maps."""
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
-        """How many tokens beyond ``num_computed_tokens`` (the GPU prefix hit) can be
-        loaded from the tiers. Side-effect free (may pin nothing); called possibly
-        several times per request while it waits. When the whole prompt would hit,
-        the last prompt token is left to compute (returns at most
-        ``num_prompt_tokens - 1 - num_computed_tokens``)."""
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """``(num_tokens, load_async)``: how many tokens beyond ``num_computed_tokens``
+        (the GPU prefix hit) can be loaded from the tiers, and whether they must first
+        be fetched in the background. ``num_tokens`` None means "not known yet" (a
+        lower tier has not answered): the scheduler skips the request this step and
+        asks again later. With ``load_async`` the request waits in its own state
+        (WAITING_FOR_REMOTE_KVS, no blocks) until ``get_finished`` reports it as
+        received, then is asked again. Pins nothing; never blocks on I/O beyond a
+        bounded wait; called possibly several times per request while it waits.
+        When the whole prompt would hit, the last prompt token is left to compute
+        (``num_tokens`` is at most ``num_prompt_tokens - 1 - num_computed_tokens``)."""
 
     @abc.abstractmethod
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """Called exactly once when blocks for the request's first scheduling were
-        allocated; records the load to put in the next metadata (``num_external_tokens``
-        may be 0)."""
+        """Called once per admission: when blocks for the request's scheduling were
+        allocated (records the load to put in the next metadata; ``num_external_tokens``
+        may be 0), or with no blocks when ``get_num_new_matched_tokens`` said
+        ``load_async`` (records the fetch to start)."""
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
@@ -128,6 +142,33 @@ class KVConnectorScheduler(abc.ABC):
         one that fails it). Forget its load not yet handed to the worker: its blocks are
         freed, and it is looked up and admitted again later. Saves need nothing: the next
         ``build_connector_meta`` sees its ``num_computed_tokens`` went back."""
+
+    def get_compute_limit(self, request: ConnectorRequest) -> int | None:
+        """The prompt position a running request must not compute past yet: its head is
+        recomputed while the chunks from there on are fetched (None: no limit). Called
+        per step for running requests still in their prompt; side-effect free."""
+        return None
+
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
+        """For a request at its compute limit: how many tokens from there can be loaded
+        now (0 when its fetch got nothing: it recomputes on), or None while the fetch
+        runs (the request skips the step; the others go on)."""
+        return 0
+
+    def update_state_after_tail_alloc(  # noqa: B027
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+    ) -> None:
+        """Blocks for the tail were allocated: records the load of ``num_tail_tokens``
+        from the request's compute limit on (called once per non-None
+        ``get_num_tail_tokens`` answer that the scheduler acted on)."""
+
+    def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:  # noqa: B027
+        """A step computed ``num_prefill_tokens`` prompt tokens (of prompts up to
+        ``num_max_prompt_tokens`` long) in ``seconds``: the measured prefill rate."""
+
+    def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
+        """Called by an engine with nothing to schedule while requests wait for
+        background fetches: sleep until one makes progress or ``timeout_s`` passed."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every store queued for lower tiers was attempted (tests,

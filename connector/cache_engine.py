@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from connector.tiers import TierManager
+from connector.tiers import PendingPut, TierManager
 from connector.token_db import KV_LAYOUT, ChunkSpan, TokenDatabase
 from connector.transfer import KVMover
 
@@ -46,7 +46,7 @@ class LoadPlan(NamedTuple):
 class PendingStore(NamedTuple):
     """Host buffers being filled from the paged cache, published by ``finish_store``."""
 
-    key_buffers: list[tuple[str, torch.Tensor]]
+    puts: list[PendingPut]
     num_stored_tokens: int
 
 
@@ -72,6 +72,8 @@ class CacheEngine:
             num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         )
         self._mover: KVMover | None = None
+        #: CPU moves on a worker thread (``OffloadConfig.cpu_async_moves``: CI runs the async paths)
+        self.cpu_async_moves = False
         self.num_corrupt_chunks = 0
         # Stores whose device→host copies are queued but maybe not done, oldest first:
         # (event after their copies or None on CPU, the store, called with its token count).
@@ -139,7 +141,9 @@ class CacheEngine:
     def mover(self, kv_caches: torch.Tensor) -> KVMover:
         """The mover for the KV tensor's device (made on first use)."""
         if self._mover is None or self._mover.device != kv_caches.device:
-            self._mover = KVMover(kv_caches.device, self.dtype, self.chunk_shape)
+            self._mover = KVMover(
+                kv_caches.device, self.dtype, self.chunk_shape, cpu_worker_thread=self.cpu_async_moves
+            )
         return self._mover
 
     def plan_load(
@@ -151,15 +155,17 @@ class CacheEngine:
         kv_caches: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [end]
         cache_salt: str | None = None,
+        cpu_only: bool = False,
     ) -> LoadPlan:
         """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
-        come from all of ``tokens``, which may run past ``end``). Stops at the first
+        come from all of ``tokens``, which may run past ``end``); with ``cpu_only`` only
+        from the CPU tier (a step never waits on a lower tier). Stops at the first
         missing or corrupt chunk. Releases the lookup pins of the chunks up to ``end``."""
         covering = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.start < end]
         # The lookup pinned every chunk up to its hit, also those before ``start``.
         self.tiers.unpin([span.key for span in covering])
         spans = [span for span in covering if span.end > start]
-        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans])
+        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans], cpu_only=cpu_only)
         tensors = []
         for span, chunk in zip(spans, chunks, strict=False):
             if not self._chunk_fits(span, chunk):
@@ -217,26 +223,26 @@ class CacheEngine:
         mover.wait_for_compute()
         device_slots = mover.to_device(host_slots, for_store=True)
         offset = spans[0].start
-        key_buffers = []
+        puts = []
         num_stored_tokens = 0
         for span in spans:
             shape = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
-            buffer = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
-            if buffer is None:
+            pending = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
+            if pending is None:
                 continue
             try:
-                mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], buffer)
+                mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], pending.buffer)
             except Exception:
-                self.tiers.abort_put(span.key)
+                self.tiers.abort_put(pending)
                 raise
-            key_buffers.append((span.key, buffer))
+            puts.append(pending)
             num_stored_tokens += span.end - span.start
-        return PendingStore(key_buffers, num_stored_tokens)
+        return PendingStore(puts, num_stored_tokens)
 
     def finish_store(self, pending: PendingStore) -> int:
         """Publish filled buffers (call after the mover synchronized); returns tokens stored."""
-        for key, buffer in pending.key_buffers:
-            self.tiers.end_put(key, buffer)
+        for put in pending.puts:
+            self.tiers.end_put(put)
         return pending.num_stored_tokens
 
     def finish_store_later(self, pending: PendingStore, on_published: Callable[[int], None]) -> None:
@@ -244,7 +250,7 @@ class CacheEngine:
         call ``on_published(num_stored_tokens)``. Stores publish in the order given, from
         :meth:`publish_finished_stores` (each lookup and step polls it)."""
         mover = self._mover
-        event = mover.record_stores() if mover is not None and mover.on_cuda else None
+        event = mover.record_stores() if mover is not None and (mover.on_cuda or mover.threaded) else None
         self._stores_in_flight.append((event, pending, on_published))
         self.publish_finished_stores()
 

@@ -21,6 +21,7 @@ GIB = 1 << 30
 #: schemes accepted for ``remote_url`` (the storage backends implement each)
 REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs")
 CODECS = ("none", "lz4")
+LOAD_POLICIES = ("planned", "always")
 
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
 ENV_PREFIX = "KVSTASH_KV_OFFLOAD_"
@@ -56,6 +57,25 @@ class OffloadConfig:
     #: text put in front of every chunk key the engine reads or writes, in every tier: the
     #: tenant's prefix on a cache server started with ``--tenants`` (e.g. ``"tenant-a/"``)
     key_prefix: str = ""
+    #: hits below the CPU tier are fetched into it in the background while the request
+    #: waits (needs a CPU tier); off: they are read in the admitting step (blocks it)
+    async_loads: bool = True
+    #: background reads in flight per lower tier
+    reads_in_flight: int = 4
+    #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
+    lookup_wait_s: float = 0.002
+    #: a lookup unanswered this long ends with what it found; its tier is skipped for a back-off
+    lookup_timeout_s: float = 0.5
+    #: first back-off of a failing tier's circuit breaker (doubles per failed probe, up to 60 s)
+    breaker_backoff_s: float = 1.0
+    #: a fetch waits at most this fraction of the time recomputing its tokens would take
+    fetch_deadline_fraction: float = 0.5
+    #: "planned": load a lower-tier hit only where it beats recomputing (measured rates);
+    #: "always": load every hit, waiting for the fetch however long it takes
+    load_policy: str = "planned"
+    #: on CPU, run KV moves on a worker thread so stores publish and loads complete
+    #: asynchronously as on CUDA (tests and CI exercise those paths; slower, not for production)
+    cpu_async_moves: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -77,7 +97,7 @@ class OffloadConfig:
                 )
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for name in ("save_partial_chunks", "layerwise"):
+        for name in ("save_partial_chunks", "layerwise", "async_loads", "cpu_async_moves"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.save_queue_size, bool) or not isinstance(self.save_queue_size, int):
@@ -89,6 +109,23 @@ class OffloadConfig:
                 f"pin_timeout_s must be a positive number of seconds, got {self.pin_timeout_s!r}"
             )
         check_key_prefix(self.key_prefix)
+        if (
+            isinstance(self.reads_in_flight, bool)
+            or not isinstance(self.reads_in_flight, int)
+            or not 1 <= self.reads_in_flight <= 256
+        ):
+            raise ValueError(f"reads_in_flight must be an integer in [1, 256], got {self.reads_in_flight!r}")
+        for name in ("lookup_wait_s", "lookup_timeout_s", "breaker_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        fraction = self.fetch_deadline_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fetch_deadline_fraction must be in (0, 1], got {fraction!r}")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}"
+            )
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ValueError("no tier configured: set cpu_bytes > 0, disk_path or remote_url")
 

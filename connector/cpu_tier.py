@@ -11,15 +11,22 @@ model's dtype, so slots never fragment and the byte cap is the slab's size.
 Zero-copy reads: :meth:`get` returns a view into the slab. A view stays valid
 only while its key holds a pin (:meth:`pin`) — the tier manager takes one for
 every read and releases it after the transfer. Writes go through
-:meth:`reserve` (a slot that nobody can see yet) and :meth:`publish`.
-Thread-safe.
+:meth:`reserve` (a :class:`Reservation`: a slot that nobody can see yet) and
+:meth:`publish` of that same reservation: publishing goes by the reservation's
+identity, never by key, so a second writer of the same key (which got a private
+buffer earlier, or came later) can never publish a slot another copy is still
+filling. Thread-safe.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +34,28 @@ from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
 from storage_backends.lru import LRUIndex, SlabTierMixin
+
+
+class PinKind(str, enum.Enum):
+    """Who holds a pin: each kind is taken and released on its own, so one holder can
+    never release another's pin, and ``pin_counts`` shows which kind keeps a slot."""
+
+    LOOKUP = "lookup"  # an admitted request's chunks, until its load is planned (or a timeout)
+    READ = "read"  # a load reading the slot's zero-copy view
+    WRITE_THROUGH = "write_through"  # a write to the lower tiers reading the slot
+    FETCH = "fetch"  # a request waiting on its background fetch
+
+
+@dataclass(eq=False)
+class Reservation:
+    """One slot reserved for ``key`` by :meth:`PinnedChunkPool.reserve`: fill ``buffer``,
+    then :meth:`~PinnedChunkPool.publish` or :meth:`~PinnedChunkPool.cancel` this object.
+    Compared by identity: two reservations of one key are never the same."""
+
+    key: str
+    slot_id: int
+    shape: tuple[int, ...]
+    buffer: torch.Tensor  # the slot's view [num_layers, 2, num_tokens, num_kv_heads, head_dim]
 
 
 class PinnedChunkPool(SlabTierMixin, StorageBackend):
@@ -61,7 +90,8 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self._slab = torch.empty((self.num_slots, self.slot_numel), dtype=dtype, pin_memory=pin_memory)
         self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
         self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
-        self._key_to_reserved: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._key_to_reservation: dict[str, Reservation] = {}
+        self._key_to_pin_kinds: dict[str, Counter[PinKind]] = {}
         self._lock = threading.Lock()
         self._counters = Counters()
 
@@ -93,35 +123,86 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
 
     def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
         """Pin every present key and return its zero-copy view, under one lock (the
-        read path of a retrieve). Each returned key holds one pin to release with :meth:`unpin`."""
+        read path of a retrieve). Each returned key holds one READ pin to release with :meth:`unpin`."""
         key_to_chunk = {}
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
                 if entry is not None:
-                    self._index.pin([key])
+                    self._add_pins(key, PinKind.READ, 1)
                     slot_id, shape = entry.record
                     key_to_chunk[key] = KVChunk(self._view(slot_id, shape), self.layout)
         self._counters.add("hits", len(key_to_chunk))
         self._counters.add("misses", len(keys) - len(key_to_chunk))
         return key_to_chunk
 
-    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+    def pin_each(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> list[bool]:
         """Pin each present key (absent ones are skipped, not a stop); one lock for all."""
         with self._lock:
-            return [self._index.pin([key]) == 1 for key in keys]
+            pinned = []
+            for key in keys:
+                present = key in self._index
+                if present:
+                    self._add_pins(key, kind, 1)
+                pinned.append(present)
+            return pinned
+
+    def pin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> int:
+        """Pin the leading present ``keys`` (stops at the first absent one); returns how many."""
+        with self._lock:
+            num_pinned = 0
+            for key in keys:
+                if key not in self._index:
+                    break
+                self._add_pins(key, kind, 1)
+                num_pinned += 1
+            return num_pinned
+
+    def unpin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> None:
+        """Drop one pin of ``kind`` from each key (keys without such a pin are ignored)."""
+        with self._lock:
+            for key in keys:
+                kinds = self._key_to_pin_kinds.get(key)
+                if not kinds or kinds[kind] <= 0:
+                    continue
+                kinds[kind] -= 1
+                if kinds[kind] == 0:
+                    del kinds[kind]
+                    if not kinds:
+                        del self._key_to_pin_kinds[key]
+                self._index.unpin([key])
+
+    def _add_pins(self, key: str, kind: PinKind, count: int) -> None:
+        """Under the lock, ``key`` indexed."""
+        if count <= 0:
+            return
+        self._key_to_pin_kinds.setdefault(key, Counter())[kind] += count
+        entry = self._index.get(key, touch=False)
+        entry.num_pins += count
+
+    def pin_counts(self) -> dict[str, int]:
+        """Pins held now, per kind (``lookup``, ``read``, ``write_through``, ``fetch``)."""
+        with self._lock:
+            totals: Counter[str] = Counter()
+            for kinds in self._key_to_pin_kinds.values():
+                for kind, count in kinds.items():
+                    totals[kind.value] += count
+            return dict(totals)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "pins_by_kind": self.pin_counts()}
 
     def get_encoded(self, key: str) -> bytes | None:
-        if self.pin([key]) == 0:
+        if self.pin([key], PinKind.READ) == 0:
             return None
         try:
             chunk = self.get(key)
             return None if chunk is None else encode_chunk(chunk, key=key)
         finally:
-            self.unpin([key])
+            self.unpin([key], PinKind.READ)
 
     # ---- writes --------------------------------------------------------------
-    def reserve(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    def reserve(self, key: str, shape: tuple[int, ...]) -> Reservation | None:
         """A slot to fill with the chunk stored under ``key``, invisible until :meth:`publish`.
 
         Evicts least-recently-used unpinned chunks. Returns None when ``key`` is
@@ -130,12 +211,12 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         """
         self._check_shape(tuple(shape))
         with self._lock:
-            if key in self._index or key in self._key_to_reserved:
+            if key in self._index or key in self._key_to_reservation:
                 self._index.get(key)  # refresh recency
                 return None
             if not self._free_slot_ids:
                 # Reserved slots are outside the index but take capacity all the same.
-                victim_keys = self._index.victims_for(1 + len(self._key_to_reserved))
+                victim_keys = self._index.victims_for(1 + len(self._key_to_reservation))
                 if victim_keys is None:
                     self._counters.add("rejected")
                     raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")
@@ -143,39 +224,45 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
                     self._free_slot_ids.append(self._index.remove(victim_key).record[0])
                 self._counters.add("evictions", len(victim_keys))
             slot_id = self._free_slot_ids.pop()
-            self._key_to_reserved[key] = (slot_id, tuple(shape))
-            return self._view(slot_id, tuple(shape))
+            reservation = Reservation(key, slot_id, tuple(shape), self._view(slot_id, tuple(shape)))
+            self._key_to_reservation[key] = reservation
+            return reservation
 
-    def is_reserved(self, key: str) -> bool:
+    def publish(
+        self, reservation: Reservation, *, num_pins: int = 0, kind: PinKind = PinKind.WRITE_THROUGH
+    ) -> None:
+        """Make a filled reservation readable (most recently used), holding ``num_pins``
+        pins (each released with :meth:`unpin`), taken under the same lock so no
+        concurrent put can evict it first (pins of ``kind``). ``ValueError`` for a reservation that is not
+        outstanding (already published or cancelled)."""
         with self._lock:
-            return key in self._key_to_reserved
-
-    def publish(self, key: str) -> None:
-        """Make a filled reservation readable (most recently used)."""
-        with self._lock:
-            slot_id, shape = self._key_to_reserved.pop(key)
-            self._index.add(key, 1, (slot_id, shape))
+            if self._key_to_reservation.get(reservation.key) is not reservation:
+                raise ValueError(f"reservation of {reservation.key!r} is not outstanding")
+            del self._key_to_reservation[reservation.key]
+            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape))
+            self._add_pins(reservation.key, kind, num_pins)
         self._counters.add("puts")
 
-    def cancel(self, key: str) -> None:
-        """Give back a reservation that will not be filled (the transfer failed)."""
+    def cancel(self, reservation: Reservation) -> None:
+        """Give back a reservation that will not be filled (the transfer failed); a
+        reservation that is no longer outstanding is ignored."""
         with self._lock:
-            reserved = self._key_to_reserved.pop(key, None)
-            if reserved is not None:
-                self._free_slot_ids.append(reserved[0])
+            if self._key_to_reservation.get(reservation.key) is reservation:
+                del self._key_to_reservation[reservation.key]
+                self._free_slot_ids.append(reservation.slot_id)
 
     def put(self, key: str, chunk: KVChunk) -> None:
         if chunk.layout != self.layout:
             raise ValueError(f"cpu tier stores layout {self.layout!r}, got {chunk.layout!r}")
-        slot = self.reserve(key, tuple(chunk.tensor.shape))
-        if slot is None:
+        reservation = self.reserve(key, tuple(chunk.tensor.shape))
+        if reservation is None:
             return
         try:
-            slot.copy_(chunk.tensor)
+            reservation.buffer.copy_(chunk.tensor)
         except Exception:
-            self.cancel(key)
+            self.cancel(reservation)
             raise
-        self.publish(key)
+        self.publish(reservation)
 
     def put_encoded(self, key: str, data: bytes) -> None:
         self.put(key, decode_chunk(data, key=key))
@@ -189,4 +276,4 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             self._free_slot_ids.append(self._index.remove(key).record[0])
             return True
 
-    # pin, unpin, keys and stats come from SlabTierMixin
+    # keys comes from SlabTierMixin

@@ -1,10 +1,16 @@
-"""Scheduler-side connector: decides what each step loads and saves (no tensors
-other than slot maps). Called only from the engine's scheduler thread."""
+"""Scheduler-side connector: decides what each step loads, fetches and saves (no
+tensors other than slot maps). Called only from the engine's scheduler thread.
+
+Per request it keeps one :class:`~connector.request_transfer.RequestTransfer`:
+its lookup (asked once, lower tiers in the background, see ``connector.lookup``),
+the planner's decision, the fetch that brings lower-tier chunks into the CPU
+tier while the request waits unadmitted, and its saves.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +24,12 @@ from connector.base import (
     ScheduledRequest,
 )
 from connector.cache_engine import CacheEngine
-from connector.tracker import TransferTracker
+from connector.fetcher import ChunkFetcher, FetchJob
+from connector.lookup import TierLookups
+from connector.planner import LoadPlanner
+from connector.request_transfer import RequestTransfer, TransferPhase, TransferRegistry
+
+log = logging.getLogger(__name__)
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -32,125 +43,349 @@ def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int)
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-@dataclass
-class _SaveState:
-    prompt: tuple[int, ...]
-    #: leading prompt tokens already stored (or being stored)
-    num_saved: int
-    #: num_computed_tokens the request should show next step (None before its first step)
-    num_expected_computed: int | None = None
-    #: the request's salt: its chunk keys are those of this salted chain
-    cache_salt: str | None = None
-
-
 class OffloadScheduler(KVConnectorScheduler):
-    """Looks up prompts in the tiers, records loads at admission, and emits saves of
-    prompt chunks as they are computed (plus the trailing partial chunk at the end
-    of the prompt when ``save_partial_chunks``). Output tokens are never saved, so
-    uncomputed or rejected speculative tokens cannot reach the store."""
+    """Looks up prompts in the tiers, plans load-or-recompute, records loads at
+    admission and fetches for requests that wait, and emits saves of prompt chunks
+    as they are computed (plus the trailing partial chunk at the end of the prompt
+    when ``save_partial_chunks``). Output tokens are never saved, so uncomputed or
+    rejected speculative tokens cannot reach the store."""
 
-    def __init__(self, cache_engine: CacheEngine, tracker: TransferTracker, *, block_size: int) -> None:
+    def __init__(
+        self,
+        cache_engine: CacheEngine,
+        registry: TransferRegistry,
+        *,
+        block_size: int,
+        lookups: TierLookups | None = None,
+        planner: LoadPlanner | None = None,
+        fetcher: ChunkFetcher | None = None,
+    ) -> None:
         self.cache_engine = cache_engine
-        self.tracker = tracker
+        self.registry = registry
         self.block_size = block_size
         self.chunk_size = cache_engine.token_db.chunk_size
         self.save_partial_chunks = cache_engine.token_db.save_partial_chunks
-        # request id -> (num_computed_tokens, lookup hit) of its latest get_num_new_matched_tokens
-        self._request_id_to_match: dict[str, tuple[int, int]] = {}
-        self._request_id_to_save: dict[str, _SaveState] = {}
+        self.lookups = lookups
+        self.planner = planner
+        #: None without a CPU tier: lower-tier chunks are then read in the step (no fetch)
+        self.fetcher = fetcher
         self._pending_loads: list[LoadSpec] = []
+        self._pending_fetches: list[FetchJob] = []
 
     @staticmethod
     def _prompt(request: ConnectorRequest) -> tuple[int, ...]:
         return tuple(request.all_token_ids[: request.num_prompt_tokens])
 
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
-        num_hit = self.cache_engine.lookup(self._prompt(request), cache_salt=request.cache_salt)
-        self._request_id_to_match[request.request_id] = (num_computed_tokens, num_hit)
-        # The last prompt token is always computed: its logits give the first output token.
-        return max(0, min(num_hit, request.num_prompt_tokens - 1) - num_computed_tokens)
+    # ---- admission -----------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        prompt = self._prompt(request)
+        transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
+        if transfer.phase is TransferPhase.ADMITTED:
+            if transfer.fetch is not None and self.fetcher is not None:
+                self.fetcher.release(transfer.fetch)  # a tail fetch of the preempted admission
+            self.registry.preempted(transfer)  # back in the queue: ask again
+        num_loadable_end = request.num_prompt_tokens - 1
+        if transfer.phase is TransferPhase.FETCHED:
+            transfer.num_computed_at_plan = num_computed_tokens  # the GPU hit may have changed
+            return self._fetched_tokens(transfer, num_computed_tokens), False
+        spans = self.cache_engine.token_db.chunk_spans(prompt, transfer.cache_salt)
+        chunk_tiers = self._chunk_tiers(transfer, [span.key for span in spans], num_computed_tokens)
+        if chunk_tiers is None:
+            return None, False
+        num_hit = spans[len(chunk_tiers) - 1].end if chunk_tiers else 0
+        transfer.num_computed_at_plan = num_computed_tokens
+        if num_computed_tokens >= num_loadable_end or num_hit <= num_computed_tokens:
+            transfer.decision = None
+            transfer.figures.num_planned_recompute_tokens = len(prompt) - min(
+                num_computed_tokens, num_loadable_end
+            )
+            return 0, False
+        if self.planner is None or self.fetcher is None:
+            # Without a CPU tier every hit is read in the admitting step (the old, blocking path).
+            return max(0, min(num_hit, num_loadable_end) - num_computed_tokens), False
+        decision = self.planner.plan(
+            chunk_tiers,
+            [span.end for span in spans[: len(chunk_tiers)]],
+            num_computed=num_computed_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        transfer.decision = decision
+        transfer.num_computed_at_plan = num_computed_tokens
+        transfer.figures.num_planned_recompute_tokens = decision.num_planned_recompute_tokens
+        transfer.figures.plan = decision.describe()
+        if decision.num_fetch_chunks and decision.num_head_end == decision.num_cpu_end:
+            return decision.num_fetch_end - num_computed_tokens, True
+        transfer.token_origins = [(num_computed_tokens, decision.num_cpu_end, "cpu")]
+        return max(0, decision.num_cpu_end - num_computed_tokens), False
+
+    def _chunk_tiers(
+        self, transfer: RequestTransfer, keys: list[str], num_computed_tokens: int
+    ) -> list[str] | None:
+        """The tier of each chunk of the hit prefix (asked once per admission; the CPU
+        tier's part refreshed at each call), or None while the lower tiers have not answered."""
+        if transfer.chunk_tiers is None:
+            num_loadable_end = len(transfer.prompt) - 1
+            if self.lookups is None:
+                tiers = self.cache_engine.tiers
+                names = [tier.name for tier in tiers.tiers]
+                transfer.chunk_tiers = [names[0] if len(names) == 1 else "lower"] * tiers.contains_prefix(
+                    keys
+                )
+            elif num_computed_tokens >= num_loadable_end:
+                # A full GPU hit loads nothing: the CPU tier's answer is enough (for saves).
+                cpu = self.cache_engine.tiers.cpu
+                transfer.chunk_tiers = ["cpu"] * (cpu.contains(keys) if cpu is not None else 0)
+            else:
+                if transfer.lookup is None:
+                    transfer.lookup = self.lookups.start(keys)
+                found = self.lookups.result(transfer.lookup)
+                if found is None:
+                    return None
+                transfer.chunk_tiers = list(found)
+            return transfer.chunk_tiers
+        cpu = self.cache_engine.tiers.cpu
+        if cpu is None or self.lookups is None:
+            return transfer.chunk_tiers
+        num_cpu = cpu.contains(keys)
+        cached = transfer.chunk_tiers
+        merged = ["cpu"] * num_cpu
+        for index in range(num_cpu, len(cached)):
+            if cached[index] == "cpu":
+                break  # evicted since the lookup: where it is now is unknown
+            merged.append(cached[index])
+        transfer.chunk_tiers = merged
+        return merged
+
+    def _fetched_tokens(self, transfer: RequestTransfer, num_computed_tokens: int) -> int:
+        """Tokens now loadable from the CPU tier after the request's fetch ended: the
+        leading run of its chunks that arrived (the rest is recomputed)."""
+        job = transfer.fetch
+        num_ready = job.num_ready_chunks
+        if not num_ready:
+            return 0
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        num_end = min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
+        return max(0, num_end - num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         prompt = self._prompt(request)
-        num_gpu_hit, num_hit = self._request_id_to_match.pop(request.request_id, (0, 0))
-        self.tracker.admitted(request.request_id, len(prompt), num_gpu_hit, num_external_tokens)
-        # Chunks wholly present need no save; a present trailing partial chunk counts only
-        # when the whole prompt is present.
-        num_stored = num_hit if num_hit == len(prompt) else num_hit - num_hit % self.chunk_size
-        state = self._request_id_to_save.get(request.request_id)
-        if state is None:
-            self._request_id_to_save[request.request_id] = _SaveState(
-                prompt, num_stored, cache_salt=request.cache_salt
-            )
-        if num_external_tokens <= 0:
-            return
-        num_load_end = num_gpu_hit + num_external_tokens
-        # Pinned until the load's retrieve or the pin timeout.
-        self.cache_engine.lookup(prompt, pin=True, cache_salt=request.cache_salt)
-        self._pending_loads.append(
-            LoadSpec(
-                request.request_id,
-                prompt,
-                slot_mapping_for(block_ids, self.block_size, num_load_end),
-                num_gpu_hit,
-                num_load_end,
-                request.cache_salt,
-            )
+        transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
+        num_gpu_hit = transfer.num_computed_at_plan
+        decision = transfer.decision
+        if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
+            self.planner.record(decision, transfer.num_computed_at_plan)
+        splits = (
+            decision is not None
+            and decision.num_fetch_chunks
+            and decision.num_head_end > decision.num_cpu_end
         )
+        if (
+            transfer.phase is TransferPhase.NEW
+            and decision is not None
+            and decision.num_fetch_chunks
+            and not splits
+        ):
+            if block_ids:
+                raise ValueError(f"request {request.request_id!r} must wait for its fetch without blocks")
+            self._start_fetch(transfer)
+            return
+        spans = self.cache_engine.token_db.chunk_spans(prompt, transfer.cache_salt)
+        if transfer.phase is TransferPhase.FETCHED:
+            job = transfer.fetch
+            transfer.token_origins = [
+                (max(spans[job.first_chunk + i].start, num_gpu_hit), spans[job.first_chunk + i].end, tier)
+                for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
+            ]
+        chunk_tiers = transfer.chunk_tiers or []
+        num_hit = spans[len(chunk_tiers) - 1].end if chunk_tiers else 0
+        tail = None
+        if splits and transfer.phase is TransferPhase.NEW:
+            # The head is recomputed from now on while the tail comes into the CPU tier.
+            tail = self._start_fetch(transfer, first_chunk=decision.first_fetch_chunk)
+        self.registry.admitted(transfer, num_gpu_hit, num_external_tokens)
+        if tail is not None:
+            transfer.fetch = tail
+            transfer.tail_pending = True
+        if transfer.num_expected_computed is None:
+            # Chunks wholly present need no save; a present trailing partial chunk counts
+            # only when the whole prompt is present.
+            transfer.num_saved = num_hit if num_hit == len(prompt) else num_hit - num_hit % self.chunk_size
+        if num_external_tokens > 0:
+            num_load_end = num_gpu_hit + num_external_tokens
+            # Lookup pins: released by the load's plan (or the pin timeout).
+            self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_load_end])
+            self._pending_loads.append(
+                LoadSpec(
+                    request.request_id,
+                    prompt,
+                    slot_mapping_for(block_ids, self.block_size, num_load_end),
+                    num_gpu_hit,
+                    num_load_end,
+                    transfer.cache_salt,
+                )
+            )
+        if transfer.fetch is not None and self.fetcher is not None and not transfer.tail_pending:
+            self.fetcher.release(transfer.fetch)  # the lookup pins above hold the chunks now
+            transfer.fetch = None
 
+    # ---- a head recomputed while the tail is fetched -------------------------------
+    def get_compute_limit(self, request: ConnectorRequest) -> int | None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None:
+            return None
+        decision = transfer.decision
+        admitting_split = (
+            transfer.phase is TransferPhase.NEW
+            and decision is not None
+            and decision.num_fetch_chunks
+            and decision.num_head_end > decision.num_cpu_end
+        )
+        if not (transfer.tail_pending or admitting_split):
+            return None
+        return decision.num_head_end
+
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None or not transfer.tail_pending:
+            return 0
+        job = transfer.fetch
+        if not job.done:
+            return None
+        num_ready = job.num_ready_chunks
+        if not num_ready:
+            return 0
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        num_end = min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
+        return max(0, num_end - request.num_computed_tokens)
+
+    def update_state_after_tail_alloc(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+    ) -> None:
+        transfer = self.registry.get(request.request_id)
+        if transfer is None or not transfer.tail_pending:
+            return
+        transfer.tail_pending = False
+        job, transfer.fetch = transfer.fetch, None
+        num_start = request.num_computed_tokens
+        num_end = num_start + num_tail_tokens
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        if num_tail_tokens > 0:
+            self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
+            transfer.token_origins = [
+                (max(spans[job.first_chunk + i].start, num_start), spans[job.first_chunk + i].end, tier)
+                for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
+            ]
+            self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, num_tail_tokens)
+            self._pending_loads.append(
+                LoadSpec(
+                    request.request_id,
+                    transfer.prompt,
+                    slot_mapping_for(block_ids, self.block_size, num_end),
+                    num_start,
+                    num_end,
+                    transfer.cache_salt,
+                )
+            )
+        if self.fetcher is not None:
+            self.fetcher.release(job)
+
+    def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchJob:
+        """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the
+        planned fetch end: the CPU tier's are pinned while the request waits, the others
+        are read into it."""
+        decision = transfer.decision
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        first = first_chunk
+        if first is None:
+            first = next(i for i, span in enumerate(spans) if span.end > transfer.num_computed_at_plan)
+        spans = spans[first : decision.first_fetch_chunk + decision.num_fetch_chunks]
+        engine = self.cache_engine
+        job = FetchJob(
+            transfer.request_id,
+            [span.key for span in spans],
+            [
+                (engine.num_layers, 2, span.end - span.start, engine.num_kv_heads, engine.head_dim)
+                for span in spans
+            ],
+            list(transfer.chunk_tiers[first : first + len(spans)]),
+            deadline_s=decision.fetch_deadline_s,
+            first_chunk=first,
+        )
+        self.registry.fetch_started(transfer, job)
+        self._pending_fetches.append(job)
+        return job
+
+    # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
-        metadata = ConnectorMetadata(loads=self._pending_loads)
+        metadata = ConnectorMetadata(loads=self._pending_loads, fetches=self._pending_fetches)
         self._pending_loads = []
+        self._pending_fetches = []
         for entry in scheduled:
-            state = self._request_id_to_save.get(entry.request_id)
-            if state is None:
+            transfer = self.registry.get(entry.request_id)
+            if transfer is None or transfer.finished:
                 continue
-            num_prompt = len(state.prompt)
+            num_prompt = len(transfer.prompt)
             num_computed = entry.num_computed_tokens
-            expected = state.num_expected_computed
-            if expected is not None and num_computed < expected and num_computed < state.num_saved:
+            expected = transfer.num_expected_computed
+            if expected is not None and num_computed < expected and num_computed < transfer.num_saved:
                 # A load failure or preemption moved the request back: its KV past that point
                 # is recomputed, so save again from there (chunks still in the CPU tier are skipped).
-                state.num_saved = num_computed - num_computed % self.chunk_size
+                transfer.num_saved = num_computed - num_computed % self.chunk_size
             num_computed_after = min(entry.num_computed_tokens + entry.num_scheduled_tokens, num_prompt)
-            state.num_expected_computed = entry.num_computed_tokens + entry.num_scheduled_tokens
+            transfer.num_expected_computed = entry.num_computed_tokens + entry.num_scheduled_tokens
             num_save_end = num_computed_after - num_computed_after % self.chunk_size
             if num_computed_after == num_prompt and self.save_partial_chunks:
                 num_save_end = num_prompt
-            if num_save_end <= state.num_saved:
+            if num_save_end <= transfer.num_saved:
                 continue
             metadata.saves.append(
                 SaveSpec(
                     entry.request_id,
-                    state.prompt,
+                    transfer.prompt,
                     slot_mapping_for(entry.block_ids, self.block_size, num_save_end),
-                    state.num_saved,
+                    transfer.num_saved,
                     num_save_end,
-                    state.cache_salt,
+                    transfer.cache_salt,
                 )
             )
-            self.tracker.save_issued(entry.request_id)
-            state.num_saved = num_save_end
+            self.registry.save_issued(transfer)
+            transfer.num_saved = num_save_end
         return metadata
 
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
-        self._request_id_to_save.pop(request.request_id, None)
-        self._request_id_to_match.pop(request.request_id, None)
         # Ended by a step that raised while scheduling: its load must never reach freed blocks.
         self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request.request_id]
+        self._pending_fetches = [job for job in self._pending_fetches if job.request_id != request.request_id]
+        transfer, sending = self.registry.finish(request.request_id)
+        if transfer is not None and transfer.fetch is not None and self.fetcher is not None:
+            self.fetcher.release(transfer.fetch)  # an abort while waiting: its pins go now
         # The engine writes the request's one log line with these figures (request_stats).
-        _, sending = self.tracker.finish(request.request_id)
         return sending
 
     def request_rolled_back(self, request: ConnectorRequest) -> None:
-        self._request_id_to_match.pop(request.request_id, None)
         self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request.request_id]
+        self._pending_fetches = [job for job in self._pending_fetches if job.request_id != request.request_id]
+        transfer = self.registry.get(request.request_id)
+        if transfer is not None:
+            if transfer.fetch is not None and self.fetcher is not None:
+                self.fetcher.release(transfer.fetch)
+            self.registry.preempted(transfer)  # looked up and planned again when readmitted
+
+    def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:
+        if self.planner is not None and num_prefill_tokens > 0:
+            self.planner.observe_prefill(num_max_prompt_tokens, num_prefill_tokens, seconds)
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        if self.fetcher is not None:
+            self.fetcher.wait_for_progress(timeout_s)
 
     def flush(self) -> None:
         self.cache_engine.publish_finished_stores(wait=True)
         self.cache_engine.tiers.flush()
 
     def request_stats(self, request_id: str) -> RequestTransferStats | None:
-        return self.tracker.stats(request_id)
+        return self.registry.stats(request_id)

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from connector.config import OffloadConfig
-from connector.cpu_tier import PinnedChunkPool
+from connector.cpu_tier import PinKind, PinnedChunkPool, Reservation
 from connector.token_db import KV_LAYOUT
 from storage_backends import create_backend
 from storage_backends.base import CapacityError, StorageBackend
@@ -80,6 +80,14 @@ class PrefixRead(NamedTuple):
     chunks: list[KVChunk]
     held_keys: list[str]
     tier_names: list[str]
+
+
+class PendingPut(NamedTuple):
+    """A store of one chunk between :meth:`TierManager.begin_put` and ``end_put``/``abort_put``."""
+
+    key: str
+    buffer: torch.Tensor  # host [num_layers, 2, num_tokens, num_kv_heads, head_dim] to fill
+    reservation: Reservation | None  # the CPU-tier slot ``buffer`` is, or None (a private buffer)
 
 
 def backend_urls(config: OffloadConfig) -> list[str]:
@@ -133,6 +141,8 @@ class TierManager:
         self._write_queue: queue.Queue = queue.Queue(maxsize=save_queue_size)
         self._writer: threading.Thread | None = None
         self._closed = False
+        #: lower tier name -> its circuit breaker (set by create_kv_connector with async loads)
+        self.breakers: dict = {}
 
     @classmethod
     def from_config(
@@ -187,9 +197,11 @@ class TierManager:
                         break
         return num_found
 
-    def get_prefix(self, keys: Sequence[str]) -> PrefixRead:
+    def get_prefix(self, keys: Sequence[str], *, cpu_only: bool = False) -> PrefixRead:
         """The chunks of the leading present ``keys`` (stops at the first key that no
-        tier returns). Lower-tier hits are promoted into the CPU tier.
+        tier returns; with ``cpu_only`` the lower tiers are not read: the fetcher
+        brought what a step may load into the CPU tier). Lower-tier hits are promoted
+        into the CPU tier.
 
         Returns ``(chunks, held_keys, tier_names)``: CPU-tier chunks are zero-copy views
         kept valid by a pin on each of ``held_keys``; the caller must :meth:`release`
@@ -201,7 +213,7 @@ class TierManager:
             for key, chunk in self.cpu.pin_and_get(keys).items():
                 key_to_found[key] = (chunk, self.cpu)
                 held_keys.append(key)
-        for tier in self.lower:
+        for tier in [] if cpu_only else self.lower:
             wanted = [key for key in keys if key not in key_to_found]
             if not wanted:
                 break
@@ -227,56 +239,64 @@ class TierManager:
                 self._count("promotions", 1)
         return PrefixRead(found, held_keys, tier_names)
 
+    def count_hits(self, tier_to_num_chunks: dict[str, int]) -> None:
+        """Count chunks read from lower tiers outside :meth:`get_prefix` (background fetches)."""
+        for tier_name, num_chunks in tier_to_num_chunks.items():
+            self._count(f"hits_{tier_name}", num_chunks)
+
     def release(self, held_keys: Sequence[str]) -> None:
         """Drop the read pins that :meth:`get_prefix` took."""
         if self.cpu is not None and held_keys:
-            self.cpu.unpin(held_keys)
+            self.cpu.unpin(held_keys, PinKind.READ)
 
     # ---- writes --------------------------------------------------------------
-    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> torch.Tensor | None:
+    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> PendingPut | None:
         """A host buffer ``shape`` ([num_layers, 2, num_tokens, heads, head_dim]) to fill
-        with the chunk for ``key``: a CPU-tier slot, or a private tensor when there is
-        no CPU tier or it has no room. None when the CPU tier already holds ``key``.
-        Follow with :meth:`end_put` (filled) or :meth:`abort_put`."""
+        with the chunk for ``key``: a CPU-tier slot (its reservation), or a private
+        tensor when there is no CPU tier or it has no room. None when the CPU tier
+        already holds or is filling ``key``, or there is nowhere to put it.
+        Follow with :meth:`end_put` (filled) or :meth:`abort_put` of the same object."""
         if self.cpu is not None:
             try:
-                return self.cpu.reserve(key, shape)
+                reservation = self.cpu.reserve(key, shape)
+                return None if reservation is None else PendingPut(key, reservation.buffer, reservation)
             except CapacityError:
                 # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
                 # skip the CPU tier, still write through below.
                 self._count("dropped_writes_cpu", 1)
         if not self.lower:
             return None
-        return torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory)
+        return PendingPut(key, torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory), None)
 
-    def end_put(self, key: str, buffer: torch.Tensor) -> None:
-        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks)."""
-        in_cpu = self.cpu is not None and self.cpu.is_reserved(key)
+    def end_put(self, pending: PendingPut) -> None:
+        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks).
+        Only ``pending``'s own reservation is published: another put of the same key
+        (still filling its slot) stays invisible until its own ``end_put``."""
+        in_cpu = pending.reservation is not None
         if in_cpu:
-            self.cpu.publish(key)
+            # Pinned at publication while a write-through will read the slot.
+            self.cpu.publish(pending.reservation, num_pins=int(bool(self.lower)))
         if not self.lower:
             return
-        if in_cpu and self.cpu.pin([key]) == 0:
-            return  # evicted at once by a concurrent put: nothing valid to write through
         self._ensure_writer()
         try:
-            self._write_queue.put_nowait((key, KVChunk(buffer, KV_LAYOUT), in_cpu))
+            self._write_queue.put_nowait((pending.key, KVChunk(pending.buffer, KV_LAYOUT), in_cpu))
         except queue.Full:
             self._count("dropped_writes", 1)
             if in_cpu:
-                self.cpu.unpin([key])
+                self.cpu.unpin([pending.key], PinKind.WRITE_THROUGH)
 
-    def abort_put(self, key: str) -> None:
+    def abort_put(self, pending: PendingPut) -> None:
         """Forget a :meth:`begin_put` buffer that was not filled."""
-        if self.cpu is not None:
-            self.cpu.cancel(key)
+        if pending.reservation is not None:
+            self.cpu.cancel(pending.reservation)
 
     def put(self, key: str, chunk: KVChunk) -> None:
         """Store a host chunk (copying it into the CPU tier) and queue its write-through."""
-        buffer = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
-        if buffer is not None:
-            buffer.copy_(chunk.tensor)
-            self.end_put(key, buffer)
+        pending = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
+        if pending is not None:
+            pending.buffer.copy_(chunk.tensor)
+            self.end_put(pending)
 
     def _put_cpu(self, key: str, chunk: KVChunk) -> None:
         """Copy a lower-tier hit into the CPU tier (no write-through: it came from below)."""
@@ -318,7 +338,7 @@ class TierManager:
                     self._count(f"dropped_writes_{tier.name}", len(items))
             held_keys = [key for key, _, held in entries if held]
             if held_keys:
-                self.cpu.unpin(held_keys)
+                self.cpu.unpin(held_keys, PinKind.WRITE_THROUGH)
             for _ in batch:
                 self._write_queue.task_done()
             if len(entries) != len(batch):

@@ -14,14 +14,32 @@ and the kernels hide behind them. Slot values are validated once on the host
 by the caller (the cache engine), so the kernels run without their per-call
 device sync.
 
-On CPU the pure-torch references do the same moves synchronously.
+On CPU the pure-torch references do the same moves, synchronously; or, with
+``cpu_worker_thread``, on one worker thread in queue order, with events that
+complete when the thread gets there: the asynchronous publish and load paths the
+cache engine and the worker side run on CUDA then run the same way on a CPU (CI).
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+
+class ThreadEvent:
+    """The CPU stand-in for a CUDA event: done once the mover's worker thread ran every
+    move queued before it."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
 
 
 class _Lane:
@@ -58,9 +76,16 @@ class KVMover:
         device: torch.device,
         dtype: torch.dtype,
         chunk_shape: tuple[int, ...],  # [num_layers, 2, chunk_size, num_kv_heads, head_dim]
+        *,
+        cpu_worker_thread: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
+        #: CPU moves run on one worker thread (asynchronous, like CUDA copies)
+        self.threaded = not self.on_cuda and cpu_worker_thread
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvstash-cpu-mover") if self.threaded else None
+        )
         if self.on_cuda:
             import kernels  # Triton kernels; imported only where a GPU moves data
 
@@ -75,6 +100,17 @@ class KVMover:
 
             self._pack, self._unpack = reference.pack_kv_ref, reference.unpack_kv_ref
             self._unpack_layer = reference.unpack_kv_layer_ref
+
+    def _run(self, move, *args) -> None:
+        """A CPU move: now, or queued on the worker thread."""
+        if self._worker is None:
+            move(*args)
+        else:
+            self._worker.submit(move, *args)
+
+    def _drain(self) -> None:
+        if self._worker is not None:
+            self._worker.submit(lambda: None).result()
 
     def _layer_pieces(self, num_layers: int) -> list[tuple[int, int]]:
         step = self.layers_per_piece
@@ -91,9 +127,9 @@ class KVMover:
         Asynchronous on CUDA: keep ``chunk`` alive until :meth:`synchronize`."""
         if not self.on_cuda:
             if layer is None:
-                self._unpack(chunk, kv_cache, slot_mapping)
+                self._run(self._unpack, chunk, kv_cache, slot_mapping)
             else:
-                self._unpack_layer(chunk[layer], kv_cache[layer], slot_mapping)
+                self._run(self._unpack_layer, chunk[layer], kv_cache[layer], slot_mapping)
             return
         lane = self.load_lane
         pieces = [(layer, layer + 1)] if layer is not None else self._layer_pieces(chunk.shape[0])
@@ -122,7 +158,7 @@ class KVMover:
     ) -> None:
         """Copy the tokens at ``slot_mapping`` into ``out``. Asynchronous on CUDA."""
         if not self.on_cuda:
-            self._pack(kv_cache, slot_mapping, out)
+            self._run(self._pack, kv_cache, slot_mapping, out)
             return
         lane = self.store_lane
         for first, last in self._layer_pieces(out.shape[0]):
@@ -168,8 +204,11 @@ class KVMover:
         event.record(self.load_lane.kernel_stream)
         return event
 
-    def record_stores(self) -> torch.cuda.Event:
-        """An event after every store queued so far (a store ends with its copy; CUDA only)."""
+    def record_stores(self) -> torch.cuda.Event | ThreadEvent:
+        """An event after every store queued so far (a store ends with its copy; CUDA or
+        a threaded CPU mover)."""
+        if self._worker is not None:
+            return ThreadEvent(self._worker.submit(lambda: None))
         event = torch.cuda.Event()
         event.record(self.store_lane.copy_stream)
         return event
@@ -184,9 +223,11 @@ class KVMover:
         """Block the host until every queued load has finished."""
         if self.on_cuda:
             self.load_lane.synchronize()
+        self._drain()
 
     def synchronize(self) -> None:
         """Block the host until every queued move has finished."""
         if self.on_cuda:
             self.load_lane.synchronize()
             self.store_lane.synchronize()
+        self._drain()

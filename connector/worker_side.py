@@ -1,8 +1,10 @@
 """Worker-side connector: moves KV between the engine's paged cache and the tiers.
 
-Per step (called from the model runner's thread): ``start_load_kv`` reads the
-chunks of every load from the tiers (misses and corrupt chunks are found here)
-and queues their moves; ``wait_for_layer_load(l)`` makes layer l's KV ready —
+Per step (called from the model runner's thread): ``start_load_kv`` starts the
+metadata's background fetches (lower-tier chunks read into CPU-tier slots on the
+fetcher's threads; ``get_finished`` reports the requests whose fetch ended), then
+reads the chunks of every load from the CPU tier (misses and corrupt chunks are
+found here; without a CPU tier, from the lower tiers, blocking) and queues their moves; ``wait_for_layer_load(l)`` makes layer l's KV ready —
 with ``layerwise`` on CUDA every layer's moves are queued at once on the
 mover's stream with one event per layer, so loading layer l+1 overlaps
 computing layer l. ``wait_for_save`` queues this step's saves from the paged
@@ -19,13 +21,16 @@ Lower-tier writes then happen on the tier manager's thread.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import NamedTuple
 
 import torch
 
 from connector.base import ConnectorMetadata, KVConnectorWorker, LoadSpec
 from connector.cache_engine import CacheEngine, LoadPlan
-from connector.tracker import TransferTracker
+from connector.fetcher import ChunkFetcher
+from connector.planner import LoadPlanner
+from connector.request_transfer import TransferRegistry
 
 
 class _Load(NamedTuple):
@@ -37,9 +42,20 @@ class _Load(NamedTuple):
 class OffloadWorker(KVConnectorWorker):
     """Owns the transfers of one engine's KV tensor."""
 
-    def __init__(self, cache_engine: CacheEngine, tracker: TransferTracker, *, layerwise: bool) -> None:
+    def __init__(
+        self,
+        cache_engine: CacheEngine,
+        registry: TransferRegistry,
+        *,
+        layerwise: bool,
+        fetcher: ChunkFetcher | None = None,
+        planner: LoadPlanner | None = None,
+    ) -> None:
         self.cache_engine = cache_engine
-        self.tracker = tracker
+        self.registry = registry
+        #: runs the metadata's background fetches; with it a step loads from the CPU tier only
+        self.fetcher = fetcher
+        self.planner = planner
         self.layerwise = layerwise
         self.kv_cache: torch.Tensor | None = None
         self._metadata = ConnectorMetadata()
@@ -48,7 +64,7 @@ class OffloadWorker(KVConnectorWorker):
         self._num_layers_moved = 0  # CPU layerwise: layers moved so far this step
         self._move_seconds = 0.0  # CPU: host time spent moving this step's loads
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._request_id_to_valid: dict[str, int] = {}
+        self._failed_load_ids: list[str] = []  # this step's loads that stopped early
         self._num_saves_queued = 0  # saves of the bound metadata queued so far
 
     @property
@@ -72,7 +88,7 @@ class OffloadWorker(KVConnectorWorker):
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._metadata = metadata
-        self._request_id_to_valid = {}
+        self._clear_failed_loads()
         self._num_saves_queued = 0
 
     # ---- loads ---------------------------------------------------------------
@@ -82,6 +98,9 @@ class OffloadWorker(KVConnectorWorker):
         self._num_layers_moved = 0
         self._move_seconds = 0.0
         self._timing = None
+        for job in self._metadata.fetches:
+            # Never blocks: reads run on the fetcher's threads, finished ones come from get_finished.
+            self.fetcher.start(job)
         if not self._metadata.loads:
             return
         if self.kv_cache is None:
@@ -96,10 +115,14 @@ class OffloadWorker(KVConnectorWorker):
                 kv_caches=self.kv_cache,
                 slot_mapping=spec.slot_mapping,
                 cache_salt=spec.cache_salt,
+                cpu_only=self.fetcher is not None,
             )
             self._loads.append(_Load(spec, plan, time.perf_counter() - began))
             if plan.num_loaded_end < spec.num_load_end:
-                self._request_id_to_valid[spec.request_id] = plan.num_loaded_end
+                transfer = self.registry.get(spec.request_id)
+                if transfer is not None:
+                    transfer.num_valid_after_load = plan.num_loaded_end
+                    self._failed_load_ids.append(spec.request_id)
         mover = engine.mover(self.kv_cache)
         if not mover.on_cuda:
             if not self.layerwise:
@@ -129,12 +152,17 @@ class OffloadWorker(KVConnectorWorker):
         if not self._loads:
             return
         event = self._layer_to_event.get(layer_idx)
+        mover = self.cache_engine.mover(self.kv_cache)
         if event is not None:
             torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
-        elif self.layerwise and not self.cache_engine.mover(self.kv_cache).on_cuda:
+        elif self.layerwise and not mover.on_cuda:
             while self._num_layers_moved <= layer_idx:
                 self._move_on_cpu(self._num_layers_moved)
                 self._num_layers_moved += 1
+            if mover.threaded:
+                mover.synchronize_loads()
+        elif mover.threaded:
+            mover.synchronize_loads()  # the loads queued on the CPU mover's thread
 
     def _finish_loads(self) -> None:
         """Wait for every load of the step, release its pins, record its figures."""
@@ -153,13 +181,16 @@ class OffloadWorker(KVConnectorWorker):
             num_tokens = load.plan.num_loaded_end - load.spec.num_load_start
             # The step's moves share one stream: each request gets its share of the move time.
             share = num_tokens / num_step_tokens if num_step_tokens else 0.0
-            self.tracker.loaded(
+            self.registry.loaded(
                 load.spec.request_id,
+                load.spec.num_load_start,
                 num_tokens,
                 load.spec.num_load_end - load.spec.num_load_start,
                 num_tokens * engine.bytes_per_token,
                 load.read_seconds + move_seconds * share,
-                load.plan.tier_to_num_tokens,
+                # With a fetcher every load reads the CPU tier: where its tokens came from is
+                # the request's record of its fetch; without one, the tiers the load read.
+                None if self.fetcher is not None else load.plan.tier_to_num_tokens,
             )
         self._loads = []
 
@@ -172,9 +203,9 @@ class OffloadWorker(KVConnectorWorker):
         self._finish_loads()
         engine = self.cache_engine
         for spec in self._metadata.saves:
-            if spec.request_id in self._request_id_to_valid:
+            if spec.request_id in self._failed_load_ids:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
-                self.tracker.save_done(spec.request_id, 0)
+                self.registry.save_done(spec.request_id, 0)
                 self._num_saves_queued += 1
                 continue
             store = engine.begin_store(
@@ -193,29 +224,54 @@ class OffloadWorker(KVConnectorWorker):
         for load in loads:
             self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins
         for spec in self._metadata.saves[self._num_saves_queued :]:
-            self.tracker.save_done(spec.request_id, 0)
+            self.registry.save_done(spec.request_id, 0)
         self._metadata = ConnectorMetadata()
-        self._request_id_to_valid = {}
+        self._clear_failed_loads()
         self._num_saves_queued = 0
 
+    def _clear_failed_loads(self) -> None:
+        for request_id in self._failed_load_ids:
+            transfer = self.registry.get(request_id)
+            if transfer is not None:
+                transfer.num_valid_after_load = None
+        self._failed_load_ids = []
+
     def _on_saved(self, request_id: str):
-        return lambda num_saved_tokens: self.tracker.save_done(request_id, num_saved_tokens)
+        return lambda num_saved_tokens: self.registry.save_done(request_id, num_saved_tokens)
 
     def finish_saves(self) -> None:
         """Block until every save issued so far has read its blocks and is published."""
         self.cache_engine.publish_finished_stores(wait=True)
 
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        # Loads finish within their step, so only saves are ever reported.
+        """Finished saves, and finished receives: requests whose background fetch ended
+        (their chunks that arrived are in the CPU tier; the step that admits them
+        copies those to the GPU)."""
         self.cache_engine.publish_finished_stores()
-        return self.tracker.take_finished_sending(), set()
+        if self.fetcher is not None:
+            for job in self.fetcher.poll():
+                tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
+                self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
+                if self.planner is not None:
+                    for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
+                        self.planner.observe_read(tier_name, num_bytes, seconds)
+                if self.registry.fetch_finished(job) is None:
+                    self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
+        return self.registry.take_finished_sending(), self.registry.take_finished_recving()
 
     def load_failures(self) -> dict[str, int]:
         """Request id → leading tokens truly in the paged cache, for loads that stopped
         at a missing or corrupt chunk this step."""
-        return dict(self._request_id_to_valid)
+        failures = {}
+        for request_id in self._failed_load_ids:
+            transfer = self.registry.get(request_id)
+            if transfer is not None and transfer.num_valid_after_load is not None:
+                failures[request_id] = transfer.num_valid_after_load
+        return failures
 
     def close(self) -> None:
         """Finish saves in flight and queued lower-tier writes, close the tiers (idempotent)."""
         self.finish_saves()
+        if self.fetcher is not None:
+            self.fetcher.close()
         self.cache_engine.tiers.close()

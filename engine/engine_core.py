@@ -9,6 +9,7 @@ task and feeds it through a queue).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,8 +318,9 @@ class EngineCore:
         if connector is None:
             return
         connector.finish_saves()
-        finished_sending_ids, _ = connector.get_finished(set())
+        finished_sending_ids, finished_recving_ids = connector.get_finished(set())
         self.scheduler.free_sent(finished_sending_ids)
+        self.scheduler.readmit_received(finished_recving_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -459,15 +461,33 @@ class EngineCore:
 
     def _step(self, only: set[Request] | None, snapshot: _StepSnapshot) -> list[RequestOutput]:
         plan = self.scheduler.schedule(only)
+        connector = self.scheduler.connector
+        if connector is not None and not plan.requests and self.scheduler.request_id_to_remote_wait:
+            # Only background fetches are under way: sleep until one progresses, not spin.
+            connector.wait_for_transfers(0.005)
         num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
         snapshot.take(plan.requests)
+        began = time.perf_counter()
         result = self.runner.execute(plan)
+        if connector is not None:
+            prefill = [
+                (request, n)
+                for request, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+                if request.num_computed_tokens < request.num_prompt_tokens
+            ]
+            if prefill:
+                connector.observe_step(
+                    sum(n for _, n in prefill),
+                    max(request.num_prompt_tokens for request, _ in prefill),
+                    time.perf_counter() - began,
+                )
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,
             result.load_failures,
             result.finished_sending_ids,
             result.request_id_to_accepted_draft_ids,
+            result.finished_recving_ids,
         )
         self.stats.num_steps += 1
         self.stats.num_computed_tokens_total += result.num_computed_tokens
@@ -526,6 +546,12 @@ class EngineCore:
                 f" loaded={transfer.num_loaded_tokens} bytes={transfer.num_loaded_bytes}"
                 f" ms={seconds * 1e3:.3f} GB/s={rate:.2f} saved={transfer.num_saved_tokens}"
             )
+            if transfer.tier_to_loaded_tokens:
+                offload += " by_tier=" + ",".join(
+                    f"{name}:{n}" for name, n in sorted(transfer.tier_to_loaded_tokens.items())
+                )
+            if transfer.plan:
+                offload += " " + transfer.plan
         logger.info(
             "req=%s prompt=%d gpu_hit=%d ext_hit=%d%s output=%d ttft_ms=%.1f reason=%s",
             request.request_id,

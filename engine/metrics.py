@@ -203,6 +203,64 @@ class _EngineStateCollector(Collector):
         for tier, count in _tier_errors(engine).items():
             tier_errors.add_metric([tier], count)
         yield tier_errors
+        yield from _planner_and_breaker_metrics(engine)
+
+
+def _planner_and_breaker_metrics(engine: EngineCore):
+    """``kvstash_planner_*`` (decisions and the rates they used) and the lower tiers'
+    circuit breakers (nothing without asynchronous loads)."""
+    connector = engine.scheduler.connector
+    yield GaugeMetricFamily(
+        "kvstash_requests_waiting_for_remote_kv",
+        "Requests waiting unadmitted while their KV is fetched into the CPU tier.",
+        len(engine.scheduler.request_id_to_remote_wait),
+    )
+    planner = getattr(connector, "planner", None)
+    if planner is not None:
+        counts = dict(planner.counts)
+        for name, text in (
+            ("requests", "Requests the load-or-recompute planner decided."),
+            ("cpu_tokens", "Prompt tokens the planner loaded from the CPU tier."),
+            ("fetched_tokens", "Prompt tokens the planner fetched from lower tiers to load."),
+            ("recomputed_tokens", "Prompt tokens the planner chose to recompute."),
+        ):
+            yield CounterMetricFamily(f"kvstash_planner_{name}", text, counts[name])
+        tier_rate = GaugeMetricFamily(
+            "kvstash_planner_tier_read_bytes_per_second",
+            "Read rate per tier the planner uses (measured moving average, or its prior).",
+            labels=["tier"],
+        )
+        prefill_rate = GaugeMetricFamily(
+            "kvstash_planner_prefill_tokens_per_second",
+            "Prefill rate the planner uses, per prompt-length class (lower bound of the class).",
+            labels=["prompt_tokens"],
+        )
+        for name, value in planner.snapshot().items():
+            kind, label = name.split(":", 1)
+            (tier_rate if kind == "tier" else prefill_rate).add_metric([label], value)
+        yield tier_rate
+        yield prefill_rate
+    breakers = getattr(getattr(connector, "cache_engine", None), "tiers", None)
+    breakers = getattr(breakers, "breakers", {}) if breakers is not None else {}
+    if breakers:
+        trips = CounterMetricFamily(
+            "kvstash_tier_breaker_trips", "Times a tier's circuit breaker opened.", labels=["tier"]
+        )
+        skipped = CounterMetricFamily(
+            "kvstash_tier_breaker_skipped",
+            "Lookups and reads skipped because the tier's breaker was open.",
+            labels=["tier"],
+        )
+        is_open = GaugeMetricFamily(
+            "kvstash_tier_breaker_open", "1 while the tier is skipped by its breaker.", labels=["tier"]
+        )
+        for name, breaker in breakers.items():
+            trips.add_metric([name], breaker.num_trips)
+            skipped.add_metric([name], breaker.num_skipped)
+            is_open.add_metric([name], int(breaker.is_open))
+        yield trips
+        yield skipped
+        yield is_open
 
 
 def _tier_hits(engine: EngineCore) -> dict[str, int]:

@@ -10,7 +10,7 @@ Attention goes through `kernels` on CUDA and `kernels.reference` on CPU.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,6 +53,8 @@ class RunnerOutput:
     load_failures: dict[str, int]
     finished_sending_ids: set[str]
     num_computed_tokens: int
+    #: requests whose background connector fetch ended (they may be admitted now)
+    finished_recving_ids: set[str] = field(default_factory=set)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -337,11 +339,12 @@ class ModelRunner:
                     )
         load_failures: dict[str, int] = {}
         finished_sending: set[str] = set()
+        finished_recving: set[str] = set()
         if connector is not None:
             if not saves_queued:
                 connector.wait_for_save()
             load_failures = dict(connector.load_failures())
-            finished_sending, _ = connector.get_finished(plan.finished_request_ids)
+            finished_sending, finished_recving = connector.get_finished(plan.finished_request_ids)
         self._metadata = None
         return RunnerOutput(
             request_id_to_token=request_id_to_token,
@@ -349,4 +352,5 @@ class ModelRunner:
             load_failures=load_failures,
             finished_sending_ids=set(finished_sending),
             num_computed_tokens=plan.total_num_scheduled_tokens,
+            finished_recving_ids=set(finished_recving),
         )

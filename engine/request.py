@@ -14,6 +14,8 @@ from engine.spec_decode.backoff import DraftBackoff
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    #: not admitted, no blocks: the connector fetches its KV into the CPU tier meanwhile
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -33,6 +35,8 @@ class RequestMetrics:
     tier_to_loaded_tokens: dict[str, int] = field(default_factory=dict)
     #: seconds from `add_request` to the first output token (None before it)
     ttft_s: float | None = None
+    #: prompt tokens the offload planner chose to recompute instead of loading
+    num_planned_recompute_tokens: int = 0
 
 
 @dataclass

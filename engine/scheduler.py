@@ -8,6 +8,11 @@ Called by the engine core once per step (`schedule`, then `update_from_output`).
 Never touches tensors. Calls the connector's scheduler side, when present, at
 admission (`get_num_new_matched_tokens`, `update_state_after_alloc`), once per
 step (`build_connector_meta`) and when a request finishes (`request_finished`).
+A request whose KV the connector must first fetch from a lower tier waits aside in
+WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`, no blocks held) and is put back
+at the front of the waiting queue when the worker reports the fetch finished; one
+whose lookup is not answered yet is skipped for the step. Neither holds up the
+requests behind it.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class Scheduler:
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     #: finished requests whose blocks an async connector save still reads
     request_id_to_sending: dict[str, Request] = field(default_factory=dict)
+    #: requests whose KV the connector fetches in the background (no blocks held), in arrival order
+    request_id_to_remote_wait: dict[str, Request] = field(default_factory=dict)
     #: the requests of the latest `schedule` call's plan; while it runs, also the one it is
     #: working on. A step that raises ends these (`EngineCore.step`).
     step_requests: list[Request] = field(default_factory=list)
@@ -75,7 +82,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.request_id_to_sending)
+        return bool(
+            self.waiting or self.running or self.request_id_to_sending or self.request_id_to_remote_wait
+        )
 
     def schedule(self, only: Collection[Request] | None = None) -> SchedulerOutput:
         """Plan one step. With `only`, the step holds none but those requests (the engine
@@ -97,6 +106,19 @@ class Scheduler:
                 continue
             self.step_requests.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tail = None  # tokens loaded at the connector's compute limit (its tail fetch)
+            if self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                limit = self.connector.get_compute_limit(request)
+                if limit is not None and request.num_computed_tokens >= limit:
+                    num_tail = self.connector.get_num_tail_tokens(request)
+                    if num_tail is None:
+                        index += 1  # its tail is still being fetched: the others go on
+                        continue
+                    num_tail = max(0, min(num_tail, request.num_tokens - 1 - request.num_computed_tokens))
+                    num_new = min(request.num_tokens - request.num_computed_tokens - num_tail, budget)
+                elif limit is not None:
+                    num_new = min(num_new, limit - request.num_computed_tokens)
+            num_loaded = num_tail or 0
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
             num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
             # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
@@ -109,13 +131,20 @@ class Scheduler:
             ):
                 request_id_to_spec_token_ids[request.request_id] = spec_token_ids
                 num_new += len(spec_token_ids)
-            while not self.block_manager.allocate_slots(request, request.num_computed_tokens + num_new):
+            while not self.block_manager.allocate_slots(
+                request, request.num_computed_tokens + num_loaded + num_new
+            ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
+                if num_tail is not None:
+                    self.connector.update_state_after_tail_alloc(request, list(request.block_ids), num_tail)
+                    request.num_computed_tokens += num_tail
+                    request.metrics.num_external_cached_tokens += num_tail
+                    self.stats.num_external_hit_tokens += num_tail
                 scheduled.append(request)
                 num_scheduled.append(num_new)
                 budget -= num_new
@@ -124,6 +153,9 @@ class Scheduler:
             break  # the request preempted itself: nothing behind it is left
 
         # 2. Admit waiting requests while budget, seats and blocks last (not after a preemption).
+        # A request whose lookup a lower tier has not answered yet is skipped (asked next step);
+        # one whose KV must first be fetched waits aside, holding no blocks.
+        skipped: list[Request] = []
         candidates = self.waiting if only is None else deque(r for r in self.waiting if r in only)
         while not preempted and candidates and budget > 0 and len(self.running) < self.max_num_seqs:
             request = candidates[0]
@@ -135,16 +167,29 @@ class Scheduler:
             if self.connector is not None:
                 # Asked even on a full GPU hit: its answer tells the connector which chunks
                 # the tiers hold already, so they are not stored again.
-                num_external = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
+                num_matched, load_async = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
+                if num_matched is None:
+                    self._take_waiting(request, candidates, only)
+                    skipped.append(request)
+                    continue
+                if load_async:
+                    self._take_waiting(request, candidates, only)
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.request_id_to_remote_wait[request.request_id] = request
+                    self.connector.update_state_after_alloc(request, [], num_matched)
+                    continue
                 # at least the last token runs, so this step's logits belong to this request
-                num_external = max(0, min(num_external, request.num_tokens - 1 - num_gpu_hit))
+                num_external = max(0, min(num_matched, request.num_tokens - 1 - num_gpu_hit))
             num_computed = num_gpu_hit + num_external
             num_new = min(request.num_tokens - num_computed, budget)
+            if self.connector is not None:
+                # A head recomputed while the connector fetches the tail stops where the tail starts.
+                limit = self.connector.get_compute_limit(request)
+                if limit is not None and limit > num_computed:
+                    num_new = min(num_new, limit - num_computed)
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
                 break
-            candidates.popleft()
-            if only is not None:
-                self.waiting.remove(request)
+            self._take_waiting(request, candidates, only)
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
             request.num_computed_tokens = num_computed
@@ -159,6 +204,7 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             requests=scheduled,
@@ -198,6 +244,12 @@ class Scheduler:
             self.connector.request_rolled_back(request)
         self._preempt(request)
 
+    def _take_waiting(self, request: Request, candidates: deque[Request], only) -> None:
+        """Remove the head candidate `request` from the waiting queue."""
+        candidates.popleft()
+        if only is not None:
+            self.waiting.remove(request)
+
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it back at the front of the waiting
         queue; it is recomputed (its prefix may still hit the cache)."""
@@ -215,6 +267,7 @@ class Scheduler:
         load_failures: dict[str, int] | None = None,
         finished_sending_ids: Iterable[str] = (),
         request_id_to_accepted_draft_ids: Mapping[str, list[int]] | None = None,
+        finished_recving_ids: Iterable[str] = (),
     ) -> list[Request]:
         """Advance every scheduled request; append sampled tokens of requests that
         reached the end of their known tokens; finish on EOS/max_tokens/context.
@@ -223,6 +276,8 @@ class Scheduler:
         A request that verified drafts appends its accepted drafts before its sampled
         token; its rejected drafts' slots fall out of `num_computed_tokens` (the next
         step overwrites them; their blocks stay with the request).
+        Requests in `finished_recving_ids` (their background fetch ended) go back to the
+        front of the waiting queue, in arrival order, to be admitted with what arrived.
         Returns the requests that got a new token (finished ones included)."""
         load_failures = load_failures or {}
         request_id_to_accepted_draft_ids = request_id_to_accepted_draft_ids or {}
@@ -261,6 +316,7 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(request, reason)
         self.free_sent(finished_sending_ids)
+        self.readmit_received(finished_recving_ids)
         return updated
 
     def _record_loaded_tiers(self, request: Request) -> None:
@@ -270,6 +326,19 @@ class Scheduler:
         transfer = self.connector.request_stats(request.request_id)
         if transfer is not None:
             request.metrics.tier_to_loaded_tokens = dict(transfer.tier_to_loaded_tokens)
+            request.metrics.num_planned_recompute_tokens = transfer.num_planned_recompute_tokens
+
+    def readmit_received(self, finished_recving_ids: Iterable[str]) -> None:
+        """Requests whose background fetch ended wait for admission again, ahead of
+        the requests that arrived after them."""
+        received = [
+            self.request_id_to_remote_wait.pop(request_id)
+            for request_id in finished_recving_ids
+            if request_id in self.request_id_to_remote_wait
+        ]
+        for request in sorted(received, key=lambda r: r.arrival_time, reverse=True):
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def free_sent(self, finished_sending_ids: Iterable[str]) -> None:
         """Free the blocks of finished requests whose connector saves are done."""
@@ -287,6 +356,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.request_id_to_remote_wait.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_request_ids.add(request.request_id)

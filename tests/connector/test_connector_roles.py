@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from connector.base import ScheduledRequest
+from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler, slot_mapping_for
-from connector.tracker import TransferTracker
 from connector.worker_side import OffloadWorker
 from tests.connector.kv_helpers import BLOCK_SIZE, make_cache_engine, new_kv_cache, token_rows
 
@@ -30,9 +30,9 @@ class FakeRequest:
 
 def roles(layerwise=False):
     engine = make_cache_engine(chunk_size=CHUNK)
-    tracker = TransferTracker()
-    scheduler = OffloadScheduler(engine, tracker, block_size=BLOCK_SIZE)
-    worker = OffloadWorker(engine, tracker, layerwise=layerwise)
+    registry = TransferRegistry()
+    scheduler = OffloadScheduler(engine, registry, block_size=BLOCK_SIZE)
+    worker = OffloadWorker(engine, registry, layerwise=layerwise)
     return engine, scheduler, worker
 
 
@@ -63,7 +63,7 @@ def test_saves_follow_chunked_prefill_and_never_include_output_tokens():
     prompt = list(range(50, 80))  # 30 tokens: chunks end at 8, 16, 24 and the partial 30
     request = FakeRequest("r1", prompt + [5, 6, 7], num_prompt_tokens=30)
     block_ids = list(range(20, 40))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == 0
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.update_state_after_alloc(request, block_ids, 0)
 
     saves_per_step = []
@@ -88,9 +88,9 @@ def test_matching_is_side_effect_free_and_leaves_the_last_token():
     engine.store(prompt, kv_caches=source, slot_mapping=slot_mapping_for(range(6), BLOCK_SIZE, 24))
     request = FakeRequest("r2", prompt, num_prompt_tokens=24)
     for num_gpu_hit in (0, 4, 12):
-        assert scheduler.get_num_new_matched_tokens(request, num_gpu_hit) == 23 - num_gpu_hit
+        assert scheduler.get_num_new_matched_tokens(request, num_gpu_hit) == (23 - num_gpu_hit, False)
     assert engine.tiers.num_pinned() == 0
-    assert scheduler.get_num_new_matched_tokens(FakeRequest("r3", [1, 2, 3], 3), 0) == 0
+    assert scheduler.get_num_new_matched_tokens(FakeRequest("r3", [1, 2, 3], 3), 0) == (0, False)
 
 
 def test_load_of_a_non_aligned_range_writes_exactly_those_tokens():
@@ -102,7 +102,7 @@ def test_load_of_a_non_aligned_range_writes_exactly_those_tokens():
     worker.register_kv_caches(kv_cache)
     request = FakeRequest("r4", prompt, num_prompt_tokens=30)
     block_ids = list(range(40, 48))
-    num_external = scheduler.get_num_new_matched_tokens(request, 12)  # 12 tokens on the "GPU"
+    num_external, _ = scheduler.get_num_new_matched_tokens(request, 12)  # 12 tokens on the "GPU"
     assert num_external == 17
     scheduler.update_state_after_alloc(request, block_ids, num_external)
     assert engine.tiers.num_pinned() > 0  # pinned until the load
@@ -134,7 +134,7 @@ def test_missing_chunk_is_reported_with_the_valid_length_and_skips_the_save():
     prompt = stored_prompt + list(range(8))
     request = FakeRequest("r5", prompt, num_prompt_tokens=40)
     block_ids = list(range(40, 50))
-    num_external = scheduler.get_num_new_matched_tokens(request, 0)
+    num_external, _ = scheduler.get_num_new_matched_tokens(request, 0)
     assert num_external == 32
     scheduler.update_state_after_alloc(request, block_ids, num_external)
     spans = engine.token_db.chunk_spans(prompt)

@@ -148,7 +148,9 @@ def test_disk_tier_in_a_new_process(model_dir, tmp_path):
     assert len(list(disk.glob("*.kvc"))) == sum((n + CHUNK_SIZE - 1) // CHUNK_SIZE for n in lengths)
 
     baseline = new_llm(model_dir, None).generate(prompts, PARAMS)
-    config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, disk_path=str(disk))
+    config = OffloadConfig(
+        chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, disk_path=str(disk), load_policy="always"
+    )
     reader = new_llm(model_dir, config)
     outputs = reader.generate(prompts, PARAMS)
     assert [o.text for o in outputs] == [o.text for o in baseline]

@@ -9,7 +9,7 @@ import signal
 
 import torch
 
-from tests.connector.kv_helpers import make_cache_engine, new_kv_cache, random_slots
+from tests.connector.kv_helpers import make_cache_engine, new_kv_cache, random_slots, token_rows
 
 CHUNK_BYTES = 2 * 2 * 8 * 2 * 4 * 4  # [layers, K/V, chunk_size, heads, head_dim] float32
 
@@ -136,4 +136,33 @@ def test_failing_tier_is_a_miss_counted_and_logged_once(caplog):
     stats = engine.tiers.stats()
     assert stats["dropped_writes_redis"] == 1
     assert stats["tiers"]["redis"]["connector_errors"] >= 4
+    engine.tiers.close()
+
+
+def test_a_store_with_a_private_buffer_never_publishes_another_stores_slot(tmp_path):
+    """Issue #17 item 1: store A of key K gets a private buffer (the CPU tier is full of
+    pins); a pin is released; store B of K reserves the slot; A finishes first. A must not
+    publish B's slot, whose copy has not landed: K stays invisible until B finishes."""
+    engine = make_cache_engine(cpu_bytes=CHUNK_BYTES, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    store(engine, seq(100))  # the slot's previous occupant
+    engine.tiers.flush()
+    engine.lookup(seq(100), pin=True)
+    kv, slots = new_kv_cache(3), random_slots(8, 3)
+    store_a = engine.begin_store(seq(0), 0, kv_caches=kv, slot_mapping=slots)  # private buffer
+    assert engine.tiers.stats()["dropped_writes_cpu"] == 1
+    engine.tiers.unpin([span.key for span in engine.token_db.chunk_spans(seq(100))])
+    store_b = engine.begin_store(seq(0), 0, kv_caches=kv, slot_mapping=slots)  # reserves the slot
+    assert store_a.num_stored_tokens == store_b.num_stored_tokens == 8
+    key = engine.token_db.chunk_spans(seq(0))[0].key
+    engine.finish_store(store_a)
+    # On CUDA B's device->host copy may still be running: its slot must not be readable yet.
+    assert engine.tiers.cpu.contains([key]) == 0
+    engine.finish_store(store_b)
+    assert engine.tiers.cpu.contains([key]) == 1
+    engine.tiers.flush()
+    out = new_kv_cache(fill=0.0)
+    read_slots = random_slots(8, 9)
+    assert bool(engine.retrieve(seq(0), kv_caches=out, slot_mapping=read_slots).all())
+    assert torch.equal(token_rows(out, read_slots), token_rows(kv, slots))
+    assert engine.tiers.num_pinned() == 0 and engine.tiers.cpu._index.num_pinned() == 0
     engine.tiers.close()

@@ -14,7 +14,13 @@ PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 def test_loaded_tokens_are_attributed_to_the_tier_they_came_from(tiny_model_dir, tmp_path) -> None:
     config = OffloadConfig(
-        chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, disk_path=str(tmp_path / "disk"), disk_bytes=64 << 20
+        chunk_size=CHUNK_SIZE,
+        cpu_bytes=32 << 20,
+        disk_path=str(tmp_path / "disk"),
+        disk_bytes=64 << 20,
+        # Every hit is loaded: the planner's fetch deadline (a fraction of the measured
+        # recompute time, milliseconds here) must not turn a busy machine into a miss.
+        load_policy="always",
     )
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_offload=config)
     rng = random.Random(0)

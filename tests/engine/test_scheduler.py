@@ -188,7 +188,7 @@ class RecordingConnector(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.calls.append(("match", request.request_id, num_computed_tokens))
-        return self.num_promised
+        return self.num_promised, False
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.calls.append(("alloc", request.request_id, len(block_ids), num_external_tokens))

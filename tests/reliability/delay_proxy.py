@@ -3,7 +3,7 @@
 ``DelayProxy(target_port).start()`` listens on a free loopback port and forwards
 each accepted connection to ``127.0.0.1:target_port``. Bytes read in either
 direction are written out ``delay_s`` seconds after they arrived (a latency, not
-a bandwidth cap), so a client whose timeout is shorter than ``delay_s`` times
+a bandwidth cap; ``rate_bytes_per_s`` adds one), so a client whose timeout is shorter than ``delay_s`` times
 out while the server itself stays healthy. ``delay_s`` may change at any time;
 bytes already queued keep the delay they were read under. Used by the slow-remote
 reliability tests in front of ``redis-server`` and the cache server.
@@ -24,9 +24,11 @@ _EOF = b""
 class DelayProxy:
     """Forwards ``127.0.0.1:port`` → ``127.0.0.1:target_port`` with ``delay_s`` of latency each way."""
 
-    def __init__(self, target_port: int, delay_s: float = 0.0) -> None:
+    def __init__(self, target_port: int, delay_s: float = 0.0, rate_bytes_per_s: float | None = None) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
+        #: a bandwidth cap per direction of each connection (None: none), may change at any time
+        self.rate_bytes_per_s = rate_bytes_per_s
         self.port: int | None = None
         self._listener: socket.socket | None = None
         self._sockets: list[socket.socket] = []
@@ -83,12 +85,23 @@ class DelayProxy:
                         sink.shutdown(socket.SHUT_WR)
                     return
                 try:
-                    sink.sendall(data)
+                    self._send_paced(sink, data)
                 except OSError:
                     return
 
         threading.Thread(target=read, name="delay-proxy-read", daemon=True).start()
         threading.Thread(target=write, name="delay-proxy-write", daemon=True).start()
+
+    def _send_paced(self, sink: socket.socket, data: bytes) -> None:
+        """Send ``data``, at most ``rate_bytes_per_s`` (in 4 KiB pieces) when a cap is set."""
+        rate = self.rate_bytes_per_s
+        if not rate:
+            sink.sendall(data)
+            return
+        for first in range(0, len(data), 4096):
+            piece = data[first : first + 4096]
+            sink.sendall(piece)
+            time.sleep(len(piece) / rate)
 
     def close(self) -> None:
         """Stop listening and cut every forwarded connection. Idempotent."""

@@ -1,0 +1,258 @@
+"""Head-of-line blocking: does fetching one request's KV from a slow tier stall the
+others? (issue #15)
+
+For each tier it runs one engine with a CPU tier plus that lower tier, stores a
+long prompt's KV, drops it from the CPU tier (and the GPU prefix cache; the OS
+page cache too for disk where allowed), starts a decoding request, then submits
+the long prompt again and steps the engine. It reports the co-running decode's
+longest gap between two tokens while the long prompt waits for its first token,
+its median gap, and the long prompt's TTFT, against recompute (the same with a
+fresh prompt nothing holds), plus what the planner loaded per tier and
+recomputed. Each figure is the median over ``--repeats`` fresh prompts.
+
+    python benchmarks/head_of_line.py --out hol.json          # GPU: Llama-3.1-8B shape, bf16, 16,384 tokens
+    python benchmarks/head_of_line.py --tiny --out /tmp/hol.json   # CPU: tiny model, redis behind a throttled proxy
+
+The CPU mode starts a real redis-server behind a real TCP proxy capped at
+``--proxy-rate`` bytes/s (tests/reliability/delay_proxy.py) and a disk tier; the
+GPU mode measures disk, the cache server (``kvstash cache-server`` on the same
+host) and redis when a redis-server is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.engine_throughput import llama_config  # noqa: E402
+from benchmarks.ttft import cache_server, drop_page_cache, kv_bytes_per_token, random_prompt  # noqa: E402
+from connector import OffloadConfig  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def evict_cpu_tier(llm: LLM) -> None:
+    """Empty the connector's CPU tier (the KV then exists only in the lower tier)."""
+    cpu = llm.engine.scheduler.connector.cache_engine.tiers.cpu
+    for key in cpu.keys(""):
+        cpu.delete(key)
+
+
+def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, disk: bool, seed: int) -> dict:
+    """Run a decoding request, submit ``prompt``; figures of that window."""
+    engine = llm.engine
+    if stored:
+        llm.generate([prompt], FIRST_TOKEN)  # stores its KV (CPU + write-through)
+        llm.flush_kv_offload()
+        evict_cpu_tier(llm)
+    llm.reset_prefix_cache()
+    page_cache_dropped = drop_page_cache() if disk else None
+    decode_id, hit_id = f"decode-{seed}", f"long-{seed}"
+    engine.add_request(
+        decode_id,
+        random_prompt(32, vocab_size, seed=seed + 7),
+        SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True),  # aborted once measured
+    )
+    decode_times: list[float] = []
+    while len(decode_times) < 8:  # a steady decode before the long prompt arrives
+        if any(o.request_id == decode_id for o in engine.step()):
+            decode_times.append(time.perf_counter())
+    submitted = time.perf_counter()
+    engine.add_request(hit_id, prompt, FIRST_TOKEN)
+    first_token_at = None
+    hit_output = None
+    while first_token_at is None or len(decode_times) < 3 or decode_times[-1] <= first_token_at:
+        for output in engine.step():
+            if output.request_id == decode_id:
+                decode_times.append(time.perf_counter())
+            elif output.request_id == hit_id and output.finished:
+                first_token_at = time.perf_counter()
+                hit_output = output
+    engine.abort_request(decode_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    window = [t for t in decode_times if t >= submitted]
+    window_gaps = [b - a for a, b in zip([submitted, *window[:-1]], window, strict=True)]
+    steady_gaps = [b - a for a, b in zip(decode_times[:7], decode_times[1:8], strict=True)]
+    metrics = hit_output.metrics
+    return {
+        "ttft_ms": metrics.ttft_s * 1e3,
+        "decode_max_gap_ms": max(window_gaps) * 1e3,
+        "decode_median_gap_ms": statistics.median(steady_gaps) * 1e3,
+        "decode_tokens_while_waiting": sum(1 for t in window if t < first_token_at),
+        "ext_tokens": metrics.num_external_cached_tokens,
+        "tier_to_loaded_tokens": metrics.tier_to_loaded_tokens,
+        "planned_recompute_tokens": metrics.num_planned_recompute_tokens,
+        "page_cache_dropped": page_cache_dropped,
+    }
+
+
+def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, length: int) -> dict:
+    llm = LLM(config, load_format="dummy", kv_offload=offload, **engine_args)
+    vocab = config.vocab_size
+    # Warm-up of every path (recompute, CPU-tier load, fetch) so compilation stays out.
+    for warm_seed in (1, 2):
+        warm = random_prompt(min(length, 1024), vocab, seed=4242 + warm_seed)
+        one_round(llm, warm, vocab, stored=True, disk=False, seed=-warm_seed)
+    runs = {"hit": [], "recompute": []}
+    for repeat in range(args.repeats):
+        for kind in ("recompute", "hit"):
+            prompt = random_prompt(length, vocab, seed=length * 1000 + repeat * 10 + (kind == "hit"))
+            runs[kind].append(
+                one_round(llm, prompt, vocab, stored=kind == "hit", disk=name == "disk", seed=repeat * 100)
+            )
+    planner = llm.engine.scheduler.connector.planner
+    rates = planner.snapshot() if planner is not None else {}
+    del llm
+    if engine_args["device"] == "cuda":
+        torch.cuda.empty_cache()
+
+    def median(kind: str, field: str) -> float:
+        return statistics.median(run[field] for run in runs[kind])
+
+    last_hit = runs["hit"][-1]
+    return {
+        "tier": name,
+        "hit_ttft_ms": median("hit", "ttft_ms"),
+        "recompute_ttft_ms": median("recompute", "ttft_ms"),
+        "hit_decode_max_gap_ms": median("hit", "decode_max_gap_ms"),
+        "recompute_decode_max_gap_ms": median("recompute", "decode_max_gap_ms"),
+        "decode_median_gap_ms": median("hit", "decode_median_gap_ms"),
+        "decode_tokens_while_waiting": median("hit", "decode_tokens_while_waiting"),
+        "tier_to_loaded_tokens": last_hit["tier_to_loaded_tokens"],
+        "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
+        "page_cache_dropped": last_hit["page_cache_dropped"],
+        "planner_rates": rates,
+        "runs": runs,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'tier':<7} {'TTFT hit':>9} {'TTFT rec':>9} {'hit/rec':>7} {'gap hit':>8} {'gap rec':>8} "
+        f"{'gap med':>8} {'dec toks':>8}  loaded per tier / recomputed"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        loaded = ",".join(f"{k}:{v}" for k, v in sorted(row["tier_to_loaded_tokens"].items())) or "-"
+        print(
+            f"{row['tier']:<7} {row['hit_ttft_ms']:>9.1f} {row['recompute_ttft_ms']:>9.1f} "
+            f"{row['hit_ttft_ms'] / row['recompute_ttft_ms']:>7.2f} {row['hit_decode_max_gap_ms']:>8.1f} "
+            f"{row['recompute_decode_max_gap_ms']:>8.1f} {row['decode_median_gap_ms']:>8.2f} "
+            f"{row['decode_tokens_while_waiting']:>8.0f}  {loaded} / {row['planned_recompute_tokens']}"
+        )
+    print("(ms; gap = a co-running decode's longest gap between tokens while the long prompt waits)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny model on CPU, redis behind a throttled proxy"
+    )
+    parser.add_argument("--length", type=int, default=None, help="long prompt tokens (16384 GPU, 3000 tiny)")
+    parser.add_argument("--tiers", default=None, help="comma-separated: disk, redis, grpc")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--proxy-rate", type=float, default=200_000, help="CPU mode: proxy bytes/s")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="chunked-prefill budget (8192 GPU, 256 tiny)"
+    )
+    parser.add_argument("--load-policy", default="planned", choices=("planned", "always"))
+    parser.add_argument("--disk-path", type=Path, default=None, help="disk tier folder (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+
+    device = "cpu" if args.tiny else "cuda"
+    dtype_name = "float32" if args.tiny else "bfloat16"
+    length = args.length or (3000 if args.tiny else 16384)
+    tiers = (args.tiers or ("redis,disk" if args.tiny else "disk,grpc,redis")).split(",")
+    config = llama_config(args.tiny)
+    block_size = 16
+    engine_args = dict(
+        device=device,
+        dtype=dtype_name,
+        max_num_batched_tokens=args.max_num_batched_tokens or (256 if args.tiny else 8192),
+        num_gpu_blocks=(length + 2048) // block_size * 2,
+        max_num_seqs=4,
+    )
+    kv_bytes = (length + 2048) * kv_bytes_per_token(config, dtype_name)
+    disk_root = Path(tempfile.mkdtemp(prefix="kvstash-hol-")) if args.disk_path is None else args.disk_path
+    rows = []
+    for tier in tiers:
+        fields = dict(cpu_bytes=2 * kv_bytes, load_policy=args.load_policy)
+        if tier == "disk":
+            rows.append(
+                measure(
+                    tier,
+                    OffloadConfig(**fields, disk_path=str(disk_root / "disk"), disk_bytes=4 * kv_bytes),
+                    config,
+                    engine_args,
+                    args,
+                    length,
+                )
+            )
+        elif tier == "grpc":
+            with cache_server(memory_gb=max(4, 4 * kv_bytes / (1 << 30))) as url:
+                rows.append(
+                    measure(tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length)
+                )
+        elif tier == "redis":
+            from tests.redis_fixtures import RedisServerProcess
+            from tests.reliability.delay_proxy import DelayProxy
+
+            if shutil.which("redis-server") is None:
+                print("redis tier skipped: no redis-server on this machine")
+                continue
+            server = RedisServerProcess().start()
+            try:
+                rate = args.proxy_rate if args.tiny else None
+                with DelayProxy(server.port, rate_bytes_per_s=rate) as proxy:
+                    url = f"redis://127.0.0.1:{proxy.port}"
+                    rows.append(
+                        measure(
+                            tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length
+                        )
+                    )
+                    if rate:
+                        rows[-1]["proxy_rate_bytes_per_s"] = rate
+            finally:
+                server.close()
+        else:
+            parser.error(f"unknown tier {tier!r}: choose disk, redis, grpc")
+    if args.disk_path is None:
+        shutil.rmtree(disk_root, ignore_errors=True)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    print(f"\nhead-of-line: {length}-token prompt, {device_name}, {dtype_name}, median of {args.repeats}")
+    print_table(rows)
+    report = {
+        "benchmark": "head_of_line",
+        "device": device_name,
+        "dtype": dtype_name,
+        "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)",
+        "prompt_tokens": length,
+        "load_policy": args.load_policy,
+        "rows": rows,
+        "torch": torch.__version__,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

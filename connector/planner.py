@@ -1,0 +1,248 @@
+"""The load-or-recompute planner (DESIGN §5): per request, which chunks to load from
+which tier and which tokens to recompute, from measured rates.
+
+Rates are moving averages of the engine's own transfers (bytes per second per tier,
+measured by the fetcher from each finished fetch) and of its prefill steps (tokens
+per second, per prompt-length class: attention makes long prompts slower per
+token). Until a tier has been measured its prior is conservative (slow).
+
+The plan for a prompt whose hit prefix is ``chunk_tiers`` (tier per chunk):
+the leading chunks already in the CPU tier are loaded in the admitting step
+(always: a host→device copy beats recomputing). After them, recomputing tokens
+[0, m) needs nothing from [m, n): the head up to ``m`` is recomputed on the GPU
+while chunks [j, k) (starting at m) are fetched into the CPU tier in the
+background, then loaded, and the rest recomputed; j and k minimise
+``max(head, fetch) + rest``. With m at the CPU run's end the request waits
+unadmitted for its fetch. The fetch's deadline is the head's time plus
+``deadline_fraction`` of the time recomputing the fetched tokens would take, so a
+tier slower than its estimate delays the request by at most that fraction (the
+chunks that arrived in time are used, the rest is recomputed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: bytes per second assumed for a tier before its first measured read
+TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
+#: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
+ALWAYS_LOAD_DEADLINE_S = 600.0
+#: prefill tokens per second assumed before the first measured prefill step
+PREFILL_PRIOR_TOKENS_PER_S = 20_000.0
+
+
+class MovingRate:
+    """Exponential moving average of a rate, starting from a prior."""
+
+    def __init__(self, prior: float, alpha: float) -> None:
+        self.value = prior
+        self.alpha = alpha
+        self.num_samples = 0
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        sample = amount / seconds
+        self.value = sample if self.num_samples == 0 else (1 - self.alpha) * self.value + self.alpha * sample
+        self.num_samples += 1
+
+
+@dataclass
+class LoadDecision:
+    """What one request loads and recomputes (token counts are prompt positions)."""
+
+    #: tokens [num_computed, num_cpu_end) are copied from the CPU tier when admitted
+    num_cpu_end: int
+    #: chunks [first_fetch_chunk, first_fetch_chunk + num_fetch_chunks) are fetched first
+    first_fetch_chunk: int
+    num_fetch_chunks: int
+    #: tokens [num_head_end, num_fetch_end) arrive by the fetch
+    num_fetch_end: int
+    #: seconds the fetch may take before the request stops waiting for it
+    fetch_deadline_s: float
+    #: tokens per tier name the plan loads (CPU chunks inside the fetch count as cpu)
+    tier_to_planned_tokens: dict[str, int] = field(default_factory=dict)
+    num_planned_recompute_tokens: int = 0
+    #: the rates used: tier name -> bytes/s, and "prefill" -> tokens/s
+    rates: dict[str, float] = field(default_factory=dict)
+    #: tokens [num_cpu_end, num_head_end) are recomputed while the fetch runs (the
+    #: request is admitted at once); equal to ``num_cpu_end`` when it waits unadmitted
+    num_head_end: int = 0
+
+    def describe(self) -> str:
+        """One line for the request's log."""
+        tiers = ",".join(f"{name}:{n}" for name, n in sorted(self.tier_to_planned_tokens.items()) if n)
+        rates = ",".join(
+            f"{name}={value / 1e9:.2f}GB/s" if name != "prefill" else f"prefill={value:.0f}tok/s"
+            for name, value in sorted(self.rates.items())
+        )
+        return f"plan=[{tiers or 'none'}] recompute={self.num_planned_recompute_tokens} rates=[{rates}]"
+
+
+class LoadPlanner:
+    """One per connector; the scheduler side plans, the worker side reports rates."""
+
+    def __init__(
+        self,
+        *,
+        bytes_per_token: int,
+        deadline_fraction: float = 0.5,
+        always_load: bool = False,
+        alpha: float = 0.3,
+        tier_priors: dict[str, float] | None = None,
+        prefill_prior: float = PREFILL_PRIOR_TOKENS_PER_S,
+    ) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.deadline_fraction = deadline_fraction
+        #: load every hit and wait for it (``load_policy: always``): no recompute trade-off
+        self.always_load = always_load
+        self.alpha = alpha
+        self._tier_priors = {**TIER_PRIOR_BYTES_PER_S, **(tier_priors or {})}
+        self._prefill_prior = prefill_prior
+        self._lock = threading.Lock()
+        self._tier_to_rate: dict[str, MovingRate] = {}
+        self._length_class_to_rate: dict[int, MovingRate] = {}
+        #: decisions so far, for /metrics (kvstash_planner_*)
+        self.counts = {"requests": 0, "fetched_tokens": 0, "recomputed_tokens": 0, "cpu_tokens": 0}
+
+    # ---- measurements ------------------------------------------------------------
+    def observe_read(self, tier_name: str, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self._tier_rate(tier_name).observe(num_bytes, seconds)
+
+    def observe_prefill(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` prompt tokens of prompts up to ``num_prompt_tokens`` long."""
+        with self._lock:
+            self._prefill_rate(num_prompt_tokens).observe(num_tokens, seconds)
+
+    def tier_rate(self, tier_name: str) -> float:
+        with self._lock:
+            return self._tier_rate(tier_name).value
+
+    def prefill_rate(self, num_prompt_tokens: int) -> float:
+        with self._lock:
+            return self._prefill_rate(num_prompt_tokens).value
+
+    def _tier_rate(self, tier_name: str) -> MovingRate:
+        rate = self._tier_to_rate.get(tier_name)
+        if rate is None:
+            rate = MovingRate(self._tier_priors.get(tier_name, 0.1e9), self.alpha)
+            self._tier_to_rate[tier_name] = rate
+        return rate
+
+    def _prefill_rate(self, num_prompt_tokens: int) -> MovingRate:
+        length_class = max(1, num_prompt_tokens).bit_length()
+        rate = self._length_class_to_rate.get(length_class)
+        if rate is None:
+            # An unmeasured length class starts from its nearest measured neighbour.
+            measured = [c for c, r in self._length_class_to_rate.items() if r.num_samples]
+            nearest = min(measured, key=lambda c: abs(c - length_class), default=None)
+            prior = self._length_class_to_rate[nearest].value if nearest is not None else self._prefill_prior
+            rate = MovingRate(prior, self.alpha)
+            self._length_class_to_rate[length_class] = rate
+        return rate
+
+    def snapshot(self) -> dict[str, float]:
+        """Current rates: ``tier:<name>`` bytes/s and ``prefill:<2^k>`` tokens/s."""
+        with self._lock:
+            rates = {f"tier:{name}": rate.value for name, rate in self._tier_to_rate.items()}
+            for length_class, rate in self._length_class_to_rate.items():
+                rates[f"prefill:{1 << (length_class - 1)}"] = rate.value
+            return rates
+
+    # ---- the plan ----------------------------------------------------------------
+    def plan(
+        self,
+        chunk_tiers: Sequence[str],
+        chunk_ends: Sequence[int],
+        *,
+        num_computed: int,
+        num_prompt_tokens: int,
+    ) -> LoadDecision:
+        """Plan one request: ``chunk_tiers[i]`` holds chunk i, which ends at prompt token
+        ``chunk_ends[i]``; tokens before ``num_computed`` are on the GPU already; the
+        last prompt token is always computed. Side-effect free (see :meth:`record`)."""
+        num_loadable_end = num_prompt_tokens - 1
+        # Leading CPU-tier chunks: copied in the admitting step.
+        index = 0
+        num_cpu_end = num_computed
+        while index < len(chunk_tiers) and (chunk_tiers[index] == "cpu" or chunk_ends[index] <= num_computed):
+            num_cpu_end = max(num_cpu_end, min(chunk_ends[index], num_loadable_end))
+            index += 1
+        first_fetch = index
+        prefill = self.prefill_rate(num_prompt_tokens)
+        rates = {"prefill": prefill}
+        for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
+            rates[tier] = self.tier_rate(tier)
+
+        def chunk_start(chunk: int) -> int:
+            return chunk_ends[chunk - 1] if chunk > 0 else 0
+
+        # Recompute the head [num_cpu_end, m) on the GPU while chunks [j, k) are fetched
+        # (m = where chunk j starts), then load them and recompute the rest: minimise
+        # max(head, fetch) + rest. j = first_fetch is "wait for the fetch"; k = j is
+        # "recompute everything".
+        best = (first_fetch, first_fetch)
+        best_time = (num_prompt_tokens - num_cpu_end) / prefill
+        for j in range(first_fetch, len(chunk_tiers)):
+            num_head_end = max(num_cpu_end, chunk_start(j))
+            if num_head_end >= num_loadable_end:
+                break
+            head_s = (num_head_end - num_cpu_end) / prefill
+            tier_to_bytes: dict[str, int] = {}
+            for k in range(j + 1, len(chunk_tiers) + 1):
+                tier = chunk_tiers[k - 1]
+                if tier != "cpu":
+                    # A chunk is read whole even when part of it is on the GPU already.
+                    size = (chunk_ends[k - 1] - chunk_start(k - 1)) * self.bytes_per_token
+                    tier_to_bytes[tier] = tier_to_bytes.get(tier, 0) + size
+                end = min(chunk_ends[k - 1], num_loadable_end)
+                # Tiers are read in parallel, several reads each: the slowest tier decides.
+                fetch_s = max((n / rates[t] for t, n in tier_to_bytes.items()), default=0.0)
+                total = max(head_s, fetch_s) + (num_prompt_tokens - end) / prefill
+                if total < best_time:
+                    best, best_time = (j, k), total
+            if self.always_load:
+                best = (first_fetch, len(chunk_tiers))
+                break
+        first_tail, tail_end = best
+        num_head_end = max(num_cpu_end, chunk_start(first_tail)) if tail_end > first_tail else num_cpu_end
+        num_fetch_end = num_head_end
+        tier_to_tokens: dict[str, int] = {}
+        if num_cpu_end > num_computed:
+            tier_to_tokens["cpu"] = num_cpu_end - num_computed
+        for chunk in range(first_tail, tail_end):
+            start = max(chunk_start(chunk), num_fetch_end)
+            end = min(chunk_ends[chunk], num_loadable_end)
+            if end > start:
+                tier_to_tokens[chunk_tiers[chunk]] = tier_to_tokens.get(chunk_tiers[chunk], 0) + end - start
+                num_fetch_end = end
+        num_fetched = num_fetch_end - num_head_end
+        head_s = (num_head_end - num_cpu_end) / prefill
+        return LoadDecision(
+            num_cpu_end=num_cpu_end,
+            first_fetch_chunk=first_tail,
+            num_fetch_chunks=tail_end - first_tail,
+            num_fetch_end=num_fetch_end,
+            fetch_deadline_s=(
+                ALWAYS_LOAD_DEADLINE_S
+                if self.always_load
+                else head_s + self.deadline_fraction * num_fetched / prefill
+            ),
+            tier_to_planned_tokens=tier_to_tokens,
+            num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end + (num_head_end - num_cpu_end),
+            rates=rates,
+            num_head_end=num_head_end,
+        )
+
+    def record(self, decision: LoadDecision, num_computed: int) -> None:
+        """Count a decision that was acted on (a request admitted or its fetch started)."""
+        with self._lock:
+            self.counts["requests"] += 1
+            self.counts["fetched_tokens"] += decision.num_fetch_end - max(
+                decision.num_cpu_end, decision.num_head_end
+            )
+            self.counts["cpu_tokens"] += max(0, decision.num_cpu_end - num_computed)
+            self.counts["recomputed_tokens"] += decision.num_planned_recompute_tokens

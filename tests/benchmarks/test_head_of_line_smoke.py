@@ -1,0 +1,26 @@
+"""benchmarks/head_of_line.py runs end to end on CPU: the disk hit is fetched in the
+background (load_policy always) while the co-running decode keeps stepping."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_head_of_line_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
+    out = tmp_path / "hol.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/head_of_line.py", "--tiny", "--repeats", "1", "--length", "300"]
+        + ["--tiers", "disk", "--load-policy", "always", "--out", str(out)],
+        cwd=repo_root,
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tier_to_loaded_tokens"] == {"disk": 299}
+    assert row["hit_ttft_ms"] > 0 and row["recompute_ttft_ms"] > 0
+    assert row["hit_decode_max_gap_ms"] > 0 and row["decode_median_gap_ms"] > 0

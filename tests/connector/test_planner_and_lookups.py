@@ -1,0 +1,125 @@
+"""The load-or-recompute planner, the circuit breaker, and lookups against a blackholed
+remote (a real listener that accepts connections and never answers)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from connector import OffloadConfig
+from connector.breaker import CircuitBreaker
+from connector.planner import LoadPlanner
+from engine import SamplingParams
+from tests.connector.test_async_loads import make_prompt, new_llm
+
+MIB = 1 << 20
+
+
+def test_breaker_opens_probes_once_backs_off_and_closes():
+    clock = [0.0]
+    breaker = CircuitBreaker("redis", backoff_s=1.0, clock=lambda: clock[0])
+    assert breaker.allow()
+    breaker.failed("timeout")
+    assert breaker.is_open and not breaker.allow() and breaker.num_skipped == 1
+    clock[0] = 1.5
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one probe at a time
+    breaker.failed("timeout again")  # back-off doubles: open until 3.5
+    assert breaker.num_trips == 2
+    clock[0] = 3.0
+    assert not breaker.allow()
+    clock[0] = 3.6
+    assert breaker.allow()
+    breaker.succeeded()
+    assert not breaker.is_open and breaker.allow()
+
+
+def plan(planner, tiers, *, chunk=256, computed=0, prompt=None):
+    ends = [chunk * (i + 1) for i in range(len(tiers))]
+    return planner.plan(tiers, ends, num_computed=computed, num_prompt_tokens=prompt or ends[-1] + 1)
+
+
+def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
+    planner = LoadPlanner(bytes_per_token=MIB)  # 256 MiB per chunk
+    planner.observe_prefill(1025, 1000, 1.0)  # 1,000 tokens/s: 0.256 s per chunk
+    planner.observe_read("disk", 1 << 30, 1.0)  # 1 GiB/s: 0.25 s per chunk, a bit faster
+    planner.observe_read("redis", 1 << 30, 100.0)  # far slower than recompute
+    decision = plan(planner, ["cpu", "disk", "disk", "redis"])
+    assert decision.num_cpu_end == 256
+    # Chunk 1 is recomputed while chunk 2 is fetched (0.256 s for both), then chunk 3
+    # recomputed: 0.513 s, where waiting for both disk chunks would take 0.757 s.
+    assert decision.num_head_end == 512
+    assert decision.first_fetch_chunk == 2 and decision.num_fetch_chunks == 1
+    assert decision.num_fetch_end == 768
+    assert decision.tier_to_planned_tokens == {"cpu": 256, "disk": 256}
+    assert decision.num_planned_recompute_tokens == 256 + (1025 - 768)
+    # Never wait longer than the head plus a fraction of recomputing what is fetched.
+    assert decision.fetch_deadline_s == pytest.approx(0.256 + 0.5 * 256 / 1000)
+    assert "disk:256" in decision.describe() and "recompute=513" in decision.describe()
+
+    for _ in range(10):  # the disk turns far slower than recompute: the moving average follows
+        planner.observe_read("disk", 1 << 30, 100.0)
+    slow = plan(planner, ["cpu", "disk", "disk", "redis"])
+    assert slow.num_fetch_chunks == 0 and slow.num_planned_recompute_tokens == 1025 - 256
+
+
+def test_planner_waits_for_a_tier_much_faster_than_prefill():
+    planner = LoadPlanner(bytes_per_token=MIB)
+    planner.observe_prefill(1025, 1000, 1.0)
+    planner.observe_read("disk", 100 << 30, 1.0)  # 0.0025 s per chunk
+    decision = plan(planner, ["disk", "disk", "disk", "disk"])
+    assert decision.num_head_end == decision.num_cpu_end == 0  # wait unadmitted, load it all
+    assert decision.num_fetch_chunks == 4 and decision.num_fetch_end == 1024
+
+
+def test_planner_with_always_load_fetches_every_hit():
+    planner = LoadPlanner(bytes_per_token=MIB, always_load=True)
+    planner.observe_read("redis", 1, 100.0)
+    decision = plan(planner, ["redis", "redis"], computed=16)
+    assert decision.num_fetch_chunks == 2 and decision.num_fetch_end == 512
+    assert decision.tier_to_planned_tokens == {"redis": 512 - 16}
+
+
+@pytest.fixture
+def blackhole():
+    """A listener that accepts every connection and never sends a byte."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, blackhole):
+    config = OffloadConfig(
+        chunk_size=32,
+        cpu_bytes=32 << 20,
+        remote_url=f"redis://127.0.0.1:{blackhole}?timeout=30",
+        lookup_timeout_s=0.3,
+        breaker_backoff_s=600,
+        save_partial_chunks=False,  # the decode's 20-token prompt has no chunk: nothing to look up
+    )
+    llm = new_llm(tiny_model_dir("llama"), config)
+    engine = llm.engine
+    engine.add_request("decode", make_prompt(20, 1), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    assert engine.step()  # decoding
+    engine.add_request("first", make_prompt(100, 2), SamplingParams(max_tokens=1, ignore_eos=True))
+    num_steps = num_decode_tokens = 0
+    first_done = False
+    while not first_done:
+        outputs = engine.step()
+        num_steps += 1
+        num_decode_tokens += sum(1 for o in outputs if o.request_id == "decode")
+        first_done = any(o.request_id == "first" and o.finished for o in outputs)
+    # The lookup of "first" hung on the remote: "first" was skipped for several steps while
+    # "decode" got a token in each of them (the old code blocked the step for 30 s).
+    assert num_steps > 2 and num_decode_tokens >= num_steps - 2
+    breaker = engine.scheduler.connector.cache_engine.tiers.breakers["redis"]
+    assert breaker.num_trips == 1 and breaker.is_open
+    # The next request does not ask the remote at all: admitted in its first step.
+    engine.add_request("second", make_prompt(100, 3), SamplingParams(max_tokens=1, ignore_eos=True))
+    outputs = engine.step()
+    assert any(o.request_id == "second" for o in outputs)
+    assert breaker.num_skipped >= 1
+    engine.abort_request("decode")

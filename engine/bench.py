@@ -208,6 +208,8 @@ class WarmupTurn:
     num_computed_tokens: int
     num_external_hit_tokens: int
     tier_to_loaded_tokens: dict[str, int]
+    #: the planner's choice for this prompt (None without offload): tokens it recomputes
+    num_planned_recompute_tokens: int | None = None
 
 
 def _run_one(llm, prompt: list[int], params) -> tuple[Any, float, int]:
@@ -239,7 +241,8 @@ def run_warmup(llm, workload: Workload, steps: list[WarmupStep], label: str = ""
                 ttft_s=output.metrics.ttft_s or 0.0,
                 num_computed_tokens=num_computed,
                 num_external_hit_tokens=output.metrics.num_external_cached_tokens,
-                tier_to_loaded_tokens=dict(getattr(output.metrics, "tier_to_loaded_tokens", {}) or {}),
+                tier_to_loaded_tokens=dict(output.metrics.tier_to_loaded_tokens),
+                num_planned_recompute_tokens=output.metrics.num_planned_recompute_tokens,
             )
         )
     _forget_gpu_cache(llm, drop_cpu_tier=False)
@@ -296,8 +299,8 @@ def run_workload(llm, workload: Workload, conversations: Conversations, label: s
                         num_computed_tokens=num_computed,
                         output_token_ids=list(output.token_ids),
                         prompt_digest=prompt_digest(prompt),
-                        tier_to_loaded_tokens=dict(getattr(metrics, "tier_to_loaded_tokens", {}) or {}),
-                        num_planned_recompute_tokens=getattr(metrics, "num_planned_recompute_tokens", None),
+                        tier_to_loaded_tokens=dict(metrics.tier_to_loaded_tokens),
+                        num_planned_recompute_tokens=metrics.num_planned_recompute_tokens,
                     )
                 )
                 histories[user] = prompt + list(output.token_ids)

@@ -43,12 +43,17 @@ def wait_for_keys(redis_url: str, timeout_s: float = 60.0) -> int:
     return num_keys
 
 
+# Every hit is loaded: this test checks the path through the stack, not the planner (which
+# would recompute a tiny model's prompt rather than wait for a remote tier it has not measured).
+LOAD_EVERY_HIT = {"KVSTASH_KV_OFFLOAD_LOAD_POLICY": "always"}
+
+
 def test_request_through_the_whole_stack_hits_the_external_cache(redis_url, tiny_model_dir) -> None:
     model_dir = tiny_model_dir("llama")
     cache_server = CacheServerProcess("--redis-url", redis_url, "--memory-gb", "0.1").start()
     engine_flags = ("--kv-offload", "--kv-offload-remote", cache_server.url, "--num-gpu-blocks", "128")
     try:
-        first_server = ServeProcess(model_dir, *engine_flags).start()
+        first_server = ServeProcess(model_dir, *engine_flags, extra_env=LOAD_EVERY_HIT).start()
         try:
             first = complete(first_server)
         finally:
@@ -61,7 +66,7 @@ def test_request_through_the_whole_stack_hits_the_external_cache(redis_url, tiny
         assert cache_server.stop() == 0
         cache_server.start()
 
-        second_server = ServeProcess(model_dir, *engine_flags).start()
+        second_server = ServeProcess(model_dir, *engine_flags, extra_env=LOAD_EVERY_HIT).start()
         try:
             second = complete(second_server)
             metrics = second_server.metrics_text()

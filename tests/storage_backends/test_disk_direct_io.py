@@ -184,12 +184,13 @@ def test_get_into_a_pinned_cpu_tier_slot_then_to_the_gpu(tmp_path: Path) -> None
     backend = DiskBackend(str(tmp_path), 1 << 24)
     chunks = [random_chunk(seed, slot_shape) for seed in range(4)]
     backend.put_many([(f"ns:{i}", chunk) for i, chunk in enumerate(chunks)])
-    slots = [pool.reserve(f"ns:{i}", shape) for i in range(4)]
+    reservations = [pool.reserve(f"ns:{i}", shape) for i in range(4)]
+    slots = [reservation.buffer for reservation in reservations]
     assert all(slot.is_pinned() and slot.data_ptr() % BLOCK == 0 for slot in slots)
     got = backend.get_many_into([f"ns:{i}" for i in range(4)], slots)
     for i, (result, chunk) in enumerate(zip(got, chunks, strict=True)):
         assert result is not None and result.tensor.data_ptr() == slots[i].data_ptr()
-        pool.publish(f"ns:{i}")
+        pool.publish(reservations[i])
         on_gpu = pool.get(f"ns:{i}").tensor.cuda(non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(on_gpu.cpu().view(torch.uint8), chunk.tensor.view(torch.uint8))

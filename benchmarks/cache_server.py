@@ -83,7 +83,10 @@ def make_value(num_bytes: int, seed: int) -> KVChunk:
 
 
 def start_cache_server(memory_gb: float, bulk: str) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    # keep the caller's PYTHONPATH after the repo's (packages installed beside the system's)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    )
     process = subprocess.Popen(
         [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)]
         + ["--bulk-port", "any" if bulk == "on" else "off"],

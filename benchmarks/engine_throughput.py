@@ -37,40 +37,21 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def llama_config(tiny: bool):
     """An in-memory transformers config: Llama-3.1-8B's shapes, or a tiny one."""
-    from transformers import LlamaConfig
+    from engine.bench_presets import llama31_config
 
-    if tiny:
-        shapes = dict(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-            max_position_embeddings=16384,
-        )
-    else:
-        shapes = dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-        )
-    rope = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    config = LlamaConfig(
-        **shapes, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=rope, tie_word_embeddings=False
+    if not tiny:
+        return llama31_config()
+    return llama31_config(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=16384,
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    config.architectures = ["LlamaForCausalLM"]
-    return config
 
 
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -95,8 +95,22 @@ def resolve_preset(
     return preset, reason
 
 
-def llama31_8b_config():
-    """An in-memory transformers config with Llama-3.1-8B's shapes (no download)."""
+#: Llama-3.1-8B's shapes
+LLAMA31_8B_SHAPES = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+}
+
+
+def llama31_config(**shapes):
+    """An in-memory transformers config of the Llama-3.1 family (llama3 RoPE scaling, norms,
+    untied embeddings; no download) with ``shapes`` (and token ids) over the 8B ones. The
+    benchmarks use it with smaller shapes too."""
     from transformers import LlamaConfig
 
     rope = {
@@ -106,20 +120,18 @@ def llama31_8b_config():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
+    defaults = {**LLAMA31_8B_SHAPES, "bos_token_id": 128000, "eos_token_id": 128001}
     config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
+        **{**defaults, **shapes},
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
         rope_scaling=rope,
         tie_word_embeddings=False,
-        bos_token_id=128000,
-        eos_token_id=128001,
     )
     config.architectures = ["LlamaForCausalLM"]
     return config
+
+
+def llama31_8b_config():
+    """Llama-3.1-8B's config (random weights are made from it; no download)."""
+    return llama31_config()

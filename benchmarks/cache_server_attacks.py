@@ -25,7 +25,6 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,20 +37,10 @@ from protos import kvstash_pb2, kvstash_pb2_grpc  # noqa: E402
 from storage_backends import bulk_channel as wire  # noqa: E402
 from storage_backends import create_backend  # noqa: E402
 from storage_backends.grpc_backend import make_channel  # noqa: E402
-from tests.cache_server.helpers import make_value  # noqa: E402
+from tests.cache_server.helpers import make_value, put_all  # noqa: E402
 from tests.cache_server.server_process import CacheServerProcess  # noqa: E402
 
 MIB = 1 << 20
-
-
-def put_all(url: str, keys: list[str], seed: int, num_threads: int = 8) -> None:
-    """Put a value of about 64 bytes made for each key (values bind their key), all of one length."""
-    backend = create_backend(url)
-    try:
-        with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, 64, key=key)), keys))
-    finally:
-        backend.close()
 
 
 def bulk_port(address: str) -> int:

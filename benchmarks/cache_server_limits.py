@@ -26,7 +26,6 @@ import platform
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +33,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import psutil  # noqa: E402
 
-from cache_server.config import GIB  # noqa: E402
-from cache_server.memory_tier import entry_size  # noqa: E402
 from protos import kvstash_pb2, kvstash_pb2_grpc  # noqa: E402
-from storage_backends import create_backend  # noqa: E402
 from storage_backends.grpc_backend import make_channel  # noqa: E402
-from tests.cache_server.helpers import make_value  # noqa: E402
+from tests.cache_server.helpers import alternating_tiers_server, make_value, put_all  # noqa: E402
 from tests.cache_server.server_process import CacheServerProcess  # noqa: E402
 
 KEY_BYTES = 1024
@@ -47,16 +43,6 @@ KEY_BYTES = 1024
 
 def long_key(index: int) -> str:
     return f"{index:08d}/".ljust(KEY_BYTES, "k")
-
-
-def put_all(url: str, keys: list[str], seed: int, num_threads: int = 8) -> None:
-    """Put a value of about 64 bytes made for each key (values bind their key), all of one length."""
-    backend = create_backend(url)
-    try:
-        with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, 64, key=key)), keys))
-    finally:
-        backend.close()
 
 
 def memory_tier_stats(address: str) -> kvstash_pb2.TierStats:
@@ -90,19 +76,6 @@ def measure_entry_overhead(num_entries: int) -> dict:
         "overhead_per_entry_bytes": rss_per_entry - len(value) - KEY_BYTES,
         "reported_per_entry_bytes": (used_after - used_before) / num_entries,
     }
-
-
-def alternating_tiers_server(disk_path: str, keys: list[str], seed: int) -> CacheServerProcess:
-    """A server whose memory tier holds the even-numbered ``keys`` and whose disk tier holds all:
-    the memory cap fits half of them, the odd ones are put first (and evicted by the even ones)."""
-    per_entry = entry_size(keys[0], len(make_value(seed, 64, key=keys[0])))
-    memory_bytes = (len(keys) // 2) * per_entry + per_entry // 2
-    server = CacheServerProcess(
-        "--memory-gb", repr(memory_bytes / GIB), "--disk-path", disk_path, "--disk-gb", "1"
-    ).start()
-    put_all(server.url, keys[1::2], seed, num_threads=1)
-    put_all(server.url, keys[0::2], seed, num_threads=1)
-    return server
 
 
 def measure_contains_and_listing(key_counts: list[int]) -> tuple[list[dict], list[dict]]:

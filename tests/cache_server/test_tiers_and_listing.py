@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_channel import MAX_MESSAGE_BYTES
-from tests.cache_server.helpers import Stubs, make_value, run_kvstash
+from tests.cache_server.helpers import Stubs, alternating_tiers_server, make_value, put_all, run_kvstash
 from tests.cache_server.server_process import CacheServerProcess
 from tests.redis_fixtures import RedisServerProcess
 
@@ -29,16 +28,6 @@ KEY_BYTES = 1024
 
 def long_key(index: int, prefix: str = "ns/") -> str:
     return f"{prefix}{index:06d}/".ljust(KEY_BYTES, "k")
-
-
-def put_all(url: str, keys: Sequence[str], seed: int, num_bytes: int = 64, num_threads: int = 4) -> None:
-    """Put a value of ``num_bytes`` made for each key (values bind their key), all of one length."""
-    backend = create_backend(url)
-    try:
-        with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, num_bytes, key=key)), keys))
-    finally:
-        backend.close()
 
 
 def tier_stats(stubs: Stubs, name: str) -> kvstash_pb2.TierStats:
@@ -81,19 +70,6 @@ def test_the_memory_cap_counts_keys_and_per_entry_overhead() -> None:
 
 
 # ---- Contains ------------------------------------------------------------------------------------
-def alternating_tiers_server(disk_path: str, keys: list[str], seed: int) -> CacheServerProcess:
-    """A server whose memory holds the even-numbered ``keys`` and whose disk holds all of them: the
-    memory cap fits half; the odd ones are put first and evicted from memory by the even ones."""
-    per_entry = entry_size(keys[0], len(make_value(seed, 64, key=keys[0])))
-    memory_bytes = (len(keys) // 2) * per_entry + per_entry // 2
-    server = CacheServerProcess(
-        "--memory-gb", repr(memory_bytes / GIB), "--disk-path", disk_path, "--disk-gb", "1"
-    ).start()
-    put_all(server.url, keys[1::2], seed, num_threads=1)
-    put_all(server.url, keys[0::2], seed, num_threads=1)
-    return server
-
-
 def test_contains_counts_keys_that_alternate_between_memory_and_disk(tmp_path) -> None:
     keys = [f"ns/{i:05d}" for i in range(200)]
     server = alternating_tiers_server(str(tmp_path), keys, 1)

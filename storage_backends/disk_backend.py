@@ -290,15 +290,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         hash is not the record key's (:class:`ChunkKeyError`: a chunk moved between files)."""
         view = self._head_scratch.get(disk_io.BLOCK)
         num_read = disk_io.read_into(fd, view, 0)
-        if num_read < _RECORD.size:
-            raise ChunkFormatError(f"truncated disk record: {num_read} bytes")
-        magic, version, key_len, chunk_offset, payload_offset = _RECORD.unpack_from(view)
-        if magic != RECORD_MAGIC:
-            raise ChunkFormatError(f"not a kvstash disk record: magic {bytes(magic)!r}")
-        if version != RECORD_VERSION:
-            raise ChunkVersionError(
-                f"disk record version {version} is not supported (this build reads {RECORD_VERSION})"
-            )
+        key_len, chunk_offset, payload_offset = _unpack_record(view, num_read)
         if not _RECORD.size + key_len <= chunk_offset < payload_offset <= _MAX_HEAD_BYTES:
             raise ChunkFormatError(
                 f"inconsistent disk record: key of {key_len} bytes, chunk at {chunk_offset}, "
@@ -745,18 +737,26 @@ def _decompress_lz4_into(stored: memoryview, raw: memoryview) -> None:
     raw[:] = decompressed
 
 
-def parse_record(data: bytes) -> tuple[str, int]:
-    """(key, offset of the serialized chunk) of a whole chunk file's bytes; ChunkFormatError when
-    foreign. For :meth:`DiskBackend.get_encoded` and tools and tests that look inside files."""
-    if len(data) < _RECORD.size:
-        raise ChunkFormatError(f"truncated disk record: {len(data)} bytes")
-    magic, version, key_len, chunk_offset, _ = _RECORD.unpack_from(data)
+def _unpack_record(data: bytes | memoryview, num_bytes: int) -> tuple[int, int, int]:
+    """-> (key length, chunk offset, payload offset) of a record header among the first
+    ``num_bytes`` of ``data``; ChunkFormatError when truncated or foreign, ChunkVersionError
+    for another record version."""
+    if num_bytes < _RECORD.size:
+        raise ChunkFormatError(f"truncated disk record: {num_bytes} bytes")
+    magic, version, key_len, chunk_offset, payload_offset = _RECORD.unpack_from(data)
     if magic != RECORD_MAGIC:
-        raise ChunkFormatError(f"not a kvstash disk record: magic {magic!r}")
+        raise ChunkFormatError(f"not a kvstash disk record: magic {bytes(magic)!r}")
     if version != RECORD_VERSION:
         raise ChunkVersionError(
             f"disk record version {version} is not supported (this build reads {RECORD_VERSION})"
         )
+    return key_len, chunk_offset, payload_offset
+
+
+def parse_record(data: bytes) -> tuple[str, int]:
+    """(key, offset of the serialized chunk) of a whole chunk file's bytes; ChunkFormatError when
+    foreign. For :meth:`DiskBackend.get_encoded` and tools and tests that look inside files."""
+    key_len, chunk_offset, _ = _unpack_record(data, len(data))
     if not _RECORD.size + key_len <= chunk_offset <= len(data):
         raise ChunkFormatError("truncated or inconsistent disk record")
     return bytes(data[_RECORD.size : _RECORD.size + key_len]).decode("utf-8"), chunk_offset

@@ -21,8 +21,9 @@ chunks that arrived in time are used, the rest is recomputed).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 #: bytes per second assumed for a tier before its first measured read
@@ -106,6 +107,18 @@ class LoadPlanner:
         self._length_class_to_rate: dict[int, MovingRate] = {}
         #: decisions so far, for /metrics (kvstash_planner_*)
         self.counts = {"requests": 0, "fetched_tokens": 0, "recomputed_tokens": 0, "cpu_tokens": 0}
+
+    @contextlib.contextmanager
+    def forced_loading(self) -> Iterator[None]:
+        """Within the block, plan like ``load_policy: always`` (load every hit, wait for
+        it). For warm-ups that must take a tier's load path whatever the rates say; the
+        caller runs requests one at a time inside it (planning is on the step thread)."""
+        previous = self.always_load
+        self.always_load = True
+        try:
+            yield
+        finally:
+            self.always_load = previous
 
     # ---- measurements ------------------------------------------------------------
     def observe_read(self, tier_name: str, num_bytes: int, seconds: float) -> None:

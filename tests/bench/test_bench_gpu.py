@@ -42,13 +42,10 @@ def test_8b_preset_on_cuda_claims_hold(tmp_path, monkeypatch) -> None:
     assert [w["prompt_digest"] for w in warmup_off] == [w["prompt_digest"] for w in warmup_on]
     steps_on = {w["step"]: w for w in warmup_on}
     assert steps_on["round 2"]["tier_to_loaded_tokens"].get("cpu", 0) > 0
-    # The disk step reaches the planner with the CPU tier emptied: it either loads from the
-    # disk tier or (a disk slower than an H100's prefill) plans to recompute the prompt.
+    # The disk step loads from the disk tier whatever the planner would choose (the
+    # warm-up forces the load so the timed run meets that path warm).
     disk_step = steps_on["disk tier"]
-    assert disk_step["tier_to_loaded_tokens"].get("disk", 0) > 0 or (
-        disk_step["num_planned_recompute_tokens"] == disk_step["num_prompt_tokens"]
-        and not disk_step["tier_to_loaded_tokens"]
-    ), disk_step
+    assert disk_step["tier_to_loaded_tokens"].get("disk", 0) > 0, disk_step
 
     rows = data["rounds"]
     first = rows[0]

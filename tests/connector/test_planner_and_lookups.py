@@ -81,7 +81,6 @@ def test_planner_with_always_load_fetches_every_hit():
     assert decision.tier_to_planned_tokens == {"redis": 512 - 16}
 
 
-
 def test_forced_loading_loads_within_the_block_and_plans_again_after():
     planner = LoadPlanner(bytes_per_token=MIB)
     planner.observe_read("redis", 1, 100.0)  # far slower than recompute
@@ -90,6 +89,7 @@ def test_forced_loading_loads_within_the_block_and_plans_again_after():
     after = plan(planner, ["redis", "redis"])
     assert forced.num_fetch_chunks == 2 and forced.tier_to_planned_tokens == {"redis": 512}
     assert after.num_fetch_chunks == 0 and not planner.always_load
+
 
 @pytest.fixture
 def blackhole():

@@ -2,10 +2,10 @@
 
 Default (the GPU run): the 8b preset's model (Llama-3.1-8B shape, random bf16 weights,
 engine.bench_presets), `--cpu-offload-gb 8` (the last 19 of 32 layers), 4 requests of
-256 prompt tokens decoding together. Three engines run one after the other, each alone
-on the GPU: no offload; offload with the decode CUDA graphs (they capture the layer
-copies); offload eager (`enforce_eager`). Each runs untimed decode steps first, then
-times `--steps` decode steps one by one (median).
+256 prompt tokens decoding together. Three engines run one after the other, each in a fresh
+process alone on the GPU: no offload; offload with the decode CUDA graphs (they capture the layer
+copies); offload eager (`enforce_eager`). Each runs 2 untimed decode steps first, then
+times `--steps` (8) decode steps one by one (median).
 
 In the offload run the script also times copying every offloaded layer host→device back
 to back through the engine's own pinned buffers and ring (the pinned H2D rate, same run).
@@ -18,12 +18,13 @@ Target: offload step ≤ 1.15 × max(offloaded bytes ÷ H2D rate, step without o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -91,6 +92,7 @@ def decode_step_times(llm: LLM, args, device: torch.device) -> tuple[list[float]
 
 
 def run_engine(label: str, config, args, device: torch.device, **engine_args) -> dict:
+    """Start one engine, time its decode steps -> the table row (run in its own process)."""
     began = time.perf_counter()
     llm = LLM(
         config,
@@ -127,11 +129,6 @@ def run_engine(label: str, config, args, device: torch.device, **engine_args) ->
         }
     if device.type == "cuda":
         result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    del llm, offloader
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     return result
 
 
@@ -163,8 +160,8 @@ def main() -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's (1024 with --tiny)"
     )
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per engine")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per engine")
     parser.add_argument("--skip-eager", action="store_true", help="no offload run without CUDA graphs")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
@@ -181,7 +178,21 @@ def main() -> None:
     runs = [("no offload", {}), ("offload", {"cpu_offload_gb": args.cpu_offload_gb})]
     if not args.skip_eager:
         runs.append(("offload, eager", {"cpu_offload_gb": args.cpu_offload_gb, "enforce_eager": True}))
-    rows = [run_engine(label, config, args, device, **engine_args) for label, engine_args in runs]
+    rows = []
+    for label, engine_args in runs:
+        # A fresh process per engine: each starts on an empty GPU, whatever the last one left.
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            try:
+                rows.append(pool.submit(run_engine, label, config, args, device, **engine_args).result())
+            except Exception as error:  # report the others; the target needs the first two
+                print(f"{label}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+                rows.append({"label": label, "engine_args": engine_args, "error": repr(error)})
+    failed = [row for row in rows if "error" in row]
+    rows = [row for row in rows if "error" not in row]
+    if any(row["label"] in ("no offload", "offload") for row in failed):
+        if args.out is not None:
+            args.out.write_text(json.dumps({"failed_runs": failed}, indent=2) + "\n")
+        sys.exit(f"{failed[0]['label']!r} failed: no target to compute")
     plain, offload = rows[0], rows[1]
     # offload changes no weight and no kernel: the tokens equal the plain engine's (the
     # eager run may differ from both in bf16: graphs fix their attention split at capture)
@@ -227,6 +238,7 @@ def main() -> None:
             "meets_target": ratio <= TARGET_RATIO,
             "tokens_identical": tokens_equal,
             "runs": [{k: v for k, v in row.items() if k != "token_ids"} for row in rows],
+            "failed_runs": failed,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -19,7 +19,7 @@ from tests.engine.test_weight_offload import GREEDY, PROMPTS, layer_gib, six_lay
 pytestmark = pytest.mark.gpu
 
 #: start-up warm-up compiles every shape class; these tests need only what they run
-FAST = {"device": "cuda", "warmup": False, "max_num_seqs": 16}
+FAST = {"device": "cuda", "warmup": False, "max_num_seqs": 4}
 
 
 def close(llm: LLM) -> None:
@@ -38,15 +38,23 @@ def assert_offloaded_on_cuda(llm: LLM, num_layers: int) -> None:
     assert all(p.is_cuda for p in llm.engine.model.parameters())
 
 
+@pytest.fixture(scope="module")
+def qwen3_plain_tokens(tiny_model_dir) -> list[list[int]]:
+    """Greedy float32 tokens of the engine without offload (graphs and eager agree in
+    float32: both equal Hugging Face, tests/engine/test_gpu_parity.py)."""
+    plain = LLM(tiny_model_dir("qwen3"), dtype="float32", **FAST)
+    expected = token_ids(plain)
+    close(plain)
+    return expected
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_float32_greedy_tokens_identical_with_offload(tiny_model_dir, enforce_eager):
+def test_float32_greedy_tokens_identical_with_offload(tiny_model_dir, qwen3_plain_tokens, enforce_eager):
     """qwen3 (per-head q/k norms in the ring too), both layers offloaded; with decode CUDA
     graphs the layer copies are captured into the graphs and replayed."""
     model_dir = tiny_model_dir("qwen3")
+    expected = qwen3_plain_tokens
     args = {**FAST, "dtype": "float32", "enforce_eager": enforce_eager}
-    plain = LLM(model_dir, **args)
-    expected = token_ids(plain)
-    close(plain)
     llm = LLM(model_dir, cpu_offload_gb=layer_gib(model_dir, 2), **args)
     assert_offloaded_on_cuda(llm, 2)
     assert (llm.engine.runner.decode_graphs is None) == enforce_eager

@@ -133,6 +133,28 @@ def _view(buffer: torch.Tensor, slot: _ParamSlot) -> torch.Tensor:
     return buffer[slot.offset : slot.offset + slot.num_bytes].view(slot.dtype).view(slot.shape)
 
 
+def _allocate_host_buffers(num_buffers: int, num_bytes: int, *, pin: bool) -> list[torch.Tensor]:
+    """`num_buffers` flat uint8 host buffers of `num_bytes` each. Pinned, they come from
+    torch's caching host allocator, which rounds every allocation up to a power of two:
+    one allocation sliced into all of them is taken when it wastes less than one each
+    (8 GiB instead of 9.5 GiB for 19 bf16 Llama-3.1-8B layers of 416 MiB)."""
+    if not pin:
+        return [torch.empty(num_bytes, dtype=torch.uint8) for _ in range(num_buffers)]
+    if pin_as_one_allocation(num_buffers, num_bytes):
+        whole = torch.empty(num_buffers * num_bytes, dtype=torch.uint8, pin_memory=True)
+        return [whole[i * num_bytes : (i + 1) * num_bytes] for i in range(num_buffers)]
+    return [torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_buffers)]
+
+
+def pin_as_one_allocation(num_buffers: int, num_bytes: int) -> bool:
+    """Whether one pinned allocation for all buffers wastes less than one per buffer."""
+    return _next_power_of_two(num_buffers * num_bytes) <= num_buffers * _next_power_of_two(num_bytes)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 class WeightOffloader:
     """Owns the packed host copies of the offloaded layers, the device ring and the
     forward hooks that stream one into the other. Built once by the loader after the
@@ -174,9 +196,9 @@ class WeightOffloader:
             torch.empty(self.bytes_per_slot, dtype=torch.uint8, device=device) for _ in range(num_slots)
         ]
         #: one packed (pinned on CUDA) host buffer per offloaded layer
-        self.host_buffers: list[torch.Tensor] = []
+        self.host_buffers = _allocate_host_buffers(len(offloaded), self.bytes_per_slot, pin=self._on_cuda)
         for j, layer in enumerate(offloaded):
-            host = torch.empty(self.bytes_per_slot, dtype=torch.uint8, pin_memory=self._on_cuda)
+            host = self.host_buffers[j]
             slot_buffer = self.ring[j % num_slots]
             modules = dict(layer.named_modules())
             with torch.no_grad():
@@ -187,7 +209,6 @@ class WeightOffloader:
                     module._parameters[slot.param_name] = nn.Parameter(
                         _view(slot_buffer, slot), requires_grad=False
                     )
-            self.host_buffers.append(host)
         self._copy_stream = torch.cuda.Stream(device) if self._on_cuda else None
         #: per pass: the event each offloaded layer's copy records (CUDA)
         self._copy_done: list[torch.cuda.Event | None] = [None] * len(offloaded)

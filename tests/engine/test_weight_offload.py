@@ -13,7 +13,7 @@ from connector import OffloadConfig
 from engine import LLM, SamplingParams
 from engine.bench_presets import llama31_config
 from engine.config import EngineArgs, ModelConfig
-from engine.models.weight_offload import GIB, plan_weight_offload
+from engine.models.weight_offload import GIB, pin_as_one_allocation, plan_weight_offload
 from tests.engine.hf_reference import random_prompt
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -175,3 +175,11 @@ def test_cli_flag(tiny_model_dir):
     negative = CliRunner().invoke(main, [*base, "--cpu-offload-gb", "-1"])
     assert negative.exit_code != 0
     assert "cpu_offload_gb must be a finite number of GiB >= 0, got -1.0" in negative.output
+
+
+def test_pinned_buffers_are_allocated_to_waste_the_least():
+    """torch's caching host allocator rounds a pinned allocation up to a power of two."""
+    llama_8b_layer = 436_207_616  # bf16 bytes: 512 MiB pinned each, 8 GiB for 19 in one
+    assert pin_as_one_allocation(19, llama_8b_layer)
+    assert not pin_as_one_allocation(3, 1 << 20)  # 3 x 1 MiB exactly; one would take 4 MiB
+    assert pin_as_one_allocation(3, 5 << 20)  # 16 MiB instead of 3 x 8 MiB

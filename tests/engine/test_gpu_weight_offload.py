@@ -105,6 +105,8 @@ def test_kv_pool_grows_by_the_freed_device_memory():
         "dtype": "bfloat16",
         "enforce_eager": True,
         "gpu_memory_utilization": 0.5,
+        # 64 sequences: the pool is bounded by memory, not by max_num_seqs x max_model_len
+        "max_num_seqs": 64,
     }
     free_before, _ = torch.cuda.mem_get_info()
     plain = LLM(config, **args)

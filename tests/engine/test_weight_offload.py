@@ -39,7 +39,7 @@ def six_layer_config():
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=512,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,
         bos_token_id=1,
         eos_token_id=2,
     )

@@ -41,6 +41,16 @@ _DTYPE_NAMES = {
 SPECULATIVE_METHODS = ("ngram",)
 
 
+def check_cpu_offload_gb(value: object) -> None:
+    """Raise ValueError unless `value` is a finite number >= 0 (GiB). Called by
+    `EngineArgs.validate`; the model-dependent bounds are checked by
+    `engine.models.weight_offload.plan_weight_offload`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"cpu_offload_gb must be a number of GiB (e.g. 8 or 0.5), got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"cpu_offload_gb must be a finite number of GiB >= 0, got {value!r}")
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures one engine. CLI flags use the same names with `-`.
@@ -51,7 +61,9 @@ class EngineArgs:
     of the GPU memory (on CUDA) or `cpu_kv_cache_bytes` (on CPU).
     `load_format` "dummy" initialises random weights instead of reading
     safetensors (benchmarks of full-size shapes). `enforce_eager` turns off the
-    CUDA graphs that otherwise replay pure-decode steps."""
+    CUDA graphs that otherwise replay pure-decode steps. `cpu_offload_gb` keeps
+    that many GiB of weights (whole decoder layers, the last ones) in pinned CPU
+    memory, streamed to the device layer by layer (engine.models.weight_offload)."""
 
     dtype: str = "auto"
     device: str = "auto"
@@ -80,6 +92,9 @@ class EngineArgs:
     #: compile and plan every kernel variant and shape class at start-up on CUDA
     #: (engine.warmup); off, the first requests of each shape pay it
     warmup: bool = True
+    #: GiB of weights kept in CPU memory: the most whole decoder layers (from the last
+    #: one backwards) that fit; 0 = every weight on the device
+    cpu_offload_gb: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -108,6 +123,7 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"speculative={self.speculative!r} needs num_speculative_tokens >= 1")
+        check_cpu_offload_gb(self.cpu_offload_gb)
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(
                 f"ngram sizes need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}"

@@ -109,7 +109,12 @@ class EngineCore:
         self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
         self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
         self.model = load_model(
-            config, self.model_dir, self.device, self.dtype, dummy=args.load_format == "dummy"
+            config,
+            self.model_dir,
+            self.device,
+            self.dtype,
+            dummy=args.load_format == "dummy",
+            cpu_offload_gb=args.cpu_offload_gb,
         )
         if self.device.type == "cuda" and not args.enforce_eager and self.dtype != torch.float32:
             # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly

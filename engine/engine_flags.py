@@ -37,6 +37,11 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "seed": (int, "Engine seed."),
     "enforce_eager": (bool, "Never use CUDA graphs for decode steps."),
     "warmup": (bool, "Compile and plan every kernel shape at start-up (CUDA)."),
+    "cpu_offload_gb": (
+        float,
+        "GiB of weights (whole decoder layers, the last ones) kept in pinned CPU memory and "
+        "streamed to the GPU one layer ahead of the compute.",
+    ),
 }
 
 

@@ -107,7 +107,10 @@ class MLP(nn.Module):
 def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear whose output is the concatenation of `linears`' outputs."""
     first = linears[0]
-    fused = nn.Linear(
+    # skip_init: no random init of a tensor about to be overwritten (slow for offloaded
+    # layers, which are fused in CPU memory)
+    fused = nn.utils.skip_init(
+        nn.Linear,
         first.in_features,
         sum(linear.out_features for linear in linears),
         bias=first.bias is not None,

@@ -1,5 +1,7 @@
 """Build a model and fill its weights: from `*.safetensors` by name, or random
-(`load_format="dummy"`, for full-size benchmarks where values do not matter)."""
+(`load_format="dummy"`, for full-size benchmarks where values do not matter).
+With `cpu_offload_gb` the last layers are built in CPU memory and streamed to the
+device per pass (engine.models.weight_offload)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.weight_offload import WeightOffloader, materialize, plan_weight_offload
 
 
 def load_model(
@@ -18,12 +21,16 @@ def load_model(
     dtype: torch.dtype,
     *,
     dummy: bool = False,
+    cpu_offload_gb: float = 0.0,
 ) -> LlamaFamilyForCausalLM:
     """Called once at engine start. Raises ValueError when a weight is missing, has
-    the wrong shape, or no safetensors file exists."""
+    the wrong shape, or no safetensors file exists, or for a bad `cpu_offload_gb`.
+    The model's `weight_offloader` is its `WeightOffloader`, or None."""
+    plan = plan_weight_offload(config, dtype, cpu_offload_gb) if cpu_offload_gb else None
+    cpu_layer_ids = plan.offloaded_layer_ids if plan is not None else ()
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(config, torch.device("meta"), dtype)
-    model = model.to_empty(device=device)
+    materialize(model, device, cpu_layer_ids)
     model.set_rope_device(device)
     if dummy:
         _init_random(model, config)
@@ -32,20 +39,32 @@ def load_model(
             raise ValueError("a model folder is needed unless load_format='dummy'")
         _load_safetensors(model, Path(model_dir))
     model.fuse_projections()
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.weight_offloader = None
+    if cpu_layer_ids:
+        model.weight_offloader = WeightOffloader(model.model.layers, cpu_layer_ids, device)
+        if device.type == "cuda":
+            # the temporaries of a random init of CPU layers: give them back before the
+            # engine measures free memory for the KV cache
+            torch.cuda.empty_cache()
+    return model
 
 
 def _init_random(model: LlamaFamilyForCausalLM, config: ModelConfig) -> None:
     std = float(getattr(config.hf_config, "initializer_range", 0.02))
-    generator = torch.Generator(device=model.model.embed_tokens.weight.device).manual_seed(0)
+    device = model.model.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
+            elif param.device == device:
                 param.normal_(0.0, std, generator=generator)
+            else:
+                # an offloaded layer in CPU memory: the same values as on the device
+                param.copy_(torch.empty_like(param, device=device).normal_(0.0, std, generator=generator))
 
 
 def _load_safetensors(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
@@ -56,7 +75,6 @@ def _load_safetensors(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
         raise ValueError(f"no *.safetensors weights in {str(model_dir)!r}")
     name_to_param = dict(model.named_parameters())
     loaded_names: set[str] = set()
-    device = next(iter(name_to_param.values())).device
     with torch.no_grad():
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -70,7 +88,7 @@ def _load_safetensors(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
                         raise ValueError(
                             f"weight {name} in {path.name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                         )
-                    param.copy_(tensor.to(device=device, dtype=param.dtype))
+                    param.copy_(tensor.to(device=param.device, dtype=param.dtype))
                     loaded_names.add(name)
     missing = sorted(set(name_to_param) - loaded_names)
     if missing:

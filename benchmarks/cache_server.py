@@ -135,14 +135,19 @@ def start_redis(max_memory_bytes: int) -> tuple[subprocess.Popen, int, str]:
 class GrpcClient:
     """The engine's grpc:// tier (its wire path; it verifies each Get's checksum, redis-py does not)."""
 
-    def __init__(self, address: str, transport: str) -> None:
+    def __init__(self, address: str, transport: str, bulk_connections: int) -> None:
         from storage_backends import create_backend
 
-        self._backend = create_backend(f"grpc://{address}?timeout=60{TRANSPORT_QUERY[transport]}")
+        query = f"timeout=60&bulk_connections={bulk_connections}{TRANSPORT_QUERY[transport]}"
+        self._backend = create_backend(f"grpc://{address}?{query}")
         self.transport = transport
 
     def put(self, key: str, data: bytes) -> None:
         self._backend.put_encoded(key, data)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Pipelined Puts (the engine's write-through path): sent back to back over the bulk pool."""
+        self._backend.put_encoded_many(items)
 
     def get(self, key: str) -> bytes:
         return self._backend.get_encoded(key)
@@ -169,6 +174,14 @@ class RedisClient:
 
     def put(self, key: str, data: bytes) -> None:
         self._client.set(key, data)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """The same SETs in one redis-py pipeline (sent back to back, replies read at the end):
+        how the Redis tier writes a batch."""
+        with self._client.pipeline(transaction=False) as pipe:
+            for key, data in items:
+                pipe.set(key, data)
+            pipe.execute()
 
     def get(self, key: str) -> bytes:
         return self._client.get(key)
@@ -212,6 +225,44 @@ def run_phase(
     threads = [
         threading.Thread(target=worker, args=(c, k)) for c, k in zip(clients, keys_per_client, strict=True)
     ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return latencies
+
+
+def run_batches(
+    clients: list, keys_per_client: list[list[str]], key_to_value: dict[str, bytes], batch: int
+) -> list[float]:
+    """Every client runs ``put_many`` over its keys, ``batch`` keys per call; returns the
+    per-value latency of each call (its seconds ÷ its number of values), one per value."""
+    batches = [[keys[i : i + batch] for i in range(0, len(keys), batch)] for keys in keys_per_client]
+
+    def call(client, keys: list[str]) -> None:
+        client.put_many([(key, key_to_value[key]) for key in keys])
+
+    latencies: list[float] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(clients))
+
+    def worker(client, client_batches: list[list[str]]) -> None:
+        own = []
+        try:
+            barrier.wait()
+            for keys in client_batches:
+                start = time.perf_counter()
+                call(client, keys)
+                own.extend([(time.perf_counter() - start) / len(keys)] * len(keys))
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+        with lock:
+            latencies.extend(own)
+
+    threads = [threading.Thread(target=worker, args=(c, b)) for c, b in zip(clients, batches, strict=True)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -269,21 +320,34 @@ def measure(
     num_clients: int,
     ops_per_client: int,
     round_index: int,
+    put_batch: int,
 ) -> list[dict]:
     """Puts, then Gets (``get_encoded``: a new buffer per value), then ``get_into`` (into a buffer
-    kept per client; redis: GET again) of distinct keys by ``num_clients`` threads; one row per op."""
+    kept per client; redis: GET again) of distinct keys by ``num_clients`` threads, then
+    ``put_many`` of as many other keys, ``put_batch`` per call (redis: a pipeline of SETs);
+    one row per op."""
     clients = [make_client() for _ in range(num_clients)]
     keys = [
         [f"bench/{system}/{chunk.nbytes}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
     ]
+    batch_keys = [[f"{key}/batch" for key in client_keys] for client_keys in keys]
     # Serialized before the clock starts: each value carries the hash of its own key.
-    key_to_value = {key: encode_chunk(chunk, key=key) for client_keys in keys for key in client_keys}
+    key_to_value = {
+        key: encode_chunk(chunk, key=key) for client_keys in keys + batch_keys for key in client_keys
+    }
     value = next(iter(key_to_value.values()))
     rows = []
     for client in clients:
         client.reserve(len(value))
     try:
-        for op in ("put", "get", "get_into"):
+        for op in ("put", "get", "get_into", "put_many"):
+            if op == "put_many":
+                cpu_start, start = server_cpu_s(server_process), time.perf_counter()
+                latencies = run_batches(clients, batch_keys, key_to_value, put_batch)
+                elapsed = time.perf_counter() - start
+                cpu_s = server_cpu_s(server_process) - cpu_start
+                rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, cpu_s))
+                continue
             if op == "put":
                 call = lambda cl, k, v: cl.put(k, v)  # noqa: E731
             elif op == "get":
@@ -294,25 +358,36 @@ def measure(
             latencies = run_phase(clients, call, keys, key_to_value if op == "put" else None)
             elapsed = time.perf_counter() - start
             cpu_s = server_cpu_s(server_process) - cpu_start
-            num_bytes = len(value) * len(latencies)
-            rows.append(
-                {
-                    "system": system,
-                    "round": round_index,
-                    "op": op,
-                    "value_bytes": len(value),
-                    "num_clients": num_clients,
-                    "num_ops": len(latencies),
-                    "mb_per_s": num_bytes / elapsed / 1e6,
-                    "p50_ms": float(np.percentile(latencies, 50) * 1e3),
-                    "p99_ms": float(np.percentile(latencies, 99) * 1e3),
-                    "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
-                }
-            )
+            rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, cpu_s))
     finally:
         for client in clients:
             client.close()
     return rows
+
+
+def _row(
+    system: str,
+    round_index: int,
+    op: str,
+    value_bytes: int,
+    num_clients: int,
+    latencies: list[float],
+    elapsed: float,
+    cpu_s: float,
+) -> dict:
+    num_bytes = value_bytes * len(latencies)
+    return {
+        "system": system,
+        "round": round_index,
+        "op": op,
+        "value_bytes": value_bytes,
+        "num_clients": num_clients,
+        "num_ops": len(latencies),
+        "mb_per_s": num_bytes / elapsed / 1e6,
+        "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
+    }
 
 
 def main() -> int:
@@ -328,6 +403,15 @@ def main() -> int:
     )
     parser.add_argument(
         "--bulk", choices=("on", "off"), default="on", help="the server's bulk data channel (off: gRPC only)"
+    )
+    parser.add_argument(
+        "--put-batch", type=int, default=8, help="values per put_many call (redis: SETs per pipeline)"
+    )
+    parser.add_argument(
+        "--bulk-connections",
+        type=int,
+        default=4,
+        help="the kvstash client's bulk connections (?bulk_connections; put_many spreads over them)",
     )
     parser.add_argument(
         "--transports",
@@ -369,7 +453,7 @@ def main() -> int:
     server_process = psutil.Process(server.pid)
     systems = {
         f"kvstash-{transport}": (
-            lambda transport=transport: GrpcClient(address, transport),
+            lambda transport=transport: GrpcClient(address, transport, args.bulk_connections),
             server_process,
             lambda: clear_cache_server(address),
         )
@@ -404,6 +488,7 @@ def main() -> int:
                             num_clients,
                             ops[(size, num_clients)],
                             round_index,
+                            args.put_batch,
                         )
                     )
                     clear()  # keeps memory bounded: each measurement starts empty
@@ -436,6 +521,8 @@ def main() -> int:
             "settings": {
                 "rounds": args.rounds,
                 "mib_per_cell": args.mib_per_cell,
+                "put_batch": args.put_batch,
+                "bulk_connections": args.bulk_connections,
                 "bulk": args.bulk,
                 "transports": args.transports,
                 "load_mib": args.load_mib,

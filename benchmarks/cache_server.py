@@ -23,8 +23,15 @@ the GPU (non-blocking, its own stream per thread) before the clock stops.
 The machine is shared, so each cell runs ``--rounds`` times, alternating the two
 systems, and the table shows medians: MB/s of each system and the median of the
 per-round ratios (kvstash ÷ redis; a burst of load elsewhere hits both halves of
-a round). It also shows each server process's CPU time per MB moved, which
-load elsewhere changes far less than throughput. Prints a table and writes JSON
+a round). It also shows each server process's CPU time per MB moved, and the
+client process's (its threads: redis-py or the grpc:// tier), which load
+elsewhere changes far less than throughput: on a machine with free cores,
+server + client CPU per MB is what bounds a single client's rate.
+
+``put_many`` is the engine's write path (the connector's write-through hands
+the tier batches): ``--put-batch`` values per call, pipelined over the bulk
+pool (``--bulk-connections``) on the kvstash side, one redis-py pipeline of SETs
+on the Redis side. Prints a table and writes JSON
 with ``--out`` (every round's rows and the medians).
 
     .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
@@ -306,6 +313,14 @@ def socket_bound_mb_per_s(num_bytes: int, num_clients: int, duration_s: float = 
     return sum(moved) / (time.perf_counter() - start) / 1e6
 
 
+def client_cpu_s() -> float:
+    """User plus system CPU seconds of this process (the clients' threads) so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def server_cpu_s(process) -> float:
     """User plus system CPU seconds of a server process (``psutil.Process``) so far."""
     times = process.cpu_times()
@@ -342,11 +357,14 @@ def measure(
     try:
         for op in ("put", "get", "get_into", "put_many"):
             if op == "put_many":
-                cpu_start, start = server_cpu_s(server_process), time.perf_counter()
+                cpu_start, client_start = server_cpu_s(server_process), client_cpu_s()
+                start = time.perf_counter()
                 latencies = run_batches(clients, batch_keys, key_to_value, put_batch)
                 elapsed = time.perf_counter() - start
-                cpu_s = server_cpu_s(server_process) - cpu_start
-                rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, cpu_s))
+                cpu_s = (server_cpu_s(server_process) - cpu_start, client_cpu_s() - client_start)
+                rows.append(
+                    _row(system, round_index, op, len(value), num_clients, latencies, elapsed, *cpu_s)
+                )
                 continue
             if op == "put":
                 call = lambda cl, k, v: cl.put(k, v)  # noqa: E731
@@ -354,11 +372,12 @@ def measure(
                 call = lambda cl, k: cl.get(k)  # noqa: E731
             else:
                 call = lambda cl, k: cl.get_into(k)  # noqa: E731
-            cpu_start, start = server_cpu_s(server_process), time.perf_counter()
+            cpu_start, client_start = server_cpu_s(server_process), client_cpu_s()
+            start = time.perf_counter()
             latencies = run_phase(clients, call, keys, key_to_value if op == "put" else None)
             elapsed = time.perf_counter() - start
-            cpu_s = server_cpu_s(server_process) - cpu_start
-            rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, cpu_s))
+            cpu_s = (server_cpu_s(server_process) - cpu_start, client_cpu_s() - client_start)
+            rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, *cpu_s))
     finally:
         for client in clients:
             client.close()
@@ -374,6 +393,7 @@ def _row(
     latencies: list[float],
     elapsed: float,
     cpu_s: float,
+    client_cpu_s: float,
 ) -> dict:
     num_bytes = value_bytes * len(latencies)
     return {
@@ -387,6 +407,7 @@ def _row(
         "p50_ms": float(np.percentile(latencies, 50) * 1e3),
         "p99_ms": float(np.percentile(latencies, 99) * 1e3),
         "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
+        "client_cpu_ms_per_mb": client_cpu_s * 1e3 / (num_bytes / 1e6),
     }
 
 
@@ -565,7 +586,7 @@ def summarize(rows: list[dict], kvstash_systems: list[str]) -> list[dict]:
     for (size, num_clients, op), rounds in by_cell.items():
         entry = {"value_bytes": size, "num_clients": num_clients, "op": op, "num_rounds": len(rounds)}
         for system in (*kvstash_systems, "redis"):
-            for metric in ("mb_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_mb"):
+            for metric in ("mb_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_mb", "client_cpu_ms_per_mb"):
                 entry[f"{system}_{metric}"] = float(np.median([r[system][metric] for r in rounds.values()]))
         for system in kvstash_systems:
             ratios = [r[system]["mb_per_s"] / r["redis"]["mb_per_s"] for r in rounds.values()]
@@ -582,11 +603,12 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
     columns = ["value", "clients", "op", "socket bound MB/s", "redis MB/s"]
     for transport in transports:
         columns += [f"{transport} MB/s", f"{transport} ÷ redis (min-max)"]
-    columns.append("server CPU ms/MB " + " / ".join((*transports, "redis")))
+    columns.append("CPU ms/MB server+client " + " / ".join((*transports, "redis")))
     table = Table(*columns)
     for cell in cells:
-        cpu = [cell[f"kvstash-{t}_server_cpu_ms_per_mb"] for t in transports] + [
-            cell["redis_server_cpu_ms_per_mb"]
+        cpu = [
+            f"{cell[f'{system}_server_cpu_ms_per_mb']:.2f}+{cell[f'{system}_client_cpu_ms_per_mb']:.2f}"
+            for system in (*(f"kvstash-{t}" for t in transports), "redis")
         ]
         row = [f"{cell['value_bytes'] / MIB:.0f} MiB", str(cell["num_clients"]), cell["op"]]
         row += [f"{cell['unix_socket_bound_mb_per_s']:.0f}", f"{cell['redis_mb_per_s']:.0f}"]
@@ -596,7 +618,7 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
                 f"{cell[f'{system}_mb_per_s']:.0f}",
                 f"{cell[f'{system}_ratio']:.2f} ({cell[f'{system}_ratio_min']:.2f}-{cell[f'{system}_ratio_max']:.2f})",
             ]
-        row.append(" / ".join(f"{value:.2f}" for value in cpu))
+        row.append(" / ".join(cpu))
         table.add_row(*row)
     Console(width=200).print(table)
 

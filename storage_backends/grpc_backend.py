@@ -7,8 +7,8 @@ default 30), ``codec`` (``none`` or ``lz4``, used when this tier encodes a
 chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8),
 ``bulk`` (``on``, the default, or ``off``: move values over gRPC only, e.g. when
 only the gRPC port is forwarded to the client), ``bulk_connections`` (bulk
-connections in use at once, default 4: the calls of ``get_many`` / ``put_many``
-spread over them), ``local`` (``auto``, the default: use the server's Unix socket
+connections in use at once, default 4: the calls of ``get_many`` spread over
+them, and ``put_many`` pipelines its Puts over them), ``local`` (``auto``, the default: use the server's Unix socket
 when it runs on this host; ``off``: always TCP).
 
 A synchronous API over one gRPC channel (channels are thread-safe, so is this

@@ -375,10 +375,13 @@ class GrpcBackend(StorageBackend):
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
-        self._raise_first(self._put_items([(key, (data,))]))
+        self.put_encoded_many([(key, data)])
 
     def put_encoded_many(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store serialized values (each verified by the server); pipelined like :meth:`put_many`."""
+        """Store serialized values (each verified by the server); pipelined like :meth:`put_many`.
+        ValueError, before anything is sent, for an empty value."""
+        if any(not len(data) for _, data in items):
+            raise ValueError("cannot store an empty value")
         self._raise_first(self._put_items([(key, (data,)) for key, data in items]))
 
     def put(self, key: str, chunk: KVChunk) -> None:

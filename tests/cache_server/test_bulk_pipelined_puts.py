@@ -204,8 +204,11 @@ def test_the_grpc_tier_pipelines_put_many_and_raises_the_refusal(server, stubs) 
             assert backend.get(key).equal(chunk)
         with pytest.raises(ChunkFormatError, match="refused the value for 'ns/bad'"):
             backend.put_encoded_many([("ns/ok", make_value(8, key="ns/ok")), ("ns/bad", b"not a chunk")])
+        with pytest.raises(ValueError, match="empty value"):
+            backend.put_encoded_many([("ns/empty", b""), ("ns/never", make_value(9, key="ns/never"))])
         stats = backend.stats()
         assert stats["bulk_failures"] == 0 and stats["grpc_calls"] == 0
     finally:
         backend.close()
-    assert "ns/ok" in stored_keys(stubs) and "ns/bad" not in stored_keys(stubs)
+    keys = stored_keys(stubs)
+    assert "ns/ok" in keys and "ns/bad" not in keys and "ns/never" not in keys

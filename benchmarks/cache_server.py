@@ -23,8 +23,15 @@ the GPU (non-blocking, its own stream per thread) before the clock stops.
 The machine is shared, so each cell runs ``--rounds`` times, alternating the two
 systems, and the table shows medians: MB/s of each system and the median of the
 per-round ratios (kvstash ÷ redis; a burst of load elsewhere hits both halves of
-a round). It also shows each server process's CPU time per MB moved, which
-load elsewhere changes far less than throughput. Prints a table and writes JSON
+a round). It also shows each server process's CPU time per MB moved, and the
+client process's (its threads: redis-py or the grpc:// tier), which load
+elsewhere changes far less than throughput: on a machine with free cores,
+server + client CPU per MB is what bounds a single client's rate.
+
+``put_many`` is the engine's write path (the connector's write-through hands
+the tier batches): ``--put-batch`` values per call, pipelined over the bulk
+pool (``--bulk-connections``) on the kvstash side, one redis-py pipeline of SETs
+on the Redis side. Prints a table and writes JSON
 with ``--out`` (every round's rows and the medians).
 
     .venv/bin/python benchmarks/cache_server.py --out bench-out/cache_server.json
@@ -135,14 +142,19 @@ def start_redis(max_memory_bytes: int) -> tuple[subprocess.Popen, int, str]:
 class GrpcClient:
     """The engine's grpc:// tier (its wire path; it verifies each Get's checksum, redis-py does not)."""
 
-    def __init__(self, address: str, transport: str) -> None:
+    def __init__(self, address: str, transport: str, bulk_connections: int) -> None:
         from storage_backends import create_backend
 
-        self._backend = create_backend(f"grpc://{address}?timeout=60{TRANSPORT_QUERY[transport]}")
+        query = f"timeout=60&bulk_connections={bulk_connections}{TRANSPORT_QUERY[transport]}"
+        self._backend = create_backend(f"grpc://{address}?{query}")
         self.transport = transport
 
     def put(self, key: str, data: bytes) -> None:
         self._backend.put_encoded(key, data)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Pipelined Puts (the engine's write-through path): sent back to back over the bulk pool."""
+        self._backend.put_encoded_many(items)
 
     def get(self, key: str) -> bytes:
         return self._backend.get_encoded(key)
@@ -169,6 +181,14 @@ class RedisClient:
 
     def put(self, key: str, data: bytes) -> None:
         self._client.set(key, data)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """The same SETs in one redis-py pipeline (sent back to back, replies read at the end):
+        how the Redis tier writes a batch."""
+        with self._client.pipeline(transaction=False) as pipe:
+            for key, data in items:
+                pipe.set(key, data)
+            pipe.execute()
 
     def get(self, key: str) -> bytes:
         return self._client.get(key)
@@ -221,6 +241,44 @@ def run_phase(
     return latencies
 
 
+def run_batches(
+    clients: list, keys_per_client: list[list[str]], key_to_value: dict[str, bytes], batch: int
+) -> list[float]:
+    """Every client runs ``put_many`` over its keys, ``batch`` keys per call; returns the
+    per-value latency of each call (its seconds ÷ its number of values), one per value."""
+    batches = [[keys[i : i + batch] for i in range(0, len(keys), batch)] for keys in keys_per_client]
+
+    def call(client, keys: list[str]) -> None:
+        client.put_many([(key, key_to_value[key]) for key in keys])
+
+    latencies: list[float] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(clients))
+
+    def worker(client, client_batches: list[list[str]]) -> None:
+        own = []
+        try:
+            barrier.wait()
+            for keys in client_batches:
+                start = time.perf_counter()
+                call(client, keys)
+                own.extend([(time.perf_counter() - start) / len(keys)] * len(keys))
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+        with lock:
+            latencies.extend(own)
+
+    threads = [threading.Thread(target=worker, args=(c, b)) for c, b in zip(clients, batches, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return latencies
+
+
 def socket_bound_mb_per_s(num_bytes: int, num_clients: int, duration_s: float = 0.5) -> float:
     """MB/s that ``num_clients`` Unix socket pairs carry on this machine right now: one thread
     sends ``num_bytes`` buffers with ``sendall``, another receives them with ``recv_into`` (no
@@ -255,6 +313,14 @@ def socket_bound_mb_per_s(num_bytes: int, num_clients: int, duration_s: float = 
     return sum(moved) / (time.perf_counter() - start) / 1e6
 
 
+def client_cpu_s() -> float:
+    """User plus system CPU seconds of this process (the clients' threads) so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def server_cpu_s(process) -> float:
     """User plus system CPU seconds of a server process (``psutil.Process``) so far."""
     times = process.cpu_times()
@@ -269,50 +335,80 @@ def measure(
     num_clients: int,
     ops_per_client: int,
     round_index: int,
+    put_batch: int,
 ) -> list[dict]:
     """Puts, then Gets (``get_encoded``: a new buffer per value), then ``get_into`` (into a buffer
-    kept per client; redis: GET again) of distinct keys by ``num_clients`` threads; one row per op."""
+    kept per client; redis: GET again) of distinct keys by ``num_clients`` threads, then
+    ``put_many`` of as many other keys, ``put_batch`` per call (redis: a pipeline of SETs);
+    one row per op."""
     clients = [make_client() for _ in range(num_clients)]
     keys = [
         [f"bench/{system}/{chunk.nbytes}/{c}/{i}" for i in range(ops_per_client)] for c in range(num_clients)
     ]
+    batch_keys = [[f"{key}/batch" for key in client_keys] for client_keys in keys]
     # Serialized before the clock starts: each value carries the hash of its own key.
-    key_to_value = {key: encode_chunk(chunk, key=key) for client_keys in keys for key in client_keys}
+    key_to_value = {
+        key: encode_chunk(chunk, key=key) for client_keys in keys + batch_keys for key in client_keys
+    }
     value = next(iter(key_to_value.values()))
     rows = []
     for client in clients:
         client.reserve(len(value))
     try:
-        for op in ("put", "get", "get_into"):
+        for op in ("put", "get", "get_into", "put_many"):
+            if op == "put_many":
+                cpu_start, client_start = server_cpu_s(server_process), client_cpu_s()
+                start = time.perf_counter()
+                latencies = run_batches(clients, batch_keys, key_to_value, put_batch)
+                elapsed = time.perf_counter() - start
+                cpu_s = (server_cpu_s(server_process) - cpu_start, client_cpu_s() - client_start)
+                rows.append(
+                    _row(system, round_index, op, len(value), num_clients, latencies, elapsed, *cpu_s)
+                )
+                continue
             if op == "put":
                 call = lambda cl, k, v: cl.put(k, v)  # noqa: E731
             elif op == "get":
                 call = lambda cl, k: cl.get(k)  # noqa: E731
             else:
                 call = lambda cl, k: cl.get_into(k)  # noqa: E731
-            cpu_start, start = server_cpu_s(server_process), time.perf_counter()
+            cpu_start, client_start = server_cpu_s(server_process), client_cpu_s()
+            start = time.perf_counter()
             latencies = run_phase(clients, call, keys, key_to_value if op == "put" else None)
             elapsed = time.perf_counter() - start
-            cpu_s = server_cpu_s(server_process) - cpu_start
-            num_bytes = len(value) * len(latencies)
-            rows.append(
-                {
-                    "system": system,
-                    "round": round_index,
-                    "op": op,
-                    "value_bytes": len(value),
-                    "num_clients": num_clients,
-                    "num_ops": len(latencies),
-                    "mb_per_s": num_bytes / elapsed / 1e6,
-                    "p50_ms": float(np.percentile(latencies, 50) * 1e3),
-                    "p99_ms": float(np.percentile(latencies, 99) * 1e3),
-                    "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
-                }
-            )
+            cpu_s = (server_cpu_s(server_process) - cpu_start, client_cpu_s() - client_start)
+            rows.append(_row(system, round_index, op, len(value), num_clients, latencies, elapsed, *cpu_s))
     finally:
         for client in clients:
             client.close()
     return rows
+
+
+def _row(
+    system: str,
+    round_index: int,
+    op: str,
+    value_bytes: int,
+    num_clients: int,
+    latencies: list[float],
+    elapsed: float,
+    cpu_s: float,
+    client_cpu_s: float,
+) -> dict:
+    num_bytes = value_bytes * len(latencies)
+    return {
+        "system": system,
+        "round": round_index,
+        "op": op,
+        "value_bytes": value_bytes,
+        "num_clients": num_clients,
+        "num_ops": len(latencies),
+        "mb_per_s": num_bytes / elapsed / 1e6,
+        "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "server_cpu_ms_per_mb": cpu_s * 1e3 / (num_bytes / 1e6),
+        "client_cpu_ms_per_mb": client_cpu_s * 1e3 / (num_bytes / 1e6),
+    }
 
 
 def main() -> int:
@@ -328,6 +424,15 @@ def main() -> int:
     )
     parser.add_argument(
         "--bulk", choices=("on", "off"), default="on", help="the server's bulk data channel (off: gRPC only)"
+    )
+    parser.add_argument(
+        "--put-batch", type=int, default=8, help="values per put_many call (redis: SETs per pipeline)"
+    )
+    parser.add_argument(
+        "--bulk-connections",
+        type=int,
+        default=4,
+        help="the kvstash client's bulk connections (?bulk_connections; put_many spreads over them)",
     )
     parser.add_argument(
         "--transports",
@@ -369,7 +474,7 @@ def main() -> int:
     server_process = psutil.Process(server.pid)
     systems = {
         f"kvstash-{transport}": (
-            lambda transport=transport: GrpcClient(address, transport),
+            lambda transport=transport: GrpcClient(address, transport, args.bulk_connections),
             server_process,
             lambda: clear_cache_server(address),
         )
@@ -404,6 +509,7 @@ def main() -> int:
                             num_clients,
                             ops[(size, num_clients)],
                             round_index,
+                            args.put_batch,
                         )
                     )
                     clear()  # keeps memory bounded: each measurement starts empty
@@ -436,6 +542,8 @@ def main() -> int:
             "settings": {
                 "rounds": args.rounds,
                 "mib_per_cell": args.mib_per_cell,
+                "put_batch": args.put_batch,
+                "bulk_connections": args.bulk_connections,
                 "bulk": args.bulk,
                 "transports": args.transports,
                 "load_mib": args.load_mib,
@@ -478,7 +586,7 @@ def summarize(rows: list[dict], kvstash_systems: list[str]) -> list[dict]:
     for (size, num_clients, op), rounds in by_cell.items():
         entry = {"value_bytes": size, "num_clients": num_clients, "op": op, "num_rounds": len(rounds)}
         for system in (*kvstash_systems, "redis"):
-            for metric in ("mb_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_mb"):
+            for metric in ("mb_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_mb", "client_cpu_ms_per_mb"):
                 entry[f"{system}_{metric}"] = float(np.median([r[system][metric] for r in rounds.values()]))
         for system in kvstash_systems:
             ratios = [r[system]["mb_per_s"] / r["redis"]["mb_per_s"] for r in rounds.values()]
@@ -495,11 +603,12 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
     columns = ["value", "clients", "op", "socket bound MB/s", "redis MB/s"]
     for transport in transports:
         columns += [f"{transport} MB/s", f"{transport} ÷ redis (min-max)"]
-    columns.append("server CPU ms/MB " + " / ".join((*transports, "redis")))
+    columns.append("CPU ms/MB server+client " + " / ".join((*transports, "redis")))
     table = Table(*columns)
     for cell in cells:
-        cpu = [cell[f"kvstash-{t}_server_cpu_ms_per_mb"] for t in transports] + [
-            cell["redis_server_cpu_ms_per_mb"]
+        cpu = [
+            f"{cell[f'{system}_server_cpu_ms_per_mb']:.2f}+{cell[f'{system}_client_cpu_ms_per_mb']:.2f}"
+            for system in (*(f"kvstash-{t}" for t in transports), "redis")
         ]
         row = [f"{cell['value_bytes'] / MIB:.0f} MiB", str(cell["num_clients"]), cell["op"]]
         row += [f"{cell['unix_socket_bound_mb_per_s']:.0f}", f"{cell['redis_mb_per_s']:.0f}"]
@@ -509,7 +618,7 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
                 f"{cell[f'{system}_mb_per_s']:.0f}",
                 f"{cell[f'{system}_ratio']:.2f} ({cell[f'{system}_ratio_min']:.2f}-{cell[f'{system}_ratio_max']:.2f})",
             ]
-        row.append(" / ".join(f"{value:.2f}" for value in cpu))
+        row.append(" / ".join(cpu))
         table.add_row(*row)
     Console(width=200).print(table)
 

@@ -229,6 +229,8 @@ class BulkServer:
                 return
             if transport == wire.TRANSPORT_TCP:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                wire.tune_unix_socket(sock)
             # The handshake and hello together get one deadline, however the bytes trickle in.
             connection.deadline = time.monotonic() + self._limits.request_timeout_s
             sock.settimeout(self._limits.request_timeout_s)
@@ -280,9 +282,12 @@ class BulkServer:
             connection.deadline = started + self._limits.request_timeout_s
             op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
             key_bytes = _receive(sock, key_len)
-            if op == wire.OP_PUT:
+            if op in (wire.OP_PUT, wire.OP_PUT_STREAMED):
                 connection.deadline = started + self._limits.transfer_deadline_s(value_len)
-                self._put(connection, key_bytes, value_len)
+                if op == wire.OP_PUT:
+                    self._put(connection, key_bytes, value_len)
+                else:
+                    self._put_streamed(connection, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
                 self._get(connection, key_bytes, started)
             else:
@@ -318,6 +323,37 @@ class BulkServer:
         service.counters.count_put(connection.transport, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
+    def _put_streamed(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+        """The value follows the request without a "send it": receive, verify and store it, then
+        answer once. A refusal before the value was read (key, access, size, memory cap, stream
+        slots) reads and drops the whole announced value first, so the connection stays in step
+        for the Puts the client has already sent behind it; nothing is stored."""
+        service, sock = self._service, connection.sock
+        value_consumed = False
+        try:
+            with service.stream_slot():
+                key = service.check_access(
+                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
+                )
+                reservation = service.store.memory.reserve(key, service.check_size(value_len))
+                try:
+                    assembler = ValueAssembler(value_len, key)
+                    # Past this call the value is read whatever happens (a refused one is drained).
+                    value_consumed = True
+                    data = _receive_value(sock, assembler)
+                    service.store.put_verified(key, data, reservation)
+                finally:
+                    reservation.release()  # a no-op once stored
+        except (OSError, ProtocolError):
+            raise
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            if not value_consumed:
+                _discard(sock, value_len)
+            self._refuse(sock, error)
+            return
+        service.counters.count_put(connection.transport, value_len)
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
+
     def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
         service, sock = self._service, connection.sock
         try:
@@ -331,7 +367,9 @@ class BulkServer:
                     raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
                 # A reader that stalls is cut like a writer that does.
                 connection.deadline = started + self._limits.transfer_deadline_s(len(stored.data))
-                _send_all(sock, wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)), stored.data)
+                wire.send_buffers(
+                    sock, wire.encode_reply(wire.STATUS_OK, value_len=len(stored.data)), stored.data
+                )
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
@@ -384,23 +422,6 @@ def _discard(sock: socket.socket, num_bytes: int) -> None:
         if received == 0:
             raise ConnectionError("client closed in the middle of a refused value")
         num_bytes -= received
-
-
-def _send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
-    """Send ``buffers`` back to back without joining them: one ``sendmsg`` of memoryviews
-    (the stored value is sent from where it lies), repeated for what a short send left.
-    TLS sockets have no ``sendmsg``; they send each buffer in turn."""
-    if isinstance(sock, ssl.SSLSocket):
-        for buffer in buffers:
-            sock.sendall(buffer)
-        return
-    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
-    while views:
-        num_sent = sock.sendmsg(views)
-        while views and num_sent >= len(views[0]):
-            num_sent -= len(views.pop(0))
-        if views:
-            views[0] = views[0][num_sent:]
 
 
 def _remove_stale_socket(path: str) -> None:

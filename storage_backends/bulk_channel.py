@@ -25,35 +25,50 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   (0 for Get), key bytes (UTF-8).
 - reply: u8 status, u32 message length, u64 value length, message bytes
   (UTF-8), then the value's bytes when a Get succeeds.
-- Put: the server checks key, size, limits and memory cap and answers OK ("send
+- Put (``OP_PUT``): the server checks key, size, limits and memory cap and answers OK ("send
   it") or an error before any value byte moves; then the client sends the value
   and the server answers once more after verifying header and checksum and
   storing it (or INVALID_ARGUMENT; it reads the whole announced value either
   way, so the connection stays usable).
+- Streamed Put (``OP_PUT_STREAMED``, protocol version 2): the value follows the
+  request at once and the server answers once, after storing it or refusing it.
+  A refusal (any check above) reads and drops the announced value first, so the
+  connection stays in step and a refused Put stores nothing. Since nothing waits
+  for a "send it", a client sends the next Puts before the replies of the earlier
+  ones come (:meth:`BulkClient.put_many`: up to ``put_window`` unanswered Puts per
+  connection); replies come in request order, one per Put.
 
 :class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
 Unix socket): at most ``max_connections`` in use at once, each reused by the
 next caller; concurrent callers (``get_many``/``put_many``) spread over them
-and wait for one when all are busy. Thread-safe. Transport failures (refused, reset, closed, timed out,
+and wait for one when all are busy. Values are sent straight from the caller's
+memory (``sendmsg`` of memoryviews: request header, chunk header and tensor
+bytes leave in one call, never joined). Thread-safe. Transport failures (refused, reset, closed, timed out,
 garbled) raise :class:`BulkUnavailable`; the gRPC tier then retries the call
 over gRPC. A reply with an error status raises :class:`BulkStatusError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
 import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from storage_backends.chunk import KVChunk
     from storage_backends.chunk_receiver import Destination
 
-PROTOCOL_VERSION = 1
+#: the version the server advertises: 2 added OP_PUT_STREAMED
+PROTOCOL_VERSION = 2
+#: versions a client speaks to (a version-1 server gets ask-first Puts, one at a time per connection)
+SUPPORTED_PROTOCOL_VERSIONS = (1, 2)
 MAGIC = b"KVB1"
-OP_PUT, OP_GET = 1, 2
+OP_PUT, OP_GET, OP_PUT_STREAMED = 1, 2, 3
 # Status codes: the numbers of grpc.StatusCode (this module does not import grpc).
 STATUS_OK = 0
 STATUS_INVALID_ARGUMENT = 3
@@ -87,7 +102,22 @@ MAX_KEY_BYTES = 0xFFFF
 DEFAULT_MAX_VALUE_BYTES = 1 << 30
 #: connections one client keeps in use at once by default (values of MiBs: a few fill the link)
 DEFAULT_MAX_CONNECTIONS = 4
+#: streamed Puts one connection sends before it waits for the oldest one's reply (each reply is
+#: at most a few KiB, so this many always fit in the socket's buffer: the server never blocks on them)
+DEFAULT_PUT_WINDOW = 8
 TRANSPORT_TCP, TRANSPORT_UNIX = "tcp", "unix"
+#: send and receive buffer asked for on Unix sockets (the kernel doubles it, capped by
+#: net.core.wmem_max/rmem_max): the default ~200 KiB makes sender and receiver wake each other
+#: every ~200 KiB; with 1 MiB a socket pair carried 15-25% more on the 2-core VM (docs/benchmarks.md).
+#: TCP keeps the kernel's autotuning (setting a size turns it off).
+UNIX_SOCKET_BUFFER_BYTES = 1 << 20
+
+
+def tune_unix_socket(sock: socket.socket) -> None:
+    """Larger buffers on a Unix stream socket (either side); best effort."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, UNIX_SOCKET_BUFFER_BYTES)
 
 
 class BulkUnavailable(Exception):
@@ -101,6 +131,15 @@ class BulkStatusError(Exception):
         super().__init__(f"{STATUS_NAMES.get(code, code)}: {message}")
         self.code = code
         self.message = message
+
+
+#: a value's buffers back to back (e.g. a chunk's header and its tensor's memory)
+ValueParts = tuple[bytes | bytearray | memoryview, ...]
+#: the parts, or a callable that makes them (called once, just before the value is sent)
+PartsSource = ValueParts | Callable[[], ValueParts]
+#: one streamed Put's outcome: bytes stored, or the error for that key (BulkStatusError: the
+#: server refused it and stored nothing; BulkUnavailable: the connection failed before its reply)
+PutOutcome = int | Exception
 
 
 class Reply(NamedTuple):
@@ -123,6 +162,23 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if num_bytes == 0:
             raise ConnectionError(f"connection closed after {num_received} of {len(view)} bytes")
         num_received += num_bytes
+
+
+def send_buffers(sock: socket.socket, *buffers: bytes | memoryview) -> None:
+    """Send ``buffers`` back to back without joining them: one ``sendmsg`` of memoryviews (each
+    is sent from where it lies), repeated for what a short send left. TLS sockets have no
+    ``sendmsg``; they send each buffer in turn."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
+    while views:
+        num_sent = sock.sendmsg(views)
+        while views and num_sent >= len(views[0]):
+            num_sent -= len(views.pop(0))
+        if views:
+            views[0] = views[0][num_sent:]
 
 
 def read_reply(sock: socket.socket) -> Reply:
@@ -154,9 +210,17 @@ class BulkClient:
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         unix_path: str | None = None,
         server_instance_id: str | None = None,
+        protocol_version: int = PROTOCOL_VERSION,
+        put_window: int = DEFAULT_PUT_WINDOW,
     ) -> None:
-        if max_connections <= 0:
-            raise ValueError(f"bulk connections must be positive, got {max_connections}")
+        if max_connections <= 0 or put_window <= 0:
+            raise ValueError(
+                f"bulk connections and put window must be positive, got {max_connections} and {put_window}"
+            )
+        if protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
+            raise ValueError(
+                f"bulk protocol version {protocol_version} is not one of {SUPPORTED_PROTOCOL_VERSIONS}"
+            )
         if unix_path is not None and tls_context is not None:
             raise ValueError("the bulk channel's Unix socket does not speak TLS")
         self.host = host
@@ -167,6 +231,10 @@ class BulkClient:
         #: "unix" or "tcp": how this client reaches the server
         self.transport = TRANSPORT_UNIX if unix_path is not None else TRANSPORT_TCP
         self.max_connections = max_connections
+        #: the server's protocol version (1: no streamed Puts)
+        self.protocol_version = protocol_version
+        #: streamed Puts in flight per connection before the client waits for a reply
+        self.put_window = put_window
         self.timeout_s = timeout_s
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self._token = (token or "").encode()
@@ -193,6 +261,7 @@ class BulkClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tune_unix_socket(sock)
         try:
             sock.settimeout(self.connect_timeout_s)
             sock.connect(self.unix_path)
@@ -299,6 +368,85 @@ class BulkClient:
         tensor's memory, sent without joining them); returns the number of bytes the server stored."""
         return self._call(_put, key, parts)
 
+    def put_many(self, items: Sequence[tuple[str, PartsSource]]) -> list[PutOutcome]:
+        """Streamed Puts of ``items`` (key, value parts) on one connection, pipelined: each value
+        is sent from the caller's buffers as soon as the previous one has left, with up to
+        ``put_window`` Puts unanswered; the replies are read as the window requires.
+
+        Returns one outcome per item, in order: the number of bytes the server stored; the
+        BulkStatusError it answered for that key (nothing stored, the connection stays in
+        step); an exception the item's parts callable raised (nothing sent for it); or
+        BulkUnavailable when the connection failed before the item's reply came (it may or
+        may not be stored: Puts are idempotent, retry it elsewhere). ValueError before
+        anything is sent for a key too long for the wire. A version-1 server gets ask-first
+        Puts, one after the other. Called by the gRPC tier's Put paths, from any thread.
+        """
+        keys = [key.encode() for key, _ in items]
+        for encoded_key in keys:
+            if len(encoded_key) > MAX_KEY_BYTES:
+                raise ValueError(f"key of {len(encoded_key)} bytes is too long for the bulk channel")
+        outcomes: list[PutOutcome | None] = [None] * len(items)
+        parts = _PartsCache(items)
+        if self.protocol_version < 2:
+            for index, (key, _) in enumerate(items):
+                try:
+                    outcomes[index] = self.put(key, *parts.get(index))
+                except (BulkStatusError, BulkUnavailable, ValueError) as error:
+                    outcomes[index] = error
+            return outcomes
+        if items and not self._permits.acquire(timeout=self.timeout_s):
+            busy = BulkUnavailable(f"no free bulk connection to {self.endpoint} within {self.timeout_s:g} s")
+            return [busy] * len(items)
+        try:
+            while any(outcome is None for outcome in outcomes):
+                if not self._put_streamed_once(keys, parts, outcomes):
+                    break
+        finally:
+            if items:
+                self._permits.release()
+        return outcomes
+
+    def _put_streamed_once(self, keys: list[bytes], parts: _PartsCache, outcomes: list) -> bool:
+        """Send every item without an outcome on one connection; True when it should be tried
+        again (a pooled connection that was found closed before any reply came)."""
+        try:
+            sock, pooled = self._take()
+        except OSError as error:
+            _fail_unsettled(outcomes, BulkUnavailable(f"cannot connect to {self.endpoint}: {error}"))
+            return False
+        pending: deque[int] = deque()
+        num_replies = 0
+        try:
+            sock.settimeout(self.timeout_s)
+            for index in [i for i, outcome in enumerate(outcomes) if outcome is None]:
+                try:
+                    buffers = parts.get(index)
+                except Exception as error:  # noqa: BLE001 - reported for its key, the others go on
+                    outcomes[index] = error
+                    continue
+                if len(pending) >= self.put_window:
+                    _settle(sock, pending.popleft(), outcomes)
+                    num_replies += 1
+                size = sum(memoryview(buffer).nbytes for buffer in buffers)
+                request = REQUEST.pack(OP_PUT_STREAMED, len(keys[index]), size) + keys[index]
+                pending.append(index)
+                send_buffers(sock, request, *buffers)
+            while pending:
+                _settle(sock, pending.popleft(), outcomes)
+                num_replies += 1
+        except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
+            sock.close()
+            if pooled and num_replies == 0 and not isinstance(error, TimeoutError):
+                self._close_idle()  # closed while idle (a restart): they are as old as this one
+                return True
+            _fail_unsettled(outcomes, BulkUnavailable(f"bulk transfer with {self.endpoint} failed: {error}"))
+            return False
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+        return False
+
     def get(self, key: str) -> bytearray | None:
         """The value of ``key`` or None when the server does not hold it (not verified here)."""
         try:
@@ -332,14 +480,41 @@ class BulkClient:
         self._close_idle()
 
 
+class _PartsCache:
+    """Each item's parts, made once when first needed (a retry on a new connection reuses them)."""
+
+    def __init__(self, items: Sequence[tuple[str, PartsSource]]) -> None:
+        self._sources = [source for _, source in items]
+        self._made: dict[int, ValueParts] = {}
+
+    def get(self, index: int) -> ValueParts:
+        if index not in self._made:
+            source = self._sources[index]
+            self._made[index] = tuple(source() if callable(source) else source)
+        return self._made[index]
+
+
+def _settle(sock: socket.socket, index: int, outcomes: list) -> None:
+    """Read the next reply: the outcome of the Put at ``index`` (replies come in request order)."""
+    reply = read_reply(sock)
+    outcomes[index] = (
+        reply.value_len if reply.status == STATUS_OK else BulkStatusError(reply.status, reply.message)
+    )
+
+
+def _fail_unsettled(outcomes: list, error: BulkUnavailable) -> None:
+    for index, outcome in enumerate(outcomes):
+        if outcome is None:
+            outcomes[index] = error
+
+
 def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]) -> int:
     views = [memoryview(part).cast("B") for part in parts]
     sock.sendall(REQUEST.pack(OP_PUT, len(key), sum(len(view) for view in views)) + key)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
-    for view in views:
-        sock.sendall(view)
+    send_buffers(sock, *views)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)

@@ -7,8 +7,8 @@ default 30), ``codec`` (``none`` or ``lz4``, used when this tier encodes a
 chunk), ``concurrency`` (parallel calls of ``get_many`` / ``put_many``, default 8),
 ``bulk`` (``on``, the default, or ``off``: move values over gRPC only, e.g. when
 only the gRPC port is forwarded to the client), ``bulk_connections`` (bulk
-connections in use at once, default 4: the calls of ``get_many`` / ``put_many``
-spread over them), ``local`` (``auto``, the default: use the server's Unix socket
+connections in use at once, default 4: the calls of ``get_many`` spread over
+them, and ``put_many`` pipelines its Puts over them), ``local`` (``auto``, the default: use the server's Unix socket
 when it runs on this host; ``off``: always TCP).
 
 A synchronous API over one gRPC channel (channels are thread-safe, so is this
@@ -24,6 +24,7 @@ reason, except that an unknown key is a miss and a refused value is a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -40,6 +41,7 @@ from storage_backends.bulk_channel import (
     BulkClient,
     BulkStatusError,
     BulkUnavailable,
+    PartsSource,
 )
 from storage_backends.chunk import (
     CODECS,
@@ -373,48 +375,102 @@ class GrpcBackend(StorageBackend):
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
-        self._put_parts(key, (data,))
+        self.put_encoded_many([(key, data)])
+
+    def put_encoded_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store serialized values (each verified by the server); pipelined like :meth:`put_many`.
+        ValueError, before anything is sent, for an empty value."""
+        if any(not len(data) for _, data in items):
+            raise ValueError("cannot store an empty value")
+        self._raise_first(self._put_items([(key, (data,)) for key, data in items]))
 
     def put(self, key: str, chunk: KVChunk) -> None:
         """Over the bulk channel the header and the tensor's own memory are sent as they are
         (no joined copy of the value); over gRPC the value is joined first."""
-        self._check_open()
-        self._put_parts(key, encode_chunk_parts(chunk, self.codec, key=key))
+        self.put_many([(key, chunk)])
 
-    def _put_parts(self, key: str, parts: tuple[bytes | memoryview, ...]) -> None:
+    def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
+        """Pipelined Puts: over the bulk channel the values are spread over up to
+        ``bulk_connections`` connections, and each connection sends its values one after the
+        other without waiting for the replies in between (``BulkClient.put_many``; a window of
+        unanswered Puts). Each chunk is serialized (its CRC-32) just before it is sent, from the
+        tensor's own memory. Raises the first failure after every Put has ended; a refused
+        value is a ValueError (ChunkFormatError) and stores nothing."""
+        self._raise_first(
+            self._put_items([(key, functools.partial(self._encode, key, chunk)) for key, chunk in items])
+        )
+
+    def _encode(self, key: str, chunk: KVChunk) -> tuple[bytes | memoryview, ...]:
+        return encode_chunk_parts(chunk, self.codec, key=key)
+
+    @staticmethod
+    def _raise_first(errors: list[Exception | None]) -> None:
+        first_error = next((error for error in errors if error is not None), None)
+        if first_error is not None:
+            raise first_error
+
+    def _put_items(self, items: list[tuple[str, PartsSource]]) -> list[Exception | None]:
+        """Store every item; returns per item None (stored) or the error it got. Over the bulk
+        channel first; the items whose connection failed (BulkUnavailable) go over gRPC."""
         self._check_open()
-        if not sum(len(part) for part in parts):
-            raise ValueError("cannot store an empty value")
+        errors: list[Exception | None] = [None] * len(items)
+        over_grpc = list(range(len(items)))
         bulk = self._bulk_client()
-        if bulk is not None:
-            try:
-                bulk.put(key, *parts)
-                self._count("puts")
-                self._bulk_succeeded(bulk)
-                return
-            except BulkUnavailable as error:
-                self._bulk_failed(bulk, error)
-            except BulkStatusError as error:
-                if error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
-                    raise self._refused_value(key, error.message) from None
-                raise self._error("put", error) from None
+        if bulk is not None and items:
+            over_grpc = []
+            num_groups = min(bulk.max_connections, len(items))
+            groups = [list(range(first, len(items), num_groups)) for first in range(num_groups)]
+            if num_groups == 1:
+                results = [bulk.put_many(items)]
+            else:
+                results = list(self._pool.map(lambda group: bulk.put_many([items[i] for i in group]), groups))
+            unavailable: BulkUnavailable | None = None
+            for group, outcomes in zip(groups, results, strict=True):
+                for index, outcome in zip(group, outcomes, strict=True):
+                    if isinstance(outcome, BulkUnavailable):
+                        unavailable = outcome
+                        over_grpc.append(index)
+                    elif isinstance(outcome, BulkStatusError):  # refused: counted as an error, not a call
+                        errors[index] = self._put_refusal(items[index][0], outcome)
+                    elif isinstance(outcome, Exception):
+                        errors[index] = outcome
+                    else:
+                        self._bulk_succeeded(bulk)
+                        self._count("puts")
+            if unavailable is not None:
+                self._bulk_failed(bulk, unavailable)
+        if len(over_grpc) == 1:  # no thread hop for a single Put
+            grpc_errors = [self._put_over_grpc(*items[over_grpc[0]])]
+        else:
+            grpc_errors = self._pool.map(lambda index: self._put_over_grpc(*items[index]), over_grpc)
+        for index, error in zip(over_grpc, grpc_errors, strict=True):
+            errors[index] = error
+        return errors
+
+    def _put_refusal(self, key: str, error: BulkStatusError) -> Exception:
+        if error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+            return self._refused_value(key, error.message)
+        return self._error("put", error)
+
+    def _put_over_grpc(self, key: str, source: PartsSource) -> Exception | None:
+        """One Put over gRPC (the value joined first); returns its error instead of raising it."""
+        try:
+            parts = tuple(source() if callable(source) else source)
+            if not sum(memoryview(part).nbytes for part in parts):
+                raise ValueError("cannot store an empty value")
+            self._check_open()
+        except Exception as error:  # noqa: BLE001 - returned for its key
+            return error
         self._count("grpc_calls")
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         try:
             self._put_wire(put_messages(key, data), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise self._refused_value(key, error.details()) from None
-            raise self._error("put", error) from None
+                return self._refused_value(key, error.details())
+            return self._error("put", error)
         self._count("puts")
-
-    def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
-        """Concurrent Puts; raises the first failure after every Put has ended."""
-        futures = [self._pool.submit(self.put, key, chunk) for key, chunk in items]
-        errors = [future.exception() for future in futures]
-        first_error = next((error for error in errors if error is not None), None)
-        if first_error is not None:
-            raise first_error
+        return None
 
     def delete(self, key: str) -> bool:
         self._check_open()

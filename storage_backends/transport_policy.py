@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from protos import kvstash_pb2
 from storage_backends.bulk_channel import (
-    PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOL_VERSIONS,
     BulkClient,
     BulkStatusError,
     BulkUnavailable,
@@ -131,7 +131,11 @@ class BulkTransportPolicy:
             endpoint = self._ask_endpoint()
         except grpc.RpcError:
             return None  # an older server (UNIMPLEMENTED) or none at all: the gRPC call reports it
-        if not endpoint.port or endpoint.protocol_version != PROTOCOL_VERSION or endpoint.tls != self._secure:
+        if (
+            not endpoint.port
+            or endpoint.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS
+            or endpoint.tls != self._secure
+        ):
             # A server with TLS on gRPC has it on the bulk port too; anything else is not used.
             return None
         if self.same_host(endpoint):
@@ -175,6 +179,7 @@ class BulkTransportPolicy:
             tls_context=tls_context,
             max_connections=self._max_connections,
             unix_path=unix_path,
+            protocol_version=endpoint.protocol_version,
         )
 
     def succeeded(self) -> None:

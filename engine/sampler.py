@@ -52,6 +52,16 @@ def sample(
     """One token id per row. Greedy rows take the argmax; the others sample from
     softmax(logits / temperature) after top-k/top-p, drawing from their own
     generator (seeded requests) or the global RNG."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # float32 [N, V]
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:  # int64 [N], on the logits' device
+    """`sample` without reading the tokens back: the host does not wait for the device
+    (the model runner reads them later, or feeds them to the next step on the device)."""
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -59,4 +69,4 @@ def sample(
         probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
         for row_index, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row_index], 1, generator=generators[i])[0]
-    return token_ids.tolist()
+    return token_ids

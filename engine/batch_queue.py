@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -46,9 +46,26 @@ FinishStep = Callable[[SchedulerOutput, RunnerOutput, float], list[RequestOutput
 
 @dataclass
 class _Advance:
+    """What one step in flight adds to one request's state while it is in flight."""
+
     request: Request
     num_tokens: int
     num_placeholders: int  # 1 when the step samples a token for the request, else 0
+    #: whether it is added now (not while the scheduler updates, nor once the request
+    #: ended, was preempted or must recompute after a failed load)
+    applied: bool = False
+
+    def apply(self) -> None:
+        if not self.applied:
+            self.request.num_computed_tokens += self.num_tokens
+            self.request.num_output_placeholders += self.num_placeholders
+            self.applied = True
+
+    def take_back(self) -> None:
+        if self.applied:
+            self.request.num_computed_tokens -= self.num_tokens
+            self.request.num_output_placeholders -= self.num_placeholders
+            self.applied = False
 
 
 @dataclass
@@ -68,10 +85,14 @@ class BatchQueue:
         self.scheduler = scheduler
         self.runner = runner
         self._in_flight: deque[InFlightStep] = deque()
-        #: whether the advances of the steps in `_in_flight` are applied to their requests
-        self._applied = True
         #: the step `_collect_oldest` is updating (a step that raises there is abandoned too)
         self._collecting: InFlightStep | None = None
+        #: perf_counter when the latest step's tokens were read: the device starts a step
+        #: queued behind another about then (the connector times prefill from it)
+        self._last_collected_at = 0.0
+        #: outputs of steps in flight dropped: their request had ended, was preempted or
+        #: must recompute after a failed load (tests, stats)
+        self.num_dropped_outputs = 0
         #: steps collected at once because they had loads or no requests (tests, stats)
         self.num_sync_steps = 0
 
@@ -126,13 +147,13 @@ class BatchQueue:
         collecting = [self._collecting] if self._collecting is not None else []
         for step in [*collecting, *self._in_flight]:
             requests += [r for r in step.plan.requests if r not in requests]
-        if self._applied:
-            self._take_back(self._in_flight)
+        for step in self._in_flight:
+            for advance in step.advances:
+                advance.take_back()
         for request in requests:
             request.num_output_placeholders = 0
         self._in_flight.clear()
         self._collecting = None
-        self._applied = True
         return requests
 
     # --- bookkeeping --------------------------------------------------------------------
@@ -144,8 +165,7 @@ class BatchQueue:
             num_drafts = len(plan.request_id_to_spec_token_ids.get(request.request_id, ()))
             samples = end == request.num_tokens + request.num_output_placeholders + num_drafts
             advance = _Advance(request, num_new, int(samples))
-            request.num_computed_tokens += advance.num_tokens
-            request.num_output_placeholders += advance.num_placeholders
+            advance.apply()
             advances.append(advance)
         self._in_flight.append(InFlightStep(plan, future, began, advances))
 
@@ -154,11 +174,16 @@ class BatchQueue:
         advance taken back meanwhile."""
         step = self._in_flight[0]
         result = step.future.result()
-        self._take_back(self._in_flight)
-        self._applied = False
+        began, self._last_collected_at = max(step.began, self._last_collected_at), time.perf_counter()
+        for in_flight in self._in_flight:
+            for advance in in_flight.advances:
+                advance.take_back()
         self._in_flight.popleft()
         self._collecting = step
         plan = step.plan
+        self.num_dropped_outputs += sum(
+            r.is_finished or r.request_id in step.dropped_request_ids for r in plan.requests
+        )
         if step.dropped_request_ids:
             kept = [
                 (r, n)
@@ -168,28 +193,16 @@ class BatchQueue:
             plan = dataclasses.replace(
                 plan, requests=[r for r, _ in kept], num_scheduled_tokens=[n for _, n in kept]
             )
-        outputs = finish(plan, result, step.began)
+        outputs = finish(plan, result, began)
         reloaded = set(result.load_failures)
         for later in self._in_flight:
             later.dropped_request_ids |= reloaded
             for advance in later.advances:
                 request = advance.request
-                if request.is_finished or request.request_id in later.dropped_request_ids:
-                    continue
-                request.num_computed_tokens += advance.num_tokens
-                request.num_output_placeholders += advance.num_placeholders
-        self._applied = True
+                if not request.is_finished and request.request_id not in later.dropped_request_ids:
+                    advance.apply()
         self._collecting = None
         return outputs
-
-    def _take_back(self, steps: Iterable[InFlightStep]) -> None:
-        for step in steps:
-            for advance in step.advances:
-                request = advance.request
-                if request.request_id in step.dropped_request_ids:
-                    continue  # its advance was voided when it was dropped
-                request.num_computed_tokens -= advance.num_tokens
-                request.num_output_placeholders -= advance.num_placeholders
 
     def _forget_preempted(self, preempted_request_ids: list[str]) -> None:
         """A request preempted while steps in flight hold it restarts from nothing: its
@@ -199,6 +212,7 @@ class BatchQueue:
             for step in self._in_flight:
                 for advance in step.advances:
                     if advance.request.request_id == request_id:
+                        advance.applied = False  # void: preemption reset the request
                         advance.request.num_output_placeholders = 0
                         step.dropped_request_ids.add(request_id)
 

@@ -68,8 +68,10 @@ def test_async_tokens_equal_the_plain_engine_with_chunked_prefill_and_max_tokens
     assert [o.token_ids for o in outputs] == expected
     assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in MIXED_PARAMS]
     assert all(o.finish_reason == "length" for o in outputs)
-    # steps were planned before the previous step's tokens were read
+    # steps were planned before the previous step's tokens were read, and the steps in
+    # flight after a request's last token computed outputs that were dropped
     assert llm.engine.runner.num_device_filled_input_ids > 0
+    assert llm.engine._batch_queue.num_dropped_outputs > 0
     assert_clean(llm)
 
 
@@ -163,6 +165,7 @@ def test_preemption_gives_identical_tokens(model_dir):
     assert token_ids(llm, prompts, params) == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert llm.engine.runner.input_batch.num_rows_added > len(prompts)  # resumed rows were re-added
+    assert llm.engine._batch_queue.num_dropped_outputs > 0
     assert_clean(llm)
 
 
@@ -281,16 +284,23 @@ def test_every_step_gathers_the_same_inputs_as_building_them_from_scratch(
     assert num_compared > 20
 
 
-def test_engine_args_flag_and_cli_option(model_dir):
+def test_engine_args_flag_and_the_cli_commands(model_dir):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
     assert EngineArgs().async_scheduling is False
     engine = EngineCore(model_dir, EngineArgs(dtype="float32", device="cpu", async_scheduling=True))
     assert engine._batch_queue is not None
-    from click.testing import CliRunner
-
-    from engine.generate_cli import generate
-
-    result = CliRunner().invoke(generate, ["--help"])
-    assert "--async-scheduling" in result.output
+    runner = CliRunner()
+    for command in ("serve", "bench", "generate"):
+        assert "--async-scheduling" in runner.invoke(main, [command, "--help"]).output
+    args = [str(model_dir), "--prompt", "KV blocks move", "--max-tokens", "6", "--ignore-eos"]
+    args += ["--device", "cpu", "--dtype", "float32"]
+    plain = runner.invoke(main, ["generate", *args])
+    overlapped = runner.invoke(main, ["generate", *args, "--async-scheduling"])
+    assert plain.exit_code == 0 == overlapped.exit_code, overlapped.output
+    assert overlapped.output == plain.output and plain.output.strip()
 
 
 def test_async_decode_through_the_graph_path_fills_the_static_input_ids(tiny_model_dir):

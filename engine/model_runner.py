@@ -20,6 +20,7 @@ from engine import attention
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_copy import host_to_device
 from engine.input_batch import InputBatch
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample_on_device
@@ -269,10 +270,8 @@ class ModelRunner:
                 "a step needs a token the previous step did not sample "
                 f"(requests {sorted(set(host.missing_request_ids))})"
             )
-        # non_blocking from host memory: a blocking copy would wait for the step in flight
-        sources = torch.tensor([index_of[r] for r in host.missing_request_ids])
-        sources = sources.to(self.device, non_blocking=True)
-        targets = torch.from_numpy(host.missing_indices).to(self.device, non_blocking=True)
+        sources = host_to_device(torch.tensor([index_of[r] for r in host.missing_request_ids]), self.device)
+        targets = host_to_device(host.missing_indices, self.device)
         input_ids[targets] = sampled[sources].to(input_ids.dtype)
         self.num_device_filled_input_ids += len(host.missing_request_ids)
 
@@ -313,18 +312,18 @@ class ModelRunner:
             return hidden
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(host.slot_mapping).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(host.block_tables).to(device, non_blocking=True),
-            seq_lens=torch.from_numpy(host.seq_lens).to(device, non_blocking=True),
-            query_start_loc=torch.from_numpy(host.query_start_loc).to(device, non_blocking=True),
+            slot_mapping=host_to_device(host.slot_mapping, device),
+            block_tables=host_to_device(host.block_tables, device),
+            seq_lens=host_to_device(host.seq_lens, device),
+            query_start_loc=host_to_device(host.query_start_loc, device),
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
             num_paged_seqs=host.num_paged_seqs,
             dense_spans=host.dense_spans,
         )
-        input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
+        input_ids = host_to_device(host.input_ids, device)
         self._fill_missing_input_ids(host, input_ids)
-        positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
+        positions = host_to_device(host.positions, device)
         if has_loads:
             return self._forward_with_loads(input_ids, positions, metadata)
         return self._forward_with_metadata(input_ids, positions, metadata)
@@ -422,7 +421,7 @@ class ModelRunner:
             if sampling:
                 # non_blocking from host memory: the host queues sampling behind the forward
                 # pass instead of waiting for it here (the sampled ids are read once, at the end).
-                rows = torch.tensor([row for _, row in sampling]).to(self.device, non_blocking=True)
+                rows = host_to_device(torch.tensor([row for _, row in sampling]), self.device)
                 logits = self.model.compute_logits(hidden[rows])
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(

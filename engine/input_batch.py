@@ -63,10 +63,12 @@ class InputBatch:
         self._num_admissions: list[int] = []
         #: int32 (token ids fit): rows may grow to the model's context, once per row
         self.token_ids = np.zeros((_INITIAL_ROWS, _INITIAL_TOKENS), dtype=np.int32)
-        #: tokens of `all_token_ids` copied into each row
-        self.num_tokens = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        #: tokens of `all_token_ids` copied into each row (Python ints: read per request
+        #: per step, where numpy scalars cost more than the work)
+        self.num_tokens: list[int] = []
         self.block_table = np.zeros((_INITIAL_ROWS, _INITIAL_BLOCKS), dtype=np.int32)
-        self.num_blocks = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        #: blocks of `block_ids` copied into each row
+        self.num_blocks: list[int] = []
         #: rows added (re-added) over the batch's life, for tests and benchmarks
         self.num_rows_added = 0
 
@@ -82,9 +84,7 @@ class InputBatch:
             return
         new = max(num_rows, 2 * capacity)
         self.token_ids = _grow(self.token_ids, (new, self.token_ids.shape[1]))
-        self.num_tokens = _grow(self.num_tokens, (new,))
         self.block_table = _grow(self.block_table, (new, self.block_table.shape[1]))
-        self.num_blocks = _grow(self.num_blocks, (new,))
 
     def _ensure_tokens(self, num_tokens: int) -> None:
         capacity = self.token_ids.shape[1]
@@ -122,6 +122,8 @@ class InputBatch:
         self.req_ids.append(request.request_id)
         self._requests.append(request)
         self._num_admissions.append(request.num_admissions)
+        self.num_tokens.append(0)
+        self.num_blocks.append(0)
         self.req_id_to_index[request.request_id] = row
         self._fill_row(row, request)
         return row
@@ -145,15 +147,19 @@ class InputBatch:
         False when the row cannot be patched (the caller rebuilds it)."""
         if self._requests[row] is not request or self._num_admissions[row] != request.num_admissions:
             return False
-        num_known = int(self.num_tokens[row])
+        num_known = self.num_tokens[row]
         token_ids = request.all_token_ids
-        if len(token_ids) < num_known:
+        num_tokens = len(token_ids)
+        if num_tokens < num_known:
             return False  # tokens were taken back (a stop string, a retried step)
-        if len(token_ids) > num_known:
-            self._ensure_tokens(len(token_ids))
-            self.token_ids[row, num_known : len(token_ids)] = token_ids[num_known:]
-            self.num_tokens[row] = len(token_ids)
-        num_blocks = int(self.num_blocks[row])
+        if num_tokens > num_known:
+            self._ensure_tokens(num_tokens)
+            if num_tokens == num_known + 1:  # a decode step's token: a scalar write is cheapest
+                self.token_ids[row, num_known] = token_ids[num_known]
+            else:
+                self.token_ids[row, num_known:num_tokens] = token_ids[num_known:]
+            self.num_tokens[row] = num_tokens
+        num_blocks = self.num_blocks[row]
         block_ids = request.block_ids
         if len(block_ids) < num_blocks:
             return False
@@ -173,7 +179,7 @@ class InputBatch:
         holes = [row for row in rows if row < num_left]
         movers = [row for row in range(num_left, self.num_rows) if row not in removed]
         for hole, source in zip(holes, movers, strict=True):
-            num_tokens, num_blocks = int(self.num_tokens[source]), int(self.num_blocks[source])
+            num_tokens, num_blocks = self.num_tokens[source], self.num_blocks[source]
             self.token_ids[hole, :num_tokens] = self.token_ids[source, :num_tokens]
             self.num_tokens[hole] = num_tokens
             self.block_table[hole] = self.block_table[source]
@@ -185,6 +191,8 @@ class InputBatch:
         del self.req_ids[num_left:]
         del self._requests[num_left:]
         del self._num_admissions[num_left:]
+        del self.num_tokens[num_left:]
+        del self.num_blocks[num_left:]
         self.block_table[num_left : num_left + len(rows)] = 0
 
     def write_tokens(self, row: int, start: int, token_ids: Sequence[int]) -> None:
@@ -243,7 +251,7 @@ class InputBatch:
         # Blocks registered in the prefix cache may be shared and already hold these
         # tokens' KV (the last token of a fully cached prompt): never rewrite them.
         slot_mapping[positions < np.repeat(num_cached, num_new)] = -1
-        max_blocks = int(self.num_blocks[rows].max(initial=0))
+        max_blocks = max((self.num_blocks[row] for row in rows.tolist()), default=0)
         return GatheredInputs(
             input_ids=input_ids,
             positions=positions,

@@ -95,7 +95,10 @@ def measure_decode(engine: EngineCore, args, vocab_size: int) -> list[dict]:
                 engine.set_async_scheduling(enabled)
                 prompts = torch.randint(10, vocab_size, (concurrency, args.prompt_len), generator=generator)
                 result = decode_round(
-                    engine, prompts.tolist(), args.new_tokens, f"c{concurrency}r{round_index}"
+                    engine,
+                    prompts.tolist(),
+                    args.new_tokens,
+                    f"c{concurrency}r{round_index}{'a' if enabled else 's'}",
                 )
                 if round_index:
                     results[enabled].append(result)

@@ -326,3 +326,24 @@ def test_async_decode_through_the_graph_path_fills_the_static_input_ids(tiny_mod
     assert token_ids(llm, prompts, params) == expected
     assert runner.decode_graphs.num_replays > 5
     assert runner.num_device_filled_input_ids > 0
+
+
+def test_disk_tier_hits_fetched_in_the_background_give_identical_tokens(model_dir, tmp_path):
+    """A hit below the CPU tier waits unadmitted while it is fetched: steps that schedule
+    nothing (only fetches under way) and steps with loads run synchronously in the queue."""
+    prompts = [make_prompt(200, seed=70), make_prompt(170, seed=71)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = token_ids(plain_llm(model_dir), prompts, params)
+    config = OffloadConfig(chunk_size=32, cpu_bytes=32 << 20, disk_path=str(tmp_path), load_policy="always")
+    writer = LLM(model_dir, dtype="float32", device="cpu", kv_offload=config)
+    writer.generate(prompts, params)
+    writer.flush_kv_offload()
+    writer.engine.runner.connector.close()  # a disk folder takes one engine at a time
+    llm = async_llm(model_dir, kv_offload=config, enable_prefix_caching=False)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.metrics.tier_to_loaded_tokens.get("disk", 0) > 0 for o in outputs)
+    assert llm.engine._batch_queue.num_sync_steps > 0
+    assert llm.engine.runner.num_device_filled_input_ids > 0
+    assert_clean(llm)
+    llm.engine.runner.connector.close()

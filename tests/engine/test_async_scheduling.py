@@ -347,3 +347,18 @@ def test_disk_tier_hits_fetched_in_the_background_give_identical_tokens(model_di
     assert llm.engine.runner.num_device_filled_input_ids > 0
     assert_clean(llm)
     llm.engine.runner.connector.close()
+
+
+def test_async_scheduling_switches_only_between_steps(model_dir):
+    engine = EngineCore(model_dir, EngineArgs(dtype="float32", device="cpu"))
+    engine.set_async_scheduling(True)
+    engine.add_request("x", make_prompt(10, seed=1), GREEDY)
+    engine.step()
+    assert engine.num_steps_in_flight == 1 and engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="in flight"):
+        engine.set_async_scheduling(False)
+    spec = EngineCore(
+        model_dir, EngineArgs(dtype="float32", device="cpu", speculative="ngram", num_speculative_tokens=2)
+    )
+    with pytest.raises(ValueError, match="speculative"):
+        spec.set_async_scheduling(True)

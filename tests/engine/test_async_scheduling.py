@@ -362,3 +362,15 @@ def test_async_scheduling_switches_only_between_steps(model_dir):
     )
     with pytest.raises(ValueError, match="speculative"):
         spec.set_async_scheduling(True)
+
+
+def test_async_scheduling_with_weights_streamed_from_cpu_memory(model_dir):
+    """Issue #20's items together: async scheduling over a model whose last layer is
+    offloaded (cpu_offload_gb), chunked prefill, identical tokens."""
+    from tests.engine.test_weight_offload import layer_gib
+
+    expected = token_ids(plain_llm(model_dir, max_num_batched_tokens=24), MIXED_PROMPTS, MIXED_PARAMS)
+    llm = async_llm(model_dir, max_num_batched_tokens=24, cpu_offload_gb=layer_gib(model_dir, 1))
+    assert llm.engine.model.weight_offloader.offloaded_layer_ids
+    assert token_ids(llm, MIXED_PROMPTS, MIXED_PARAMS) == expected
+    assert llm.engine.runner.num_device_filled_input_ids > 0

@@ -70,6 +70,8 @@ class _Advance:
 
 @dataclass
 class InFlightStep:
+    """A submitted step: its plan, the runner's future and what it advanced."""
+
     plan: SchedulerOutput
     future: StepFuture
     began: float
@@ -98,10 +100,6 @@ class BatchQueue:
 
     def __len__(self) -> int:
         return len(self._in_flight)
-
-    @property
-    def request_ids_in_flight(self) -> set[str]:
-        return {r.request_id for step in self._in_flight for r in step.plan.requests}
 
     # --- the step -----------------------------------------------------------------------
 

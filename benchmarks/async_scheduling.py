@@ -236,7 +236,16 @@ def main() -> None:
         "decode": decode,
         "prepare": prepare,
         "targets": {"async_speedup": 1.10, "prepare_speedup": 2.0},
+        "meets_targets": {
+            "async_speedup": all(row["speedup"] >= 1.10 for row in decode),
+            "prepare_speedup": prepare["speedup"] >= 2.0,
+        },
     }
+    print(
+        "targets: async >= 1.10x at every concurrency: "
+        f"{'met' if report['meets_targets']['async_speedup'] else 'NOT met'}; prepare >= 2x: "
+        f"{'met' if report['meets_targets']['prepare_speedup'] else 'NOT met'}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

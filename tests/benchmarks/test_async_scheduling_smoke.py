@@ -40,3 +40,4 @@ def test_async_scheduling_tiny_run(tmp_path, repo_root, subprocess_env):
     assert prepare["num_requests"] == 8
     assert prepare["from_scratch"]["median_us"] > 0 and prepare["persistent_batch"]["median_us"] > 0
     assert "persistent batch" in result.stdout
+    assert set(data["meets_targets"]) == {"async_speedup", "prepare_speedup"}

@@ -10,8 +10,8 @@ Row rules (`update_states`, once per step, called by the model runner only):
 - a request scheduled this step whose row is missing is added: first step, resumed
   after a preemption, or not scheduled in the previous step;
 - a row whose request is not scheduled this step is removed (finished, preempted or
-  skipped), and the rows are compacted: the last rows move into the holes, so rows
-  `0 .. num_rows - 1` are always in use;
+  skipped), and the rows are compacted: the rows past the new end move, in order, into
+  the holes below it, so rows `0 .. num_rows - 1` are always in use;
 - a row is rebuilt when its request changed under it (another admission of the same
   request, a request id reused by a new request, tokens or blocks that shrank).
 

@@ -95,6 +95,9 @@ class EngineArgs:
     #: GiB of weights kept in CPU memory: the most whole decoder layers (from the last
     #: one backwards) that fit; 0 = every weight on the device
     cpu_offload_gb: float = 0.0
+    #: schedule and submit step N+1 while step N runs on the device (engine.batch_queue,
+    #: up to two steps in flight); speculative decoding runs synchronous steps regardless
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine.host_copy import staged
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,17 +109,18 @@ class DecodeGraphs:
         """Replay for n sequences of one new token each -> hidden [n, hidden_size]
         (a view into the graph's output; read it before the next replay).
         `before_replay` runs once the inputs are queued, right before the replay (the
-        runner makes the stream wait for connector loads there: the input copies come
-        from pageable memory and would otherwise block the host until the loads end)."""
+        runner makes the stream wait for connector loads there, and fills the input ids
+        the previous step samples). The inputs are staged in pinned memory: a copy from
+        pageable memory may wait for the work queued before it (loads, a step in flight)."""
         num_seqs = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:num_seqs].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
+        self.input_ids[:num_seqs].copy_(staged(input_ids, self.device), non_blocking=True)
+        self.positions[:num_seqs].copy_(staged(positions, self.device), non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(staged(slot_mapping, self.device), non_blocking=True)
         self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(
-            torch.from_numpy(block_tables), non_blocking=True
+            staged(block_tables, self.device), non_blocking=True
         )
-        self.seq_lens[:num_seqs].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(staged(seq_lens, self.device), non_blocking=True)
         if size > num_seqs:
             # padding rows: write nothing, attend to one key of block 0 (finite, discarded)
             self.slot_mapping[num_seqs:size].fill_(-1)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from connector.token_db import check_cache_salt
+from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, ModelConfig, SamplingParams
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -174,6 +175,13 @@ class EngineCore:
                     chunk_size=args.kv_offload.chunk_size if args.kv_offload is not None else 0,
                 ),
             )
+        #: async scheduling's steps in flight (None: every step is synchronous)
+        self._batch_queue: BatchQueue | None = None
+        if args.async_scheduling:
+            if proposer is not None:
+                logger.info("async scheduling is off: speculative decoding runs synchronous steps")
+            else:
+                self._batch_queue = BatchQueue(self.scheduler, self.runner)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         #: groups of requests a failed step sent back; while any is left each step runs
@@ -327,8 +335,24 @@ class EngineCore:
         self.scheduler.free_sent(finished_sending_ids)
         self.scheduler.readmit_received(finished_recving_ids)
 
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Turn async scheduling on or off between steps (benchmarks compare one engine
+        both ways). Raises ValueError while steps are in flight, or to turn it on with
+        speculative decoding (which runs synchronous steps)."""
+        if self.num_steps_in_flight:
+            raise ValueError("async scheduling cannot change while steps are in flight")
+        if enabled and self.scheduler.proposer is not None:
+            raise ValueError("speculative decoding runs synchronous steps: async scheduling stays off")
+        self._batch_queue = BatchQueue(self.scheduler, self.runner) if enabled else None
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted and not yet collected (async scheduling; 0 otherwise)."""
+        return len(self._batch_queue) if self._batch_queue is not None else 0
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests queued or running, or steps in flight whose outputs are not out yet."""
+        return self.scheduler.has_unfinished_requests() or self.num_steps_in_flight > 0
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and update once. Returns the outputs of the requests that got
@@ -347,6 +371,13 @@ class EngineCore:
             outputs = self._step(only=group, snapshot=snapshot)
         except Exception as error:
             self.stats.num_step_errors += 1
+            if self._batch_queue is not None:
+                # the steps in flight are given up with the failed one: their requests too
+                in_flight = self._batch_queue.abandon()
+                step_requests = self.scheduler.step_requests
+                self.scheduler.step_requests = step_requests + [
+                    r for r in in_flight if r not in step_requests
+                ]
             raise self._recover_from_failed_step(group, snapshot) from error
         if group is not None:
             if not snapshot.request_ids:
@@ -465,15 +496,25 @@ class EngineCore:
         return None
 
     def _step(self, only: set[Request] | None, snapshot: _StepSnapshot) -> list[RequestOutput]:
+        if self._batch_queue is not None and only is None:
+            return self._batch_queue.step(self._finish_step, snapshot.take)
+        # (a retried group runs synchronously, after the steps in flight)
+        drained = self._batch_queue.drain(self._finish_step) if self._batch_queue is not None else []
         plan = self.scheduler.schedule(only)
         connector = self.scheduler.connector
         if connector is not None and not plan.requests and self.scheduler.request_id_to_remote_wait:
             # Only background fetches are under way: sleep until one progresses, not spin.
             connector.wait_for_transfers(0.005)
-        num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
         snapshot.take(plan.requests)
         began = time.perf_counter()
-        result = self.runner.execute(plan)
+        outputs = self._finish_step(plan, self.runner.execute(plan), began)
+        return latest_per_request(drained + outputs) if drained else outputs
+
+    def _finish_step(self, plan, result, began: float) -> list[RequestOutput]:
+        """Update the scheduler with a step's runner output (`began`: perf_counter when
+        the step was submitted) -> the outputs of the requests that got tokens."""
+        connector = self.scheduler.connector
+        num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
         if connector is not None:
             prefill = [
                 (request, n)

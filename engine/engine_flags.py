@@ -42,6 +42,11 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "GiB of weights (whole decoder layers, the last ones) kept in pinned CPU memory and "
         "streamed to the GPU one layer ahead of the compute.",
     ),
+    "async_scheduling": (
+        bool,
+        "Schedule the next step while the device runs the current one (two steps in flight; "
+        "speculative decoding stays synchronous).",
+    ),
 }
 
 

@@ -110,7 +110,8 @@ class LLM:
         ):
             self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(request_ids):
+        # (with async scheduling, also until the steps in flight after the last end are collected)
+        while len(finished) < len(request_ids) or self.engine.num_steps_in_flight:
             try:
                 outputs = self.engine.step()
             except EngineStepError as error:

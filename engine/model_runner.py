@@ -20,10 +20,13 @@ from engine import attention
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_copy import host_to_device
+from engine.input_batch import InputBatch
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.sampler import sample
+from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify_drafts
+from engine.step_future import DeviceTimeline, StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,10 @@ class HostInputs:
     max_seq_len: int
     num_paged_seqs: int  # the first sequences; the others are whole-prompt prefills
     dense_spans: tuple[tuple[int, int], ...]  # their [begin, end) token ranges
+    #: flat indices of the input ids that the previous step samples (async scheduling),
+    #: and whose sampled token each one is; filled on the device before the pass
+    missing_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    missing_request_ids: tuple[str, ...] = ()
 
 
 @dataclass
@@ -75,9 +82,12 @@ class ModelRunner:
         *,
         cuda_graph_max_batch_size: int = 0,
         max_model_len: int = 0,
+        persistent_batch: bool = True,
     ) -> None:
         """`cuda_graph_max_batch_size` > 0 (CUDA only) captures decode graphs for up to
-        that many sequences, with block tables wide enough for `max_model_len` tokens."""
+        that many sequences, with block tables wide enough for `max_model_len` tokens.
+        `persistent_batch` keeps each running request's row across steps
+        (engine.input_batch); off, every step builds its inputs from the requests."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -99,6 +109,15 @@ class ModelRunner:
             self._paged_attention = paged_attention_ref
         self._reshape_and_cache = reshape_and_cache
         self._metadata: AttentionMetadata | None = None
+        self.input_batch = InputBatch(block_size) if persistent_batch else None
+        #: the latest submitted step's sampled tokens on the device, and each request's
+        #: index in them: the next step's inputs take a token the host lacks from there
+        self._prev_request_id_to_sample_index: dict[str, int] = {}
+        self._prev_sampled_token_ids: torch.Tensor | None = None
+        #: input ids taken from the previous step's samples on the device (async scheduling)
+        self.num_device_filled_input_ids = 0
+        #: set by benchmarks: when each step's device work began and ended
+        self.timeline: DeviceTimeline | None = None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
         self.decode_graphs: DecodeGraphs | None = None
@@ -149,6 +168,10 @@ class ModelRunner:
             i for i in range(num_requests) if dense[i]
         ]
         num_paged_seqs = num_requests - sum(dense)
+        if self.input_batch is not None:
+            return self._prepare_from_batch(plan, order, dense, num_paged_seqs)
+        missing_indices: list[int] = []
+        missing_request_ids: list[str] = []
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -164,6 +187,11 @@ class ModelRunner:
             end = start + num_new
             spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id, [])
             input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
+            # tokens the previous step samples (async scheduling): filled on the device
+            for _ in range(end - len(spec_token_ids) - max(start, request.num_tokens)):
+                missing_indices.append(len(input_ids))
+                missing_request_ids.append(request.request_id)
+                input_ids.append(0)
             input_ids.extend(spec_token_ids)
             pos = np.arange(start, end, dtype=np.int64)
             block_ids = np.asarray(request.block_ids, dtype=np.int64)
@@ -179,7 +207,7 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + num_new)
             if dense[i]:
                 dense_spans.append((query_start_loc[-2], query_start_loc[-1]))
-            if end == request.num_tokens + len(spec_token_ids):
+            if end == request.num_tokens + request.num_output_placeholders + len(spec_token_ids):
                 logits_rows[i] = query_start_loc[-1] - 1
         paged_query_lens = [plan.num_scheduled_tokens[i] for i in order[:num_paged_seqs]]
         host = HostInputs(
@@ -193,8 +221,59 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             num_paged_seqs=num_paged_seqs,
             dense_spans=tuple(dense_spans),
+            missing_indices=np.asarray(missing_indices, dtype=np.int64),
+            missing_request_ids=tuple(missing_request_ids),
         )
         return host, logits_rows
+
+    def _prepare_from_batch(
+        self, plan: SchedulerOutput, order: list[int], dense: list[bool], num_paged_seqs: int
+    ) -> tuple[HostInputs, list[int]]:
+        """`_prepare` through the persistent batch: the same inputs, gathered from rows
+        kept across steps."""
+        requests = [plan.requests[i] for i in order]
+        gathered = self.input_batch.gather(
+            requests, [plan.num_scheduled_tokens[i] for i in order], plan.request_id_to_spec_token_ids
+        )
+        qsl = gathered.query_start_loc
+        logits_rows = [-1] * len(order)
+        for row, i in enumerate(order):
+            if gathered.samples[row]:
+                logits_rows[i] = int(qsl[row + 1]) - 1
+        num_new = np.diff(qsl)
+        dense_spans = tuple((int(qsl[row]), int(qsl[row + 1])) for row, i in enumerate(order) if dense[i])
+        host = HostInputs(
+            input_ids=gathered.input_ids,
+            positions=gathered.positions,
+            slot_mapping=gathered.slot_mapping,
+            block_tables=gathered.block_tables,
+            seq_lens=gathered.seq_lens,
+            query_start_loc=qsl,
+            max_query_len=int(num_new[:num_paged_seqs].max(initial=1)),
+            max_seq_len=int(gathered.seq_lens.max()),
+            num_paged_seqs=num_paged_seqs,
+            dense_spans=dense_spans,
+            missing_indices=gathered.missing_indices,
+            missing_request_ids=gathered.missing_request_ids,
+        )
+        return host, logits_rows
+
+    def _fill_missing_input_ids(self, host: HostInputs, input_ids: torch.Tensor) -> None:
+        """Copy the previous step's sampled tokens into the input ids the host lacks
+        (async scheduling), on the device: the host never waits for them."""
+        if not host.missing_request_ids:
+            return
+        index_of = self._prev_request_id_to_sample_index
+        sampled = self._prev_sampled_token_ids
+        if sampled is None or any(request_id not in index_of for request_id in host.missing_request_ids):
+            raise RuntimeError(
+                "a step needs a token the previous step did not sample "
+                f"(requests {sorted(set(host.missing_request_ids))})"
+            )
+        sources = host_to_device(torch.tensor([index_of[r] for r in host.missing_request_ids]), self.device)
+        targets = host_to_device(host.missing_indices, self.device)
+        input_ids[targets] = sampled[sources].to(input_ids.dtype)
+        self.num_device_filled_input_ids += len(host.missing_request_ids)
 
     def _run_model(self, plan: SchedulerOutput, host: HostInputs) -> torch.Tensor:
         """Forward pass -> final hidden states [T, hidden]: a decode CUDA graph replay
@@ -212,9 +291,12 @@ class ModelRunner:
         ):
             layers = range(self.config.num_layers)
 
-            def wait_for_loads() -> None:  # the whole pass waits for every layer's load
-                for layer in layers:
-                    connector.wait_for_layer_load(layer)
+            def before_replay() -> None:
+                num_seqs = len(host.seq_lens)
+                self._fill_missing_input_ids(host, graphs.input_ids[:num_seqs])
+                if has_loads:  # the whole pass waits for every layer's load
+                    for layer in layers:
+                        connector.wait_for_layer_load(layer)
 
             hidden = graphs.run(
                 host.input_ids,
@@ -222,7 +304,7 @@ class ModelRunner:
                 host.slot_mapping,
                 host.block_tables,
                 host.seq_lens,
-                before_replay=wait_for_loads if has_loads else None,
+                before_replay=before_replay,
             )
             if has_loads:
                 for layer in layers:
@@ -230,17 +312,18 @@ class ModelRunner:
             return hidden
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(host.slot_mapping).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(host.block_tables).to(device, non_blocking=True),
-            seq_lens=torch.from_numpy(host.seq_lens).to(device, non_blocking=True),
-            query_start_loc=torch.from_numpy(host.query_start_loc).to(device, non_blocking=True),
+            slot_mapping=host_to_device(host.slot_mapping, device),
+            block_tables=host_to_device(host.block_tables, device),
+            seq_lens=host_to_device(host.seq_lens, device),
+            query_start_loc=host_to_device(host.query_start_loc, device),
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
             num_paged_seqs=host.num_paged_seqs,
             dense_spans=host.dense_spans,
         )
-        input_ids = torch.from_numpy(host.input_ids).to(device, non_blocking=True)
-        positions = torch.from_numpy(host.positions).to(device, non_blocking=True)
+        input_ids = host_to_device(host.input_ids, device)
+        self._fill_missing_input_ids(host, input_ids)
+        positions = host_to_device(host.positions, device)
         if has_loads:
             return self._forward_with_loads(input_ids, positions, metadata)
         return self._forward_with_metadata(input_ids, positions, metadata)
@@ -300,9 +383,18 @@ class ModelRunner:
             request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
         return request_id_to_accepted_draft_ids
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """Run one step: connector loads, forward, connector saves, sampling."""
+        """Run one step and wait for its sampled tokens (`submit(plan).result()`)."""
+        return self.submit(plan).result()
+
+    @torch.inference_mode()
+    def submit(self, plan: SchedulerOutput) -> StepFuture:
+        """Queue one step on the device: connector loads, forward, connector saves,
+        sampling. Returns once the work is queued (on CPU: done); the future's `result()`
+        waits for the sampled tokens. Called once per step by the engine core, in step
+        order; the next `submit` may come before this step's `result()` (async
+        scheduling), and then takes a token it lacks from this step's samples on the
+        device. A step that verifies drafts reads its tokens before returning."""
         connector = self.connector
         if connector is not None:
             if plan.preempted_request_ids:
@@ -310,11 +402,15 @@ class ModelRunner:
                 connector.finish_saves()
             connector.bind_connector_metadata(plan.connector_meta)
             connector.start_load_kv()
-        request_id_to_token: dict[str, int] = {}
+        request_id_to_token: dict[str, int] | None = None
         request_id_to_accepted_draft_ids: dict[str, list[int]] = {}
+        sampled_request_ids: list[str] = []
+        token_ids = None
         saves_queued = False
         if plan.requests:
             host, logits_rows = self._prepare(plan)
+            if self.timeline is not None:
+                self.timeline.begin()
             hidden = self._run_model(plan, host)
             if connector is not None:
                 # Queue the saves while the GPU still runs the forward pass: sampling below
@@ -325,18 +421,23 @@ class ModelRunner:
             if sampling:
                 # non_blocking from host memory: the host queues sampling behind the forward
                 # pass instead of waiting for it here (the sampled ids are read once, at the end).
-                rows = torch.tensor([row for _, row in sampling]).to(self.device, non_blocking=True)
+                rows = host_to_device(torch.tensor([row for _, row in sampling]), self.device)
                 logits = self.model.compute_logits(hidden[rows])
                 requests = [plan.requests[i] for i, _ in sampling]
-                token_ids = sample(
+                token_ids = sample_on_device(
                     logits, [r.sampling_params for r in requests], [r.generator for r in requests]
                 )
-                request_id_to_token = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+                sampled_request_ids = [r.request_id for r in requests]
                 if plan.request_id_to_spec_token_ids:
                     # The token sampled after the last draft is the bonus token.
+                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
                     request_id_to_accepted_draft_ids = self._verify(
                         plan, hidden, logits_rows, request_id_to_token
                     )
+            if self.timeline is not None:
+                self.timeline.end()
+        self._prev_request_id_to_sample_index = {r: i for i, r in enumerate(sampled_request_ids)}
+        self._prev_sampled_token_ids = token_ids if request_id_to_token is None else None
         load_failures: dict[str, int] = {}
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
@@ -346,11 +447,14 @@ class ModelRunner:
             load_failures = dict(connector.load_failures())
             finished_sending, finished_recving = connector.get_finished(plan.finished_request_ids)
         self._metadata = None
-        return RunnerOutput(
-            request_id_to_token=request_id_to_token,
+        output = RunnerOutput(
+            request_id_to_token=request_id_to_token or {},
             request_id_to_accepted_draft_ids=request_id_to_accepted_draft_ids,
             load_failures=load_failures,
             finished_sending_ids=set(finished_sending),
             num_computed_tokens=plan.total_num_scheduled_tokens,
             finished_recving_ids=set(finished_recving),
         )
+        if request_id_to_token is not None or token_ids is None:
+            return StepFuture.done(output)
+        return StepFuture(output, sampled_request_ids, token_ids)

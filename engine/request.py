@@ -84,6 +84,9 @@ class Request:
     #: the request's cache salt (None: none). Requests share GPU prefix-cache blocks and
     #: offloaded chunks only with requests of the same salt (DESIGN §5)
     cache_salt: str | None = None
+    #: async scheduling: tokens that steps in flight will sample and that the host does not
+    #: have yet (the engine's batch queue sets it while it plans ahead; 0 otherwise)
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import SamplingParams
+from engine.host_copy import host_to_device
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -35,11 +36,11 @@ def sampling_probs(
     """The distribution each row samples from: softmax(logits / temperature) after
     top-k/top-p. Also the target distribution of speculative verification."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = host_to_device(torch.tensor([p.temperature for p in params]), device)
     scaled = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64)
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        top_k = host_to_device(torch.tensor([p.top_k for p in params], dtype=torch.int64), device)
+        top_p = host_to_device(torch.tensor([p.top_p for p in params], dtype=torch.float32), device)
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
     return scaled.softmax(dim=-1)
 
@@ -52,11 +53,21 @@ def sample(
     """One token id per row. Greedy rows take the argmax; the others sample from
     softmax(logits / temperature) after top-k/top-p, drawing from their own
     generator (seeded requests) or the global RNG."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # float32 [N, V]
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:  # int64 [N], on the logits' device
+    """`sample` without reading the tokens back: the host does not wait for the device
+    (the model runner reads them later, or feeds them to the next step on the device)."""
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = host_to_device(torch.tensor(random_rows), logits.device)
         probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
         for row_index, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row_index], 1, generator=generators[i])[0]
-    return token_ids.tolist()
+    return token_ids

@@ -105,7 +105,10 @@ class Scheduler:
                 index += 1
                 continue
             self.step_requests.append(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # (with async scheduling, the tokens that steps in flight will sample count too)
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
+            )
             num_tail = None  # tokens loaded at the connector's compute limit (its tail fetch)
             if self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 limit = self.connector.get_compute_limit(request)

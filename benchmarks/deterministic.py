@@ -1,0 +1,305 @@
+"""The deterministic mode on the 8B shape: identical tokens across the issue's matrix, and its cost.
+
+Matrix (issue 18): KV source {offload off, CPU-tier hit, disk-tier hit} x
+`max_num_batched_tokens` {512, 8192} x requests at once {1, all} x speculation
+{off, n-gram}: 24 runs of one deterministic engine per source (the token budget and
+the proposer are switched between runs, the GPU prefix cache is reset before each).
+Every request's tokens are compared with the reference run (offload off, 8192, all
+at once, no speculation); the script prints the number of differing requests per run
+and exits non-zero if any differs. "1 at once" runs the first `--num-alone` requests
+one by one (the others only add minutes).
+
+Cost: the same workload (all requests at once, 8192, offload off, no speculation)
+through a default-mode engine, same run; throughput ratio deterministic / default
+(target >= 0.8). The default engine also runs at 512 and one at a time, to show how
+many requests change there without the mode.
+
+Scaled to about 3 minutes on an H100 (4 engine start-ups included): 64 requests of
+384-1536 random tokens (repeated segments, so n-gram drafts are proposed), 32 greedy
+tokens each; the issue's full size is `--min-prompt 1024 --max-prompt 4096 --new-tokens 128`.
+
+    python benchmarks/deterministic.py --out deterministic.json           # H100, 8B shape, bf16
+    python benchmarks/deterministic.py --tiny --out /tmp/det.json         # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from connector import OffloadConfig  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.spec_decode import NgramProposer  # noqa: E402
+
+SOURCES = ("offload off", "CPU-tier hit", "disk-tier hit")
+CHUNK_SIZE = 256
+
+
+def model_config(tiny: bool):
+    from engine.bench_presets import llama31_config
+
+    if not tiny:
+        return llama31_config()
+    return llama31_config(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def make_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts made of a repeated random segment plus a random tail (n-gram matches)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        length = rng.randint(min_len, max_len)
+        segment = [rng.randrange(10, vocab_size) for _ in range(rng.randint(16, 64))]
+        body = (segment * (length // len(segment) + 1))[: length * 3 // 4]
+        prompts.append(body + [rng.randrange(10, vocab_size) for _ in range(length - len(body))])
+    return prompts
+
+
+def kv_bytes_per_token(config) -> int:
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # bf16
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Runner:
+    """One engine and the runs made with it."""
+
+    def __init__(self, config, prompts, args, *, deterministic: bool, source: str, disk_path: Path) -> None:
+        self.prompts = prompts
+        self.args = args
+        self.source = source
+        self.device = "cpu" if args.tiny else "cuda"
+        tokens = [len(p) + args.new_tokens + args.num_speculative_tokens + 1 for p in prompts]
+        num_blocks = sum(-(-n // 16) for n in tokens) + 64
+        chunk_slots = sum(-(-len(p) // CHUNK_SIZE) + 1 for p in prompts)
+        tier_bytes = chunk_slots * CHUNK_SIZE * kv_bytes_per_token(config)
+        offload = None
+        if source == "CPU-tier hit":
+            offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=tier_bytes)
+        elif source == "disk-tier hit":
+            offload = OffloadConfig(
+                chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(disk_path), disk_bytes=2 * tier_bytes
+            )
+        started = time.perf_counter()
+        self.llm = LLM(
+            config,
+            load_format="dummy",
+            device=self.device,
+            dtype="bfloat16",
+            deterministic=deterministic,
+            kv_offload=offload,
+            num_gpu_blocks=num_blocks,
+            max_num_seqs=len(prompts),
+            max_num_batched_tokens=max(args.budgets),
+            max_model_len=max(tokens) + 16,
+        )
+        self.startup_s = time.perf_counter() - started
+        self.ngram = NgramProposer(args.num_speculative_tokens, 2, 4)
+        self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        # warm-up beyond the engine's own: a short batch through plain and speculative steps
+        for proposer in (None, self.ngram):
+            self.llm.engine.scheduler.proposer = proposer
+            self.llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        if offload is not None:  # the seed run stores every prompt in the tier
+            self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            self.llm.flush_kv_offload()
+
+    def run(self, budget: int, all_at_once: bool, speculative: bool) -> dict:
+        llm, scheduler = self.llm, self.llm.engine.scheduler
+        scheduler.max_num_batched_tokens = budget
+        scheduler.proposer = self.ngram if speculative else None
+        llm.reset_prefix_cache()  # prefixes come from recompute or the tier, never the GPU cache
+        prompts = self.prompts if all_at_once else self.prompts[: self.args.num_alone]
+        synchronize(self.device)
+        started = time.perf_counter()
+        if all_at_once:
+            outputs = llm.generate(prompts, self.params)
+        else:
+            outputs = [llm.generate([p], self.params)[0] for p in prompts]
+        synchronize(self.device)
+        seconds = time.perf_counter() - started
+        generated = sum(len(o.token_ids) for o in outputs)
+        return {
+            "source": self.source,
+            "max_num_batched_tokens": budget,
+            "at_once": len(prompts) if all_at_once else 1,
+            "speculative": "ngram" if speculative else "off",
+            "num_requests": len(prompts),
+            "token_ids": [o.token_ids for o in outputs],
+            "external_hit_tokens": sum(o.metrics.num_external_cached_tokens for o in outputs),
+            "seconds": seconds,
+            "generated_tokens_per_s": generated / seconds,
+            "total_tokens_per_s": (generated + sum(len(p) for p in prompts)) / seconds,
+        }
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def num_differing(run: dict, reference: list[list[int]]) -> int:
+    return sum(tokens != ref for tokens, ref in zip(run["token_ids"], reference, strict=False))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke run)")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="requests of the 'all at once' runs (64)"
+    )
+    parser.add_argument("--num-alone", type=int, default=None, help="requests of the '1 at once' runs (4)")
+    parser.add_argument("--min-prompt", type=int, default=None)
+    parser.add_argument("--max-prompt", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--budgets",
+        type=int,
+        nargs=2,
+        default=None,
+        help="max_num_batched_tokens of the reference runs and of the chunked runs (8192 512; 8192 24 with --tiny)",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    tiny = args.tiny
+    args.num_requests = args.num_requests or (6 if tiny else 64)
+    args.num_alone = min(args.num_alone or (2 if tiny else 4), args.num_requests)
+    args.min_prompt = args.min_prompt or (40 if tiny else 384)
+    args.max_prompt = args.max_prompt or (120 if tiny else 1536)
+    args.new_tokens = args.new_tokens or (8 if tiny else 32)
+    args.budgets = args.budgets or ([8192, 24] if tiny else [8192, 512])
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        parser.error("need 1 <= --min-prompt <= --max-prompt")
+    if not tiny and not torch.cuda.is_available():
+        parser.error("needs CUDA (or --tiny)")
+
+    config = model_config(tiny)
+    prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, config.vocab_size)
+    disk_root = Path(tempfile.mkdtemp(prefix="kvstash-deterministic-"))
+    runs: list[dict] = []
+    startup_s: dict[str, float] = {}
+    try:
+        for source in SOURCES:
+            runner = Runner(config, prompts, args, deterministic=True, source=source, disk_path=disk_root)
+            startup_s[f"deterministic, {source}"] = runner.startup_s
+            for budget in args.budgets:
+                for all_at_once in (True, False):
+                    for speculative in (False, True):
+                        runs.append({"mode": "deterministic", **runner.run(budget, all_at_once, speculative)})
+                        r = runs[-1]
+                        print(
+                            f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
+                            f"spec {r['speculative']:>5}: {r['seconds']:.2f} s",
+                            flush=True,
+                        )
+            runner.close()
+        default = Runner(
+            config, prompts, args, deterministic=False, source="offload off", disk_path=disk_root
+        )
+        startup_s["default, offload off"] = default.startup_s
+        big, small = args.budgets
+        default_runs = [
+            default.run(big, True, False),
+            default.run(small, True, False),
+            default.run(big, False, False),
+        ]
+        default.close()
+    finally:
+        shutil.rmtree(disk_root, ignore_errors=True)
+
+    reference = runs[0]  # deterministic, offload off, 8192, all at once, no speculation
+    assert reference["source"] == "offload off" and reference["speculative"] == "off"
+    device_name = torch.cuda.get_device_name() if not tiny else platform.processor() or "cpu"
+    print(
+        f"\ndeterministic mode — {device_name}, {'tiny llama' if tiny else 'Llama-3.1-8B shape'} bf16, "
+        f"{args.num_requests} requests of {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new tokens"
+    )
+    print(
+        f"{'source':>13} {'budget':>6} {'at once':>7} {'spec':>5} {'reqs':>4} {'differ':>6} {'ext hit':>9} {'s':>7}"
+    )
+    total_differing = 0
+    for r in runs:
+        r["num_differing"] = num_differing(r, reference["token_ids"])
+        total_differing += r["num_differing"]
+        print(
+            f"{r['source']:>13} {r['max_num_batched_tokens']:>6} {r['at_once']:>7} {r['speculative']:>5} "
+            f"{r['num_requests']:>4} {r['num_differing']:>6} {r['external_hit_tokens']:>9} {r['seconds']:>7.2f}"
+        )
+    default_reference = default_runs[0]
+    for r in default_runs[1:]:
+        r["num_differing_vs_default_reference"] = num_differing(r, default_reference["token_ids"])
+    ratio_total = reference["total_tokens_per_s"] / default_reference["total_tokens_per_s"]
+    ratio_generated = reference["generated_tokens_per_s"] / default_reference["generated_tokens_per_s"]
+    print(f"differing requests over the matrix: {total_differing} (target 0)")
+    print(
+        "default mode, same prompts: "
+        f"{default_runs[1]['num_differing_vs_default_reference']} of {args.num_requests} requests change at "
+        f"budget {args.budgets[1]}, "
+        f"{default_runs[2]['num_differing_vs_default_reference']} of {args.num_alone} when run one at a time"
+    )
+    print(
+        f"throughput (all at once, budget {args.budgets[0]}, offload off): deterministic {reference['total_tokens_per_s']:.0f} tok/s, "
+        f"default {default_reference['total_tokens_per_s']:.0f} tok/s, ratio {ratio_total:.2f} "
+        f"(target >= 0.8; generated tokens/s ratio {ratio_generated:.2f})"
+    )
+    print("engine start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup_s.items()))
+    report = {
+        "benchmark": "deterministic",
+        "device": device_name,
+        "model": "tiny-llama" if tiny else "llama-3.1-8b-shaped (random weights)",
+        "dtype": "bfloat16",
+        "num_requests": args.num_requests,
+        "num_alone": args.num_alone,
+        "prompt_len_range": [args.min_prompt, args.max_prompt],
+        "new_tokens": args.new_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "total_differing_requests": total_differing,
+        "throughput_ratio_total": ratio_total,
+        "throughput_ratio_generated": ratio_generated,
+        "budgets": args.budgets,
+        "default_mode_differing_at_small_budget": default_runs[1]["num_differing_vs_default_reference"],
+        "default_mode_differing_one_at_a_time": default_runs[2]["num_differing_vs_default_reference"],
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+        "default_runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in default_runs],
+        "startup_s": startup_s,
+        "torch": torch.__version__,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if total_differing:
+        raise SystemExit(f"{total_differing} requests differ across the deterministic matrix")
+
+
+if __name__ == "__main__":
+    main()

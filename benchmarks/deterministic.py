@@ -2,8 +2,10 @@
 
 Matrix (issue 18): KV source {offload off, CPU-tier hit, disk-tier hit} x
 `max_num_batched_tokens` {512, 8192} x requests at once {1, all} x speculation
-{off, n-gram}: 24 runs of one deterministic engine per source (the token budget and
-the proposer are switched between runs, the GPU prefix cache is reset before each).
+{off, n-gram}: 24 runs, through one deterministic engine without offload and one
+with a CPU tier over a disk tier (the token budget and the proposer are switched
+between runs, the GPU prefix cache is reset before each, and the CPU tier is emptied
+before each disk-tier run; the tier hit counters are printed per run).
 Every request's tokens are compared with the reference run (offload off, 8192, all
 at once, no speculation); the script prints the number of differing requests per run
 and exits non-zero if any differs. "1 at once" runs the first `--num-alone` requests
@@ -14,9 +16,10 @@ through a default-mode engine, same run; throughput ratio deterministic / defaul
 (target >= 0.8). The default engine also runs at 512 and one at a time, to show how
 many requests change there without the mode.
 
-Scaled to about 3 minutes on an H100 (4 engine start-ups included): 64 requests of
-384-1536 random tokens (repeated segments, so n-gram drafts are proposed), 32 greedy
+Scaled to about 3 minutes on an H100 (3 engine start-ups included): 64 requests of
+256-1024 random tokens (repeated segments, so n-gram drafts are proposed), 32 greedy
 tokens each; the issue's full size is `--min-prompt 1024 --max-prompt 4096 --new-tokens 128`.
+On CUDA it also times the batch-invariant GEMM against cuBLAS on the 8B's shapes.
 
     python benchmarks/deterministic.py --out deterministic.json           # H100, 8B shape, bf16
     python benchmarks/deterministic.py --tiny --out /tmp/det.json         # CPU smoke run
@@ -90,21 +93,23 @@ def synchronize(device: str) -> None:
 class Runner:
     """One engine and the runs made with it."""
 
-    def __init__(self, config, prompts, args, *, deterministic: bool, source: str, disk_path: Path) -> None:
+    def __init__(self, config, prompts, args, *, deterministic: bool, disk_path: Path | None) -> None:
+        """`disk_path` None: offload off; else a CPU tier over a disk tier there (the
+        disk-tier runs empty the CPU tier first, so their hits come from disk)."""
         self.prompts = prompts
         self.args = args
-        self.source = source
         self.device = "cpu" if args.tiny else "cuda"
         tokens = [len(p) + args.new_tokens + args.num_speculative_tokens + 1 for p in prompts]
         num_blocks = sum(-(-n // 16) for n in tokens) + 64
         chunk_slots = sum(-(-len(p) // CHUNK_SIZE) + 1 for p in prompts)
         tier_bytes = chunk_slots * CHUNK_SIZE * kv_bytes_per_token(config)
         offload = None
-        if source == "CPU-tier hit":
-            offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=tier_bytes)
-        elif source == "disk-tier hit":
+        if disk_path is not None:
             offload = OffloadConfig(
-                chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(disk_path), disk_bytes=2 * tier_bytes
+                chunk_size=CHUNK_SIZE,
+                cpu_bytes=tier_bytes,
+                disk_path=str(disk_path),
+                disk_bytes=2 * tier_bytes,
             )
         started = time.perf_counter()
         self.llm = LLM(
@@ -126,15 +131,31 @@ class Runner:
         for proposer in (None, self.ngram):
             self.llm.engine.scheduler.proposer = proposer
             self.llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        if offload is not None:  # the seed run stores every prompt in the tier
+        self.tiers = None
+        if offload is not None:  # the seed run stores every prompt in both tiers
             self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             self.llm.flush_kv_offload()
+            self.tiers = self.llm.engine.scheduler.connector.cache_engine.tiers
 
-    def run(self, budget: int, all_at_once: bool, speculative: bool) -> dict:
+    def _empty_cpu_tier(self) -> None:
+        """Drop every chunk of the CPU tier (the disk tier keeps its copies)."""
+        cpu = self.tiers.cpu
+        for key in cpu.keys(""):
+            cpu.delete(key)
+        if cpu.keys(""):
+            raise RuntimeError("the CPU tier kept chunks: the disk-tier run would not read from disk")
+
+    def run(self, source: str, budget: int, all_at_once: bool, speculative: bool) -> dict:
         llm, scheduler = self.llm, self.llm.engine.scheduler
+        if (source == "offload off") != (self.tiers is None):
+            raise ValueError(f"this engine cannot run source {source!r}")
         scheduler.max_num_batched_tokens = budget
         scheduler.proposer = self.ngram if speculative else None
         llm.reset_prefix_cache()  # prefixes come from recompute or the tier, never the GPU cache
+        if source == "disk-tier hit":
+            llm.flush_kv_offload()  # promotions of an earlier run are written through first
+            self._empty_cpu_tier()
+        counters_before = self.tiers.counters() if self.tiers is not None else {}
         prompts = self.prompts if all_at_once else self.prompts[: self.args.num_alone]
         synchronize(self.device)
         started = time.perf_counter()
@@ -145,8 +166,15 @@ class Runner:
         synchronize(self.device)
         seconds = time.perf_counter() - started
         generated = sum(len(o.token_ids) for o in outputs)
+        counters_after = self.tiers.counters() if self.tiers is not None else {}
+        tier_hits = {
+            name: counters_after[name] - counters_before.get(name, 0)
+            for name in counters_after
+            if name.startswith("hits_") and counters_after[name] != counters_before.get(name, 0)
+        }
         return {
-            "source": self.source,
+            "source": source,
+            "tier_chunk_hits": tier_hits,
             "max_num_batched_tokens": budget,
             "at_once": len(prompts) if all_at_once else 1,
             "speculative": "ngram" if speculative else "off",
@@ -163,6 +191,32 @@ class Runner:
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def time_gemms(num_repeats: int = 20) -> list[dict]:
+    """Batch-invariant GEMM vs cuBLAS (bf16) on the 8B's projection shapes, decode and prefill rows."""
+    from kernels.matmul import linear
+
+    rows = []
+    for name, k, n in (("qkv", 4096, 6144), ("gate_up", 4096, 28672), ("down", 14336, 4096)):
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (64, 512, 8192):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"layer": name, "m": m, "k": k, "n": n}
+            for label, fn in (("cublas", torch.nn.functional.linear), ("batch_invariant", linear)):
+                fn(x, weight)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(num_repeats):
+                    fn(x, weight)
+                end.record()
+                torch.cuda.synchronize()
+                seconds = start.elapsed_time(end) / 1e3 / num_repeats
+                row[f"{label}_tflops"] = 2 * m * k * n / seconds / 1e12
+            row["ratio"] = row["batch_invariant_tflops"] / row["cublas_tflops"]
+            rows.append(row)
+        del weight
+    return rows
 
 
 def num_differing(run: dict, reference: list[list[int]]) -> int:
@@ -194,8 +248,8 @@ def main() -> None:
     tiny = args.tiny
     args.num_requests = args.num_requests or (6 if tiny else 64)
     args.num_alone = min(args.num_alone or (2 if tiny else 4), args.num_requests)
-    args.min_prompt = args.min_prompt or (40 if tiny else 384)
-    args.max_prompt = args.max_prompt or (120 if tiny else 1536)
+    args.min_prompt = args.min_prompt or (40 if tiny else 256)
+    args.max_prompt = args.max_prompt or (120 if tiny else 1024)
     args.new_tokens = args.new_tokens or (8 if tiny else 32)
     args.budgets = args.budgets or ([8192, 24] if tiny else [8192, 512])
     if not 1 <= args.min_prompt <= args.max_prompt:
@@ -209,36 +263,45 @@ def main() -> None:
     runs: list[dict] = []
     startup_s: dict[str, float] = {}
     try:
-        for source in SOURCES:
-            runner = Runner(config, prompts, args, deterministic=True, source=source, disk_path=disk_root)
-            startup_s[f"deterministic, {source}"] = runner.startup_s
-            for budget in args.budgets:
-                for all_at_once in (True, False):
-                    for speculative in (False, True):
-                        runs.append({"mode": "deterministic", **runner.run(budget, all_at_once, speculative)})
-                        r = runs[-1]
-                        print(
-                            f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
-                            f"spec {r['speculative']:>5}: {r['seconds']:.2f} s",
-                            flush=True,
-                        )
+        # one engine without offload, one with a CPU tier over a disk tier (both sources)
+        for offload in (False, True):
+            runner = Runner(
+                config, prompts, args, deterministic=True, disk_path=disk_root if offload else None
+            )
+            startup_s["deterministic, " + ("CPU + disk tiers" if offload else "offload off")] = (
+                runner.startup_s
+            )
+            for source in SOURCES[1:] if offload else SOURCES[:1]:
+                for budget in args.budgets:
+                    for all_at_once in (True, False):
+                        for speculative in (False, True):
+                            r = {
+                                "mode": "deterministic",
+                                **runner.run(source, budget, all_at_once, speculative),
+                            }
+                            runs.append(r)
+                            print(
+                                f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
+                                f"spec {r['speculative']:>5}: {r['seconds']:.2f} s, "
+                                f"tier chunk hits {r['tier_chunk_hits']}",
+                                flush=True,
+                            )
             runner.close()
-        default = Runner(
-            config, prompts, args, deterministic=False, source="offload off", disk_path=disk_root
-        )
+        default = Runner(config, prompts, args, deterministic=False, disk_path=None)
         startup_s["default, offload off"] = default.startup_s
         big, small = args.budgets
         default_runs = [
-            default.run(big, True, False),
-            default.run(small, True, False),
-            default.run(big, False, False),
+            default.run("offload off", big, True, False),
+            default.run("offload off", small, True, False),
+            default.run("offload off", big, False, False),
         ]
         default.close()
     finally:
         shutil.rmtree(disk_root, ignore_errors=True)
 
     reference = runs[0]  # deterministic, offload off, 8192, all at once, no speculation
-    assert reference["source"] == "offload off" and reference["speculative"] == "off"
+    if reference["source"] != "offload off" or reference["speculative"] != "off":
+        raise RuntimeError("the first run must be the reference (offload off, no speculation)")
     device_name = torch.cuda.get_device_name() if not tiny else platform.processor() or "cpu"
     print(
         f"\ndeterministic mode — {device_name}, {'tiny llama' if tiny else 'Llama-3.1-8B shape'} bf16, "
@@ -273,6 +336,14 @@ def main() -> None:
         f"(target >= 0.8; generated tokens/s ratio {ratio_generated:.2f})"
     )
     print("engine start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup_s.items()))
+    gemms = [] if tiny else time_gemms()
+    if gemms:
+        print(f"{'GEMM':>8} {'M':>5} {'cuBLAS TFLOP/s':>15} {'invariant TFLOP/s':>18} {'ratio':>6}")
+        for g in gemms:
+            print(
+                f"{g['layer']:>8} {g['m']:>5} {g['cublas_tflops']:>15.0f} "
+                f"{g['batch_invariant_tflops']:>18.0f} {g['ratio']:>6.2f}"
+            )
     report = {
         "benchmark": "deterministic",
         "device": device_name,
@@ -292,6 +363,7 @@ def main() -> None:
         "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
         "default_runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in default_runs],
         "startup_s": startup_s,
+        "gemms": gemms,
         "torch": torch.__version__,
     }
     if args.out:

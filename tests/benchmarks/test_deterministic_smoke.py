@@ -35,5 +35,8 @@ def test_deterministic_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
     runs = report["runs"]
     assert len(runs) == 24
     assert all(r["external_hit_tokens"] > 0 for r in runs if r["source"] != "offload off")
+    # the CPU tier was emptied before each disk-tier run: those hits came from disk
+    assert all(r["tier_chunk_hits"].get("hits_disk", 0) > 0 for r in runs if r["source"] == "disk-tier hit")
+    assert not any("hits_disk" in r["tier_chunk_hits"] for r in runs if r["source"] == "CPU-tier hit")
     assert {r["max_num_batched_tokens"] for r in runs} == {8192, 16}
     assert report["throughput_ratio_total"] > 0

@@ -165,3 +165,35 @@ def test_every_layer_gives_a_sequence_the_same_bits_in_any_batch(model_dir, dtyp
     logits_alone = model.compute_logits(alone[-3:])
     logits_batched = model.compute_logits(torch.cat([batched[-3:], alone[:40]]))[:3]
     assert torch.equal(logits_alone, logits_batched)
+
+
+def test_the_cli_flag_reaches_engine_args():
+    import click
+    from click.testing import CliRunner
+
+    from engine.engine_flags import engine_args_from_options, engine_options
+
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def command(**options):
+        seen.update(engine_args_from_options(options))
+
+    assert CliRunner().invoke(command, ["--deterministic"]).exit_code == 0
+    assert EngineArgs(**seen).deterministic is True
+    assert CliRunner().invoke(command, []).exit_code == 0
+    assert EngineArgs(**seen).deterministic is False
+
+
+def test_row_wise_sampling_probs_do_not_depend_on_the_other_rows():
+    from engine.sampler import sampling_probs
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.7 + 0.1 * i, top_k=50 * i, top_p=1.0 - 0.1 * i) for i in range(5)]
+    batched = sampling_probs(logits, params, row_wise=True)
+    for i in range(5):
+        assert torch.equal(batched[i], sampling_probs(logits[i : i + 1], [params[i]])[0])
+        assert torch.equal(
+            batched[i], sampling_probs(logits[[i, 0]], [params[i], params[0]], row_wise=True)[0]
+        )

@@ -17,7 +17,7 @@ through a default-mode engine, same run; throughput ratio deterministic / defaul
 many requests change there without the mode.
 
 Scaled to about 3 minutes on an H100 (3 engine start-ups included): 64 requests of
-256-1024 random tokens (repeated segments, so n-gram drafts are proposed), 32 greedy
+256-768 random tokens (repeated segments, so n-gram drafts are proposed), 32 greedy
 tokens each; the issue's full size is `--min-prompt 1024 --max-prompt 4096 --new-tokens 128`.
 On CUDA it also times the batch-invariant GEMM against cuBLAS on the 8B's shapes.
 
@@ -249,7 +249,7 @@ def main() -> None:
     args.num_requests = args.num_requests or (6 if tiny else 64)
     args.num_alone = min(args.num_alone or (2 if tiny else 4), args.num_requests)
     args.min_prompt = args.min_prompt or (40 if tiny else 256)
-    args.max_prompt = args.max_prompt or (120 if tiny else 1024)
+    args.max_prompt = args.max_prompt or (120 if tiny else 768)
     args.new_tokens = args.new_tokens or (8 if tiny else 32)
     args.budgets = args.budgets or ([8192, 24] if tiny else [8192, 512])
     if not 1 <= args.min_prompt <= args.max_prompt:
@@ -259,9 +259,34 @@ def main() -> None:
 
     config = model_config(tiny)
     prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, config.vocab_size)
-    disk_root = Path(tempfile.mkdtemp(prefix="kvstash-deterministic-"))
+    device_name = torch.cuda.get_device_name() if not tiny else platform.processor() or "cpu"
+    report: dict = {
+        "benchmark": "deterministic",
+        "device": device_name,
+        "model": "tiny-llama" if tiny else "llama-3.1-8b-shaped (random weights)",
+        "dtype": "bfloat16",
+        "num_requests": args.num_requests,
+        "num_alone": args.num_alone,
+        "prompt_len_range": [args.min_prompt, args.max_prompt],
+        "new_tokens": args.new_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "budgets": args.budgets,
+        "complete": False,
+        "torch": torch.__version__,
+    }
     runs: list[dict] = []
+    default_runs: list[dict] = []
     startup_s: dict[str, float] = {}
+
+    def save() -> None:
+        """Write what is measured so far (a failure later leaves the earlier figures)."""
+        report["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
+        report["default_runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in default_runs]
+        report["startup_s"] = startup_s
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    disk_root = Path(tempfile.mkdtemp(prefix="kvstash-deterministic-"))
     try:
         # one engine without offload, one with a CPU tier over a disk tier (both sources)
         for offload in (False, True):
@@ -279,10 +304,14 @@ def main() -> None:
                                 "mode": "deterministic",
                                 **runner.run(source, budget, all_at_once, speculative),
                             }
+                            r["num_differing"] = num_differing(
+                                r, runs[0]["token_ids"] if runs else r["token_ids"]
+                            )
                             runs.append(r)
+                            save()
                             print(
                                 f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
-                                f"spec {r['speculative']:>5}: {r['seconds']:.2f} s, "
+                                f"spec {r['speculative']:>5}: {r['seconds']:.2f} s, differing {r['num_differing']}, "
                                 f"tier chunk hits {r['tier_chunk_hits']}",
                                 flush=True,
                             )
@@ -290,11 +319,9 @@ def main() -> None:
         default = Runner(config, prompts, args, deterministic=False, disk_path=None)
         startup_s["default, offload off"] = default.startup_s
         big, small = args.budgets
-        default_runs = [
-            default.run("offload off", big, True, False),
-            default.run("offload off", small, True, False),
-            default.run("offload off", big, False, False),
-        ]
+        for budget, all_at_once in ((big, True), (small, True), (big, False)):
+            default_runs.append(default.run("offload off", budget, all_at_once, False))
+            save()
         default.close()
     finally:
         shutil.rmtree(disk_root, ignore_errors=True)
@@ -302,7 +329,6 @@ def main() -> None:
     reference = runs[0]  # deterministic, offload off, 8192, all at once, no speculation
     if reference["source"] != "offload off" or reference["speculative"] != "off":
         raise RuntimeError("the first run must be the reference (offload off, no speculation)")
-    device_name = torch.cuda.get_device_name() if not tiny else platform.processor() or "cpu"
     print(
         f"\ndeterministic mode — {device_name}, {'tiny llama' if tiny else 'Llama-3.1-8B shape'} bf16, "
         f"{args.num_requests} requests of {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new tokens"
@@ -310,14 +336,12 @@ def main() -> None:
     print(
         f"{'source':>13} {'budget':>6} {'at once':>7} {'spec':>5} {'reqs':>4} {'differ':>6} {'ext hit':>9} {'s':>7}"
     )
-    total_differing = 0
     for r in runs:
-        r["num_differing"] = num_differing(r, reference["token_ids"])
-        total_differing += r["num_differing"]
         print(
             f"{r['source']:>13} {r['max_num_batched_tokens']:>6} {r['at_once']:>7} {r['speculative']:>5} "
             f"{r['num_requests']:>4} {r['num_differing']:>6} {r['external_hit_tokens']:>9} {r['seconds']:>7.2f}"
         )
+    total_differing = sum(r["num_differing"] for r in runs)
     default_reference = default_runs[0]
     for r in default_runs[1:]:
         r["num_differing_vs_default_reference"] = num_differing(r, default_reference["token_ids"])
@@ -331,11 +355,19 @@ def main() -> None:
         f"{default_runs[2]['num_differing_vs_default_reference']} of {args.num_alone} when run one at a time"
     )
     print(
-        f"throughput (all at once, budget {args.budgets[0]}, offload off): deterministic {reference['total_tokens_per_s']:.0f} tok/s, "
-        f"default {default_reference['total_tokens_per_s']:.0f} tok/s, ratio {ratio_total:.2f} "
-        f"(target >= 0.8; generated tokens/s ratio {ratio_generated:.2f})"
+        f"throughput (all at once, budget {args.budgets[0]}, offload off): deterministic "
+        f"{reference['total_tokens_per_s']:.0f} tok/s, default {default_reference['total_tokens_per_s']:.0f} tok/s, "
+        f"ratio {ratio_total:.2f} (target >= 0.8; generated tokens/s ratio {ratio_generated:.2f})"
     )
     print("engine start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup_s.items()))
+    report.update(
+        total_differing_requests=total_differing,
+        throughput_ratio_total=ratio_total,
+        throughput_ratio_generated=ratio_generated,
+        default_mode_differing_at_small_budget=default_runs[1]["num_differing_vs_default_reference"],
+        default_mode_differing_one_at_a_time=default_runs[2]["num_differing_vs_default_reference"],
+    )
+    save()
     gemms = [] if tiny else time_gemms()
     if gemms:
         print(f"{'GEMM':>8} {'M':>5} {'cuBLAS TFLOP/s':>15} {'invariant TFLOP/s':>18} {'ratio':>6}")
@@ -344,30 +376,9 @@ def main() -> None:
                 f"{g['layer']:>8} {g['m']:>5} {g['cublas_tflops']:>15.0f} "
                 f"{g['batch_invariant_tflops']:>18.0f} {g['ratio']:>6.2f}"
             )
-    report = {
-        "benchmark": "deterministic",
-        "device": device_name,
-        "model": "tiny-llama" if tiny else "llama-3.1-8b-shaped (random weights)",
-        "dtype": "bfloat16",
-        "num_requests": args.num_requests,
-        "num_alone": args.num_alone,
-        "prompt_len_range": [args.min_prompt, args.max_prompt],
-        "new_tokens": args.new_tokens,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "total_differing_requests": total_differing,
-        "throughput_ratio_total": ratio_total,
-        "throughput_ratio_generated": ratio_generated,
-        "budgets": args.budgets,
-        "default_mode_differing_at_small_budget": default_runs[1]["num_differing_vs_default_reference"],
-        "default_mode_differing_one_at_a_time": default_runs[2]["num_differing_vs_default_reference"],
-        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
-        "default_runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in default_runs],
-        "startup_s": startup_s,
-        "gemms": gemms,
-        "torch": torch.__version__,
-    }
+    report.update(gemms=gemms, complete=True)
+    save()
     if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     if total_differing:
         raise SystemExit(f"{total_differing} requests differ across the deterministic matrix")

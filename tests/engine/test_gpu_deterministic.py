@@ -32,7 +32,9 @@ PROMPTS = make_prompts(12, 100, 1200, CONFIG.vocab_size, seed=1)
 
 
 def new_llm(**engine_args) -> LLM:
+    # no start-up warm-up: its sweep of shape classes costs more GPU time than these runs
     args = {
+        "warmup": False,
         "dtype": "bfloat16",
         "device": "cuda",
         "load_format": "dummy",

@@ -2,7 +2,9 @@
 
 Matrix (issue 18): KV source {offload off, CPU-tier hit, disk-tier hit} x
 `max_num_batched_tokens` {512, 8192} x requests at once {1, all} x speculation
-{off, n-gram}: 24 runs, through one deterministic engine without offload and one
+{off, n-gram}, plus for the batched runs drafts replayed from the reference run with
+30% corrupted (n-gram rarely drafts for a random-weight model; replayed drafts make
+every step verify): 30 runs, through one deterministic engine without offload and one
 with a CPU tier over a disk tier (the token budget and the proposer are switched
 between runs, the GPU prefix cache is reset before each, and the CPU tier is emptied
 before each disk-tier run; the tier hit counters are printed per run).
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from connector import OffloadConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec_decode import NgramProposer  # noqa: E402
+from engine.spec_decode.replay import ReplayProposer  # noqa: E402
 
 SOURCES = ("offload off", "CPU-tier hit", "disk-tier hit")
 CHUNK_SIZE = 256
@@ -69,14 +72,17 @@ def model_config(tiny: bool):
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts made of a repeated random segment plus a random tail (n-gram matches)."""
+    """Random prompts: a random head, then a random segment repeated up to the end, so the
+    prompt's last tokens occurred before and the n-gram proposer drafts from the start."""
     rng = random.Random(seed)
     prompts = []
     for _ in range(num):
         length = rng.randint(min_len, max_len)
-        segment = [rng.randrange(10, vocab_size) for _ in range(rng.randint(16, 64))]
-        body = (segment * (length // len(segment) + 1))[: length * 3 // 4]
-        prompts.append(body + [rng.randrange(10, vocab_size) for _ in range(length - len(body))])
+        head = [rng.randrange(10, vocab_size) for _ in range(length // 4)]
+        segment = [
+            rng.randrange(10, vocab_size) for _ in range(rng.randint(4, max(4, (length - len(head)) // 3)))
+        ]
+        prompts.append(head + (segment * (length // len(segment) + 1))[: length - len(head)])
     return prompts
 
 
@@ -126,6 +132,8 @@ class Runner:
         )
         self.startup_s = time.perf_counter() - started
         self.ngram = NgramProposer(args.num_speculative_tokens, 2, 4)
+        #: set by main from the reference run: drafts that verification always has to check
+        self.replay: ReplayProposer | None = None
         self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
         # warm-up beyond the engine's own: a short batch through plain and speculative steps
         for proposer in (None, self.ngram):
@@ -145,17 +153,21 @@ class Runner:
         if cpu.keys(""):
             raise RuntimeError("the CPU tier kept chunks: the disk-tier run would not read from disk")
 
-    def run(self, source: str, budget: int, all_at_once: bool, speculative: bool) -> dict:
+    def run(self, source: str, budget: int, all_at_once: bool, speculative: str) -> dict:
+        """One run; `speculative`: "off", "ngram" or "replay" (self.replay's drafts)."""
         llm, scheduler = self.llm, self.llm.engine.scheduler
         if (source == "offload off") != (self.tiers is None):
             raise ValueError(f"this engine cannot run source {source!r}")
         scheduler.max_num_batched_tokens = budget
-        scheduler.proposer = self.ngram if speculative else None
+        scheduler.proposer = {"off": None, "ngram": self.ngram, "replay": self.replay}[speculative]
+        if speculative != "off" and scheduler.proposer is None:
+            raise ValueError(f"no {speculative} proposer set")
         llm.reset_prefix_cache()  # prefixes come from recompute or the tier, never the GPU cache
         if source == "disk-tier hit":
             llm.flush_kv_offload()  # promotions of an earlier run are written through first
             self._empty_cpu_tier()
         counters_before = self.tiers.counters() if self.tiers is not None else {}
+        drafts_before = llm.stats.spec_decode.num_draft_tokens
         prompts = self.prompts if all_at_once else self.prompts[: self.args.num_alone]
         synchronize(self.device)
         started = time.perf_counter()
@@ -175,9 +187,10 @@ class Runner:
         return {
             "source": source,
             "tier_chunk_hits": tier_hits,
+            "num_draft_tokens": llm.stats.spec_decode.num_draft_tokens - drafts_before,
             "max_num_batched_tokens": budget,
             "at_once": len(prompts) if all_at_once else 1,
-            "speculative": "ngram" if speculative else "off",
+            "speculative": speculative,
             "num_requests": len(prompts),
             "token_ids": [o.token_ids for o in outputs],
             "external_hit_tokens": sum(o.metrics.num_external_cached_tokens for o in outputs),
@@ -217,6 +230,14 @@ def time_gemms(num_repeats: int = 20) -> list[dict]:
             rows.append(row)
         del weight
     return rows
+
+
+def replay_of(reference: dict, prompts, args, vocab_size: int) -> ReplayProposer:
+    """Drafts that replay the reference run's tokens with 30% of them corrupted: every
+    step verifies drafts, some accepted, some rejected (n-gram drafts need repeats that a
+    random-weight model rarely produces)."""
+    continuations = {tuple(p): t for p, t in zip(prompts, reference["token_ids"], strict=True)}
+    return ReplayProposer(args.num_speculative_tokens, continuations, vocab_size, corrupt_fraction=0.3)
 
 
 def num_differing(run: dict, reference: list[list[int]]) -> int:
@@ -293,13 +314,15 @@ def main() -> None:
             runner = Runner(
                 config, prompts, args, deterministic=True, disk_path=disk_root if offload else None
             )
+            if runs:
+                runner.replay = replay_of(runs[0], prompts, args, config.vocab_size)
             startup_s["deterministic, " + ("CPU + disk tiers" if offload else "offload off")] = (
                 runner.startup_s
             )
             for source in SOURCES[1:] if offload else SOURCES[:1]:
                 for budget in args.budgets:
                     for all_at_once in (True, False):
-                        for speculative in (False, True):
+                        for speculative in ("off", "ngram", "replay") if all_at_once else ("off", "ngram"):
                             r = {
                                 "mode": "deterministic",
                                 **runner.run(source, budget, all_at_once, speculative),
@@ -308,6 +331,8 @@ def main() -> None:
                                 r, runs[0]["token_ids"] if runs else r["token_ids"]
                             )
                             runs.append(r)
+                            if len(runs) == 1:  # the reference: replay its tokens as drafts
+                                runner.replay = replay_of(r, prompts, args, config.vocab_size)
                             save()
                             print(
                                 f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
@@ -320,7 +345,7 @@ def main() -> None:
         startup_s["default, offload off"] = default.startup_s
         big, small = args.budgets
         for budget, all_at_once in ((big, True), (small, True), (big, False)):
-            default_runs.append(default.run("offload off", budget, all_at_once, False))
+            default_runs.append(default.run("offload off", budget, all_at_once, "off"))
             save()
         default.close()
     finally:

@@ -1,6 +1,6 @@
 """`deterministic=True` on a real GPU in bfloat16 (marker `gpu`): the same tokens for a
 request alone or in a batch, at any chunked-prefill budget, after a CPU-tier hit and
-with n-gram speculation, with decode CUDA graphs on. A Llama-3.1-shaped model with
+with speculation (n-gram and replayed drafts), with decode CUDA graphs on. A Llama-3.1-shaped model with
 random weights, small enough to start in seconds (benchmarks/deterministic.py runs the
 8B shape)."""
 
@@ -13,6 +13,7 @@ from benchmarks.deterministic import make_prompts
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
 from engine.bench_presets import llama31_config
+from engine.spec_decode.replay import ReplayProposer
 
 pytestmark = pytest.mark.gpu
 
@@ -75,4 +76,11 @@ def test_cpu_tier_hits_and_ngram_do_not_change_tokens(alone):
     assert sum(o.metrics.num_external_cached_tokens for o in second) > 0
     spec = new_llm(deterministic=True, speculative="ngram", num_speculative_tokens=4)
     assert [o.token_ids for o in spec.generate(PROMPTS, PARAMS)] == alone
-    assert spec.stats.spec_decode.num_draft_tokens > 0  # verification steps did run
+    # A random-weight model rarely repeats itself, so n-gram drafts may be few: replayed
+    # drafts (30% corrupted) make every step verify several tokens, some rejected.
+    continuations = {tuple(p): t for p, t in zip(PROMPTS, alone, strict=True)}
+    spec.engine.scheduler.proposer = ReplayProposer(4, continuations, CONFIG.vocab_size, corrupt_fraction=0.3)
+    spec.reset_prefix_cache()
+    assert [o.token_ids for o in spec.generate(PROMPTS, PARAMS)] == alone
+    stats = spec.stats.spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -111,11 +111,14 @@ class Runner:
         tier_bytes = chunk_slots * CHUNK_SIZE * kv_bytes_per_token(config)
         offload = None
         if disk_path is not None:
+            # load_policy "always": every hit is loaded (the planner would recompute a prefix
+            # whenever that is faster than reading the disk, and the disk runs would test less)
             offload = OffloadConfig(
                 chunk_size=CHUNK_SIZE,
                 cpu_bytes=tier_bytes,
                 disk_path=str(disk_path),
                 disk_bytes=2 * tier_bytes,
+                load_policy="always",
             )
         started = time.perf_counter()
         self.llm = LLM(

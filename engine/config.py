@@ -106,6 +106,8 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

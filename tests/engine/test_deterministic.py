@@ -123,6 +123,8 @@ def test_tokens_do_not_depend_on_a_cpu_tier_hit(model_dir, alone):
 
 def test_the_mode_swaps_the_linear_layers_and_is_off_by_default(model_dir):
     assert EngineArgs().deterministic is False
+    with pytest.raises(ValueError, match="deterministic must be True or False"):
+        EngineArgs(deterministic="yes").validate()
     plain = LLM(str(model_dir), dtype="bfloat16", device="cpu")
     assert not any(isinstance(m, BatchInvariantLinear) for m in plain.engine.model.modules())
     det = LLM(str(model_dir), dtype="bfloat16", device="cpu", deterministic=True)

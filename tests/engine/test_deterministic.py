@@ -78,6 +78,10 @@ def test_tokens_do_not_depend_on_the_batch_or_the_chunking(model_dir, alone):
     assert run(model_dir, max_num_batched_tokens=24, max_num_seqs=3) == alone
 
 
+def test_asynchronous_scheduling_keeps_the_tokens(model_dir, alone):
+    assert run(model_dir, async_scheduling=True, max_num_batched_tokens=24) == alone
+
+
 def test_weights_streamed_from_cpu_memory_keep_the_tokens(model_dir, alone):
     # the batch-invariant linear layers read the same parameters, views into the offload ring
     assert run(model_dir, cpu_offload_gb=0.0002, max_num_batched_tokens=24) == alone

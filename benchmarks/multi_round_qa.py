@@ -125,6 +125,11 @@ def main() -> None:
     parser.add_argument("--cpu-gb", type=float, default=None, help="CPU tier size")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="both engines in the deterministic mode (batch-invariant kernels): outputs must be identical in bf16",
+    )
     args = parser.parse_args()
 
     tiny = args.tiny
@@ -151,6 +156,7 @@ def main() -> None:
         num_gpu_blocks=gpu_kv_tokens // block_size,
         max_num_seqs=workload.num_users,
         max_num_batched_tokens=256 if tiny else 16384,
+        deterministic=args.deterministic,
     )
     head_dim = config.hidden_size // config.num_attention_heads
     bytes_per_token = (
@@ -185,7 +191,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
     off, on = summaries["offload off"], summaries["offload on"]
     print(
-        f"\nmulti-round QA — {device_name}, {workload.num_users} users x {workload.context_len}-token contexts, "
+        f"\nmulti-round QA{' (deterministic mode)' if args.deterministic else ''} — {device_name}, {workload.num_users} users x {workload.context_len}-token contexts, "
         f"{workload.num_rounds} rounds, GPU KV pool {gpu_kv_tokens} tokens"
     )
     print(
@@ -209,6 +215,7 @@ def main() -> None:
         "gpu_kv_tokens": gpu_kv_tokens,
         "cpu_tier_bytes": cpu_bytes,
         "outputs_identical": identical,
+        "deterministic": args.deterministic,
         "off": off,
         "on": on,
         "throughput_ratio": on["generated_tokens_per_s"] / off["generated_tokens_per_s"],

@@ -102,7 +102,15 @@ def median_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, count
     return runs[len(runs) // 2]
 
 
-def make_llm(config, device: torch.device, dtype: str, speculative: bool, k: int, max_model_len: int) -> LLM:
+def make_llm(
+    config,
+    device: torch.device,
+    dtype: str,
+    speculative: bool,
+    k: int,
+    max_model_len: int,
+    deterministic: bool = False,
+) -> LLM:
     extra = dict(speculative="ngram", num_speculative_tokens=k) if speculative else {}
     return LLM(
         config,
@@ -112,6 +120,7 @@ def make_llm(config, device: torch.device, dtype: str, speculative: bool, k: int
         enable_prefix_caching=False,  # every run recomputes its prompts: runs stay comparable
         max_model_len=max_model_len,
         max_num_seqs=64,
+        deterministic=deterministic,
         **extra,
     )
 
@@ -155,6 +164,11 @@ def main() -> None:
         "--repeats", type=int, default=None, help="runs per point, median kept (3; 1 with --tiny)"
     )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here and the PNG beside it")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the deterministic mode (batch-invariant kernels): n-gram outputs must equal plain ones in bf16",
+    )
     args = parser.parse_args()
 
     batch_sizes = args.batch_sizes or ([1, 2] if args.tiny else [1, 8])
@@ -169,7 +183,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     counter = itertools.count()
 
-    llm = make_llm(config, device, dtype, speculative=True, k=k, max_model_len=max_model_len)
+    llm = make_llm(
+        config,
+        device,
+        dtype,
+        speculative=True,
+        k=k,
+        max_model_len=max_model_len,
+        deterministic=args.deterministic,
+    )
     scheduler = llm.engine.scheduler
     ngram = NgramProposer(k, min_n=2, max_n=4)
     warmup = edit_prompts(max(batch_sizes), text_len, config.vocab_size, seed=99)
@@ -222,7 +244,15 @@ def main() -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    graph_llm = make_llm(config, device, dtype, speculative=False, k=k, max_model_len=max_model_len)
+    graph_llm = make_llm(
+        config,
+        device,
+        dtype,
+        speculative=False,
+        k=k,
+        max_model_len=max_model_len,
+        deterministic=args.deterministic,
+    )
     timed_decode(graph_llm, warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), counter)
     batch_to_graph_tps = {}
     for batch_size in batch_sizes:
@@ -253,6 +283,10 @@ def main() -> None:
             f"{r['speedup_vs_plain_engine']:>9.2f} {str(r['outputs_identical']):>9}"
         )
     print("plain engine (CUDA graphs where available) tok/s: " + str(batch_to_graph_tps))
+    all_identical = all(r["outputs_identical"] for r in ngram_rows + replay_rows)
+    print(
+        f"deterministic mode: {args.deterministic}; every speculative run's outputs identical: {all_identical}"
+    )
 
     model_name = "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)"
     result = {
@@ -262,6 +296,7 @@ def main() -> None:
         if device.type == "cuda"
         else platform.processor() or "cpu",
         "dtype": dtype,
+        "deterministic": args.deterministic,
         "num_speculative_tokens": k,
         "text_len": text_len,
         "new_tokens": new_tokens,
@@ -269,6 +304,7 @@ def main() -> None:
         "ngram": ngram_rows,
         "replay": replay_rows,
         "plain_engine_tokens_per_s": batch_to_graph_tps,
+        "all_outputs_identical": all_identical,
         "torch": torch.__version__,
     }
     if args.out:

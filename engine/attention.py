@@ -15,6 +15,9 @@ written into the paged cache. Two paths share the step:
   prefix, a prompt after a cache hit) goes through the paged Triton kernel, with
   split-KV for a few long sequences.
 
+In the deterministic mode the runner makes no dense span and every sequence goes
+through the paged kernel's batch-invariant form (fixed tile, no split-KV).
+
 The runner lays the step's sequences out paged-first, so the paged kernel reads a
 prefix of the batch metadata without another transfer.
 """
@@ -123,8 +126,12 @@ def attend(
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], this step's K/V already written
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """-> [T, H, D] in query's dtype. Never syncs the host."""
+    """-> [T, H, D] in query's dtype. Never syncs the host. `batch_invariant` (the
+    deterministic mode, whose metadata has no dense spans) runs the paged kernel's
+    batch-invariant form."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_paged = metadata.num_paged_seqs
     spans = metadata.dense_spans
@@ -141,6 +148,7 @@ def attend(
             max_seq_len=metadata.max_seq_len,
             check_values=False,
             out=out[:num_paged_tokens],
+            batch_invariant=batch_invariant,
         )
     for begin, end in spans:
         out[begin:end].copy_(

@@ -99,8 +99,15 @@ class EngineArgs:
     #: up to two steps in flight); speculative decoding runs synchronous steps regardless
     async_scheduling: bool = False
 
+    #: batch-invariant kernels (engine.deterministic): a request's tokens do not depend on
+    #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
+    #: too; costs some throughput (docs/deterministic.md)
+    deterministic: bool = False
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -120,6 +120,10 @@ class EngineCore:
         if self.device.type == "cuda" and not args.enforce_eager and self.dtype != torch.float32:
             # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly
             self.model.compile_glue()
+        if args.deterministic:
+            from engine.deterministic import make_batch_invariant
+
+            make_batch_invariant(self.model)
         num_blocks = self._num_kv_blocks()
         self.block_size = args.block_size
         self.tokenizer = self._load_tokenizer()
@@ -163,6 +167,7 @@ class EngineCore:
             connector=worker_connector,
             cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
             max_model_len=self.max_model_len,
+            deterministic=args.deterministic,
         )
         if args.warmup and self.device.type == "cuda":
             warm_up(

@@ -47,6 +47,11 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "Schedule the next step while the device runs the current one (two steps in flight; "
         "speculative decoding stays synchronous).",
     ),
+    "deterministic": (
+        bool,
+        "Batch-invariant kernels: the same tokens whatever the batch, chunking, step kind or "
+        "KV source, in bf16 too (slower; docs/deterministic.md).",
+    ),
 }
 
 

@@ -83,11 +83,14 @@ class ModelRunner:
         cuda_graph_max_batch_size: int = 0,
         max_model_len: int = 0,
         persistent_batch: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """`cuda_graph_max_batch_size` > 0 (CUDA only) captures decode graphs for up to
         that many sequences, with block tables wide enough for `max_model_len` tokens.
         `persistent_batch` keeps each running request's row across steps
-        (engine.input_batch); off, every step builds its inputs from the requests."""
+        (engine.input_batch); off, every step builds its inputs from the requests.
+        `deterministic` (a model made batch-invariant by engine.deterministic): one
+        attention kernel for every step kind, sampling row by row."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -95,6 +98,7 @@ class ModelRunner:
         self.connector = connector
         self.scale = config.head_dim**-0.5
         self.dtype = dtype
+        self.deterministic = deterministic
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._on_cuda = device.type == "cuda"
@@ -107,6 +111,10 @@ class ModelRunner:
             from kernels.reference import reshape_and_cache_ref as reshape_and_cache
 
             self._paged_attention = paged_attention_ref
+            if deterministic:
+                from engine.deterministic import attention_fn
+
+                self._paged_attention = attention_fn(device)
         self._reshape_and_cache = reshape_and_cache
         self._metadata: AttentionMetadata | None = None
         self.input_batch = InputBatch(block_size) if persistent_batch else None
@@ -156,6 +164,7 @@ class ModelRunner:
         num_requests = len(plan.requests)
         dense = [
             self._on_cuda
+            and not self.deterministic
             and attention.is_dense_prefill(
                 request.num_computed_tokens,
                 num_new,
@@ -344,7 +353,9 @@ class ModelRunner:
             # The metadata was built here from the scheduler's plan: skip the kernels'
             # value checks, which would sync the stream once per layer.
             self._reshape_and_cache(key, value, kv_layer, md.slot_mapping, check_values=False)
-            out = attention.attend(query, key, value, kv_layer, md, self.scale)
+            out = attention.attend(
+                query, key, value, kv_layer, md, self.scale, batch_invariant=self.deterministic
+            )
         else:
             self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
             out = self._paged_attention(
@@ -376,6 +387,7 @@ class ModelRunner:
             [request_id_to_token[r.request_id] for r in requests],
             [r.sampling_params for r in requests],
             [r.generator for r in requests],
+            row_wise=self.deterministic,
         )
         request_id_to_accepted_draft_ids = {}
         for request, tokens in zip(requests, emitted, strict=True):
@@ -425,7 +437,10 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[rows])
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(
-                    logits, [r.sampling_params for r in requests], [r.generator for r in requests]
+                    logits,
+                    [r.sampling_params for r in requests],
+                    [r.generator for r in requests],
+                    row_wise=self.deterministic,
                 )
                 sampled_request_ids = [r.request_id for r in requests]
                 if plan.request_id_to_spec_token_ids:

@@ -32,9 +32,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def sampling_probs(
     logits: torch.Tensor,  # float32 [N, V]
     params: Sequence[SamplingParams],  # N non-greedy params
+    *,
+    row_wise: bool = False,
 ) -> torch.Tensor:  # float32 [N, V]
     """The distribution each row samples from: softmax(logits / temperature) after
-    top-k/top-p. Also the target distribution of speculative verification."""
+    top-k/top-p. Also the target distribution of speculative verification.
+    `row_wise` (the deterministic mode) computes each row alone, so its softmax and
+    cumulative sums cannot depend on the other rows' number."""
+    if row_wise and logits.shape[0] > 1:
+        return torch.cat([sampling_probs(logits[i : i + 1], [p]) for i, p in enumerate(params)])
     device = logits.device
     temperature = host_to_device(torch.tensor([p.temperature for p in params]), device)
     scaled = logits / temperature[:, None]
@@ -49,17 +55,21 @@ def sample(
     logits: torch.Tensor,  # float32 [N, V]
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    row_wise: bool = False,
 ) -> list[int]:
     """One token id per row. Greedy rows take the argmax; the others sample from
     softmax(logits / temperature) after top-k/top-p, drawing from their own
-    generator (seeded requests) or the global RNG."""
-    return sample_on_device(logits, params, generators).tolist()
+    generator (seeded requests) or the global RNG. `row_wise`: see `sampling_probs`."""
+    return sample_on_device(logits, params, generators, row_wise=row_wise).tolist()
 
 
 def sample_on_device(
     logits: torch.Tensor,  # float32 [N, V]
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    row_wise: bool = False,
 ) -> torch.Tensor:  # int64 [N], on the logits' device
     """`sample` without reading the tokens back: the host does not wait for the device
     (the model runner reads them later, or feeds them to the next step on the device)."""
@@ -67,7 +77,7 @@ def sample_on_device(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = host_to_device(torch.tensor(random_rows), logits.device)
-        probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
+        probs = sampling_probs(logits[rows], [params[i] for i in random_rows], row_wise=row_wise)
         for row_index, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row_index], 1, generator=generators[i])[0]
     return token_ids

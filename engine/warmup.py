@@ -148,7 +148,11 @@ def _step_plans(factory: _SyntheticRequests, limits: WarmupLimits) -> list[Sched
 
 def _warm_dense_buckets(runner: ModelRunner, max_tokens: int) -> int:
     """Plan the fused prefill kernel at every bucket a whole prompt can take."""
-    if runner.device.type != "cuda" or runner.dtype not in attention.DENSE_PREFILL_DTYPES:
+    if (
+        runner.device.type != "cuda"
+        or runner.dtype not in attention.DENSE_PREFILL_DTYPES
+        or runner.deterministic  # the deterministic mode never takes the dense path
+    ):
         return 0
     config = runner.config
     lens = attention.dense_bucket_lens(max_tokens)

@@ -20,6 +20,14 @@ cut into `num_kv_splits` ranges, one program each; every program writes its part
 output with its log-sum-exp, and a second kernel merges the splits. The ranges are
 computed in the kernel from each sequence's length, so one launch shape serves any
 lengths (CUDA graphs capture it once).
+
+Batch-invariant form (`batch_invariant=True`, the engine's deterministic mode): the
+tile shape is a constant of (group, dtype) instead of following the step's longest
+query, and there is no split-KV. Every query row then reduces its keys in the same
+order -- BLOCK_N-key tiles from position 0, one online softmax -- whether it sits in
+a prefill chunk (with any chunk boundaries), a decode or a speculative verification,
+and whatever the other sequences of the batch. Tiles past a row's own position are
+fully masked and leave its state bit-unchanged (scale 1, weights 0).
 """
 
 from __future__ import annotations
@@ -246,6 +254,12 @@ def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[i
     return block_q, block_m, block_n
 
 
+def batch_invariant_launch_config(group: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """-> (BLOCK_Q, BLOCK_M, BLOCK_N) of the batch-invariant form: the prefill tile of
+    `launch_config`, for every step (a decode token fills one row group of it)."""
+    return launch_config(group, 1 << 30, dtype)
+
+
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per tile for a batch whose sequences each fit one query tile (decode,
     speculative verification, a prompt's last token after a cache hit).
@@ -276,6 +290,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     check_values: bool = True,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal GQA attention over paged KV; returns [num_new_tokens_total, num_heads, head_dim] in query's dtype.
 
@@ -289,6 +304,9 @@ def paged_attention(
     hot path passes the maxima and check_values=False once it built the metadata itself.
     `out`, when given, receives the result (a tensor shaped and typed like query whose
     head_dim is contiguous, e.g. a slice of a larger output) and is returned.
+    `batch_invariant` fixes the tile shape and turns split-KV off: each query row's
+    result is then bit-identical whatever the batch, the chunking or the step kind
+    (`num_kv_splits` must be None or 1).
     """
     validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
     check_kernel_device("query", query, _paged_attention_kernel)
@@ -296,6 +314,8 @@ def paged_attention(
         raise ValueError(f"query must be contiguous along head_dim, got strides {query.stride()}")
     if num_kv_splits is not None and not 1 <= num_kv_splits <= 1024:
         raise ValueError(f"num_kv_splits must be in [1, 1024], got {num_kv_splits}")
+    if batch_invariant and num_kv_splits not in (None, 1):
+        raise ValueError(f"batch_invariant attention has no split-KV, got num_kv_splits={num_kv_splits}")
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
     if check_values:
@@ -319,7 +339,11 @@ def paged_attention(
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
-    block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
+    if batch_invariant:
+        block_q, block_m, block_n = batch_invariant_launch_config(group, query.dtype)
+        num_kv_splits = 1
+    else:
+        block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
     if max_query_len > block_q:
         num_kv_splits = 1  # prefill tiles are many already
     elif num_kv_splits is None:

@@ -161,6 +161,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        #: the LM head's GEMM (engine.deterministic swaps in a batch-invariant one)
+        self.logits_linear: Callable = F.linear
         # RoPE tables are plain tensors, not parameters: made on the real device by the loader.
         self.rotary: RotaryEmbedding | None = (
             None if device.type == "meta" else RotaryEmbedding(config.hf_config, device)
@@ -200,4 +202,4 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.logits_linear(hidden, weight).float()

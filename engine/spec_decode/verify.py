@@ -17,6 +17,8 @@ def verify_drafts(
     bonus_token_ids: Sequence[int],  # per request, sampled from the logits after its last draft
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    row_wise: bool = False,
 ) -> list[list[int]]:
     """Per request, the accepted drafts followed by one more token (recovered or bonus).
 
@@ -26,7 +28,8 @@ def verify_drafts(
     the argmax; sampled requests use the speculative-sampling rule on the distribution
     ``engine.sampler.sample`` would draw from, with random numbers from the request's own
     generator (or the global one), so seeded requests are reproducible. N-gram drafts have
-    no draft distribution: it is a point mass on the draft."""
+    no draft distribution: it is a point mass on the draft. `row_wise`: see
+    `engine.sampler.sampling_probs` (the deterministic mode)."""
     device = draft_logits.device
     vocab_size = draft_logits.shape[1]
     num_draft_tokens = [len(ids) for ids in draft_token_ids]
@@ -37,7 +40,9 @@ def verify_drafts(
     if sampled_rows:
         row_params = [p for p, n in zip(params, num_draft_tokens, strict=True) for _ in range(n)]
         rows = torch.tensor(sampled_rows, device=device)
-        target_probs[rows] = sampling_probs(draft_logits[rows], [row_params[i] for i in sampled_rows])
+        target_probs[rows] = sampling_probs(
+            draft_logits[rows], [row_params[i] for i in sampled_rows], row_wise=row_wise
+        )
 
     # Greedy verification draws no random numbers: its rows keep these neutral values.
     uniform_samples = torch.zeros(len(row_is_greedy), device=device)

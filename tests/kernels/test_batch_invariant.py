@@ -1,0 +1,205 @@
+"""The deterministic mode's kernels under the CPU interpreter (and their pure-torch CPU
+forms): every row / query is bit-identical whatever the rest of the batch, the chunk
+boundaries or the step kind, in bfloat16 and float32; results agree with the references.
+
+Shapes cross the kernels' tile sizes (130 rows > BLOCK_M 128, sequences longer than
+several BLOCK_N key tiles) so a row lands in different tiles and tile positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.models import glue
+from kernels import fixed_order, reference
+from kernels.matmul import linear
+from kernels.rms_norm import rms_norm
+from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
+
+DTYPES = [torch.bfloat16, torch.float32]
+#: (num rows of x, K, N): K not a multiple of BLOCK_K, N not of BLOCK_N
+LINEAR_SHAPE = (130, 72, 136)
+
+
+def _rows(num_rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return random_kv((num_rows, dim), dtype, "cpu", seed)
+
+
+def _batches_holding(x: torch.Tensor, row: int, seed: int) -> list[tuple[torch.Tensor, int]]:
+    """(batch, index of x[row] in it): alone, among other random rows at several places and sizes."""
+    others = _rows(200, x.shape[1], x.dtype, seed)
+    return [
+        (x[row : row + 1], 0),
+        (torch.cat([others[:5], x[row : row + 1]]), 5),
+        (torch.cat([others[:129], x[row : row + 1], others[129:140]]), 129),  # second row tile
+        (torch.cat([x[row : row + 1], others[:63]]), 0),
+    ]
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_rows_do_not_depend_on_the_batch(dtype, with_bias):
+    num_rows, k, n = LINEAR_SHAPE
+    x = _rows(num_rows, k, dtype, seed=0)
+    weight = random_kv((n, k), dtype, "cpu", seed=1)
+    bias = random_kv((n,), dtype, "cpu", seed=2) if with_bias else None
+    full = linear(x, weight, bias)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(full.float(), expected, **ATTENTION_TOLERANCES[dtype])
+    for row in (0, 77, 129):
+        for batch, index in _batches_holding(x, row, seed=3 + row):
+            assert torch.equal(linear(batch, weight, bias)[index], full[row]), (row, batch.shape[0])
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_do_not_depend_on_the_batch(dtype):
+    x = _rows(130, 96, dtype, seed=4)
+    weight = random_kv((96,), dtype, "cpu", seed=5)
+    full = rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(
+        full.float(), glue.rms_norm(x, weight, 1e-6).float(), **ATTENTION_TOLERANCES[dtype]
+    )
+    for row in (0, 64, 129):
+        for batch, index in _batches_holding(x, row, seed=6 + row):
+            assert torch.equal(rms_norm(batch, weight, 1e-6)[index], full[row])
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_linear_and_rms_norm_reject_bad_input():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="in_features"):
+        linear(x, torch.zeros(4, 7))
+    with pytest.raises(ValueError, match="must match x"):
+        linear(x, torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        linear(x, torch.zeros(4, 8), torch.zeros(5))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        linear(x.double(), torch.zeros(4, 8).double())
+    with pytest.raises(ValueError, match="weight's size"):
+        rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, torch.ones(8), 0.0)
+
+
+# One sequence of SEQ_LEN tokens (several BLOCK_N tiles) whose queries are computed in many ways.
+SEQ_LEN = 100
+NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM = 4, 2, 8, 24
+NUM_BLOCKS = 96
+
+
+class _Sequence:
+    """The KV of a sequence and of a few unrelated ones in one paged layer, and its queries."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.kv_layer = random_kv((2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype, "cpu", seed=7)
+        self.query = random_kv((SEQ_LEN, NUM_HEADS, HEAD_DIM), dtype, "cpu", seed=8)
+        # Row 0: our sequence; rows 1..3: other sequences of other lengths.
+        self.other_lens = [40, 97, 21]
+        self.tables, _, _ = attention_batch(
+            [1] * 4, [SEQ_LEN, *self.other_lens], NUM_BLOCKS, BLOCK_SIZE, seed=9, device="cpu"
+        )
+        self.other_queries = random_kv((40, NUM_HEADS, HEAD_DIM), dtype, "cpu", seed=10)
+
+    def run(self, attention, begin: int, end: int, others: list[tuple[int, int]]) -> torch.Tensor:
+        """Queries [begin, end) of the sequence in one call, placed after `others` =
+        [(other sequence index 1..3, num new tokens)] -> [end - begin, H, D]."""
+        seq_rows = [other for other, _ in others] + [0]
+        num_new = [n for _, n in others] + [end - begin]
+        seq_lens = [self.other_lens[other - 1] for other, _ in others] + [end]
+        queries = torch.cat([self.other_queries[: sum(n for _, n in others)], self.query[begin:end]])
+        tables = self.tables[seq_rows]
+        starts = torch.tensor([0, *num_new]).cumsum(0).int()
+        out = attention(
+            queries,
+            self.kv_layer,
+            tables,
+            torch.tensor(seq_lens, dtype=torch.int32),
+            starts,
+            1 / math.sqrt(HEAD_DIM),
+        )
+        return out[-(end - begin) :]
+
+
+def _batch_invariant_kernel(*args):
+    return kernels.paged_attention(*args, batch_invariant=True)
+
+
+def _assert_every_way_agrees(attention, dtype):
+    seq = _Sequence(dtype)
+    whole = seq.run(attention, 0, SEQ_LEN, [])
+    # chunked prefill with other chunk boundaries, beside other sequences' prefill chunks and decodes
+    for boundaries in ([0, 64, 100], [0, 37, 77, 100], [0, 1, 2, 70, 100]):
+        for index, (begin, end) in enumerate(zip(boundaries, boundaries[1:], strict=False)):
+            others = [(1, 3), (3, 1)] if index % 2 else [(2, 20)]
+            assert torch.equal(seq.run(attention, begin, end, others), whole[begin:end]), (begin, end)
+    # decode steps (one query), alone and in a batch of decodes
+    for position in (0, 16, 63, 64, 99):
+        for others in ([], [(1, 1), (2, 1), (3, 1)]):
+            assert torch.equal(seq.run(attention, position, position + 1, others)[0], whole[position]), (
+                position
+            )
+    # speculative verification: a few queries at the end of the sequence
+    for begin in (80, 95):
+        assert torch.equal(seq.run(attention, begin, begin + 5, [(2, 4)]), whole[begin : begin + 5])
+    starts = torch.tensor([0, SEQ_LEN], dtype=torch.int32)
+    expected = reference.paged_attention_ref(
+        seq.query,
+        seq.kv_layer,
+        seq.tables[:1],
+        torch.tensor([SEQ_LEN], dtype=torch.int32),
+        starts,
+        HEAD_DIM**-0.5,
+    )
+    torch.testing.assert_close(whole, expected, **ATTENTION_TOLERANCES[dtype])
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant_attention_is_the_same_in_any_chunk_decode_or_verification(dtype):
+    _assert_every_way_agrees(_batch_invariant_kernel, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fixed_order_cpu_attention_is_the_same_in_any_chunk_decode_or_verification(dtype):
+    _assert_every_way_agrees(fixed_order.paged_attention_rows, dtype)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_batch_invariant_attention_has_no_split_kv():
+    seq = _Sequence(torch.float32)
+    with pytest.raises(ValueError, match="no split-KV"):
+        kernels.paged_attention(
+            seq.query[:1],
+            seq.kv_layer,
+            seq.tables[:1],
+            torch.tensor([1], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            0.25,
+            num_kv_splits=2,
+            batch_invariant=True,
+        )
+
+
+def test_pairwise_sum_ignores_zero_padding_and_matches_sum():
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([x, torch.zeros(3, 90)], dim=1)
+    assert torch.equal(fixed_order.pairwise_sum(x, -1), fixed_order.pairwise_sum(padded, -1))
+    torch.testing.assert_close(fixed_order.pairwise_sum(x, -1), x.sum(-1))
+    torch.testing.assert_close(fixed_order.pairwise_sum(x, 0), x.sum(0))
+
+
+def test_per_row_linear_rows_do_not_depend_on_the_batch():
+    for dtype in DTYPES:
+        x = _rows(40, 72, dtype, seed=11)
+        weight = random_kv((136, 72), dtype, "cpu", seed=12)
+        full = fixed_order.per_row(F.linear, x, weight)
+        for row in (0, 39):
+            for batch, index in _batches_holding(x, row, seed=13):
+                assert torch.equal(fixed_order.per_row(F.linear, batch, weight)[index], full[row])

@@ -1,0 +1,45 @@
+"""The deterministic mode's GEMM and RMSNorm compile for an H100 (sm_90) without a GPU:
+the bf16 GEMM runs on Hopper tensor cores (wgmma) with a 3-stage shared-memory pipeline,
+within the H100's shared memory and without spills. Compiled in a subprocess
+(tests/kernels/sm90_compile_batch_invariant.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import triton
+
+from tests.sm90_compile_runner import sm90_compile_rows
+
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+H100_SHARED_MEMORY_BYTES = 232_448
+
+pytestmark = pytest.mark.skipif(
+    not (NVIDIA_BIN / "ptxas").exists() or not (NVIDIA_BIN / "cuobjdump").exists(),
+    reason="Triton's bundled ptxas/cuobjdump are missing",
+)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    rows = sm90_compile_rows("tests.kernels.sm90_compile_batch_invariant")
+    return {row["name"]: row for row in rows}
+
+
+def test_every_configuration_compiled(results):
+    assert len(results) == 4 + 3
+
+
+@pytest.mark.parametrize("name", ["linear bf16", "linear bf16 bias"])
+def test_bf16_gemm_uses_wgmma_and_a_pipeline(results, name):
+    row = results[name]
+    assert row["wgmma"] > 0, row
+    # three stages of a 128x64 and a 64x128 bf16 tile
+    assert row["shared"] >= 3 * 2 * 128 * 64 * 2, row
+    assert row["shared"] <= H100_SHARED_MEMORY_BYTES and row["stack"] <= 64, row
+
+
+def test_nothing_spills(results):
+    for row in results.values():
+        assert row["shared"] <= H100_SHARED_MEMORY_BYTES and row["stack"] <= 64 and row["local"] == 0, row

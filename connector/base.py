@@ -162,10 +162,6 @@ class KVConnectorScheduler(abc.ABC):
         from the request's compute limit on (called once per non-None
         ``get_num_tail_tokens`` answer that the scheduler acted on)."""
 
-    def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:  # noqa: B027
-        """A step computed ``num_prefill_tokens`` prompt tokens (of prompts up to
-        ``num_max_prompt_tokens`` long) in ``seconds``: the measured prefill rate."""
-
     def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
         """Called by an engine with nothing to schedule while requests wait for
         background fetches: sleep until one makes progress or ``timeout_s`` passed."""

@@ -20,6 +20,7 @@ Lower-tier writes then happen on the tier manager's thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from connector.cache_engine import CacheEngine, LoadPlan
 from connector.fetcher import ChunkFetcher
 from connector.planner import LoadPlanner
 from connector.request_transfer import TransferRegistry
+
+log = logging.getLogger(__name__)
 
 
 class _Load(NamedTuple):
@@ -250,11 +253,22 @@ class OffloadWorker(KVConnectorWorker):
         self.cache_engine.publish_finished_stores()
         if self.fetcher is not None:
             for job in self.fetcher.poll():
-                tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
-                self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
+                if not job.probe:  # a probe's chunk is no request's hit
+                    tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
+                    self.cache_engine.tiers.count_hits(
+                        {t: n for t, n in tier_to_chunks.items() if t != "cpu"}
+                    )
                 if self.planner is not None:
                     for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
                         self.planner.observe_read(tier_name, num_bytes, seconds)
+                        if job.probe:
+                            log.info(
+                                "probe of tier %s: %d bytes in %.1f ms (%.3f GB/s)",
+                                tier_name,
+                                num_bytes,
+                                seconds * 1e3,
+                                num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                            )
                 if self.registry.fetch_finished(job) is None:
                     self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
         return self.registry.take_finished_sending(), self.registry.take_finished_recving()

@@ -83,6 +83,8 @@ class PrefillRates:
         self.alpha = alpha
         self._lock = threading.Lock()
         self._length_class_to_rate: dict[int, MovingRate] = {}
+        #: (length class, rate) of the latest observed step
+        self._latest: tuple[int, float] | None = None
 
     def observe(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """A step computed ``num_tokens`` prompt tokens, reaching prompt position
@@ -90,6 +92,8 @@ class PrefillRates:
         requests' decode tokens included)."""
         with self._lock:
             self._rate(num_prompt_tokens).observe(num_tokens, seconds)
+            if num_tokens > 0 and seconds > 0:
+                self._latest = (_length_class(num_prompt_tokens), num_tokens / seconds)
 
     def rate(self, num_prompt_tokens: int) -> float:
         """The moving average for this prompt length (the planner's estimate)."""
@@ -97,14 +101,20 @@ class PrefillRates:
             return self._rate(num_prompt_tokens).value
 
     def cautious_rate(self, num_prompt_tokens: int) -> float | None:
-        """The lower of the moving average and the latest sample for this prompt length
-        (a slowdown, e.g. a chunk that attends over a longer prefix, counts at once), or
-        None when nothing has been measured yet."""
+        """A low estimate for a step reaching this prompt position, or None when nothing
+        has been measured yet: the lowest of the class's moving average, its latest sample
+        (a slowdown counts at once) and the latest step's rate when that step reached a
+        class no deeper (tokens deeper in a prompt cost more: the next chunk of a prompt is
+        at most as fast as the one before, whatever big, efficient steps measured in its
+        class earlier)."""
         with self._lock:
-            rate = self._rate(num_prompt_tokens)
-            if not rate.num_samples and not any(r.num_samples for r in self._length_class_to_rate.values()):
+            if not any(r.num_samples for r in self._length_class_to_rate.values()):
                 return None
-            return min(rate.value, rate.last)
+            rate = self._rate(num_prompt_tokens)
+            value = min(rate.value, rate.last)
+            if self._latest is not None and self._latest[0] <= _length_class(num_prompt_tokens):
+                value = min(value, self._latest[1])
+            return value
 
     def snapshot(self) -> dict[int, float]:
         """Moving averages by the shortest prompt length of each class (``2^k``)."""
@@ -112,7 +122,7 @@ class PrefillRates:
             return {1 << (c - 1): rate.value for c, rate in self._length_class_to_rate.items()}
 
     def _rate(self, num_prompt_tokens: int) -> MovingRate:
-        length_class = max(1, num_prompt_tokens).bit_length()
+        length_class = _length_class(num_prompt_tokens)
         rate = self._length_class_to_rate.get(length_class)
         if rate is None:
             rate = MovingRate(self.prior, self.alpha)
@@ -125,6 +135,11 @@ class PrefillRates:
                 rate.value = self._length_class_to_rate[nearest].value
                 rate.last = self._length_class_to_rate[nearest].last
         return rate
+
+
+def _length_class(num_prompt_tokens: int) -> int:
+    """Prompt positions [2^(k-1), 2^k) are class k."""
+    return max(1, num_prompt_tokens).bit_length()
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 
 from connector import OffloadConfig
 from connector.breaker import CircuitBreaker
-from connector.planner import LoadPlanner
+from connector.planner import LoadPlanner, PrefillRates
 from engine import SamplingParams
 from tests.connector.test_async_loads import make_prompt, new_llm
 
@@ -135,6 +135,24 @@ def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, bla
     assert any(o.request_id == "second" for o in outputs) or second.num_computed_tokens > 0
     assert breaker.num_skipped >= 1
     engine.abort_request("decode")
+
+
+def test_prefill_rates_by_prompt_position_and_the_cautious_estimate():
+    rates = PrefillRates(prior=20_000.0)
+    assert rates.cautious_rate(100) is None and rates.rate(100) == 20_000.0  # nothing measured
+    rates.observe(16384, 8192, 0.25)  # one big step reaching position 16,384: 32,768 tokens/s
+    assert rates.rate(100) == rates.rate(20_000) == 32_768.0  # unmeasured classes follow it
+    rates.observe(4096, 1024, 0.04)  # a capped chunk reaching 4,096: 25,600 tokens/s
+    # The planner's moving average for deep prompts keeps the big step's rate; the cap's
+    # estimate for a deeper chunk is bounded by the latest, shallower step.
+    assert rates.rate(16384) == 32_768.0
+    assert rates.cautious_rate(16384) == 25_600.0
+    assert rates.cautious_rate(5000) == 25_600.0  # its own class is measured now
+    assert rates.cautious_rate(2048) == 25_600.0  # nearest neighbour: the 4,096 class
+    rates.observe(16384, 512, 0.05)  # the deep class slows down: its latest sample counts
+    assert rates.cautious_rate(16384) == 10_240.0
+    assert rates.cautious_rate(5000) == 25_600.0  # a deeper latest step does not bound a shallower class
+    assert set(rates.snapshot()) == {64, 2048, 4096, 16384}  # classes by their first position
 
 
 def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():

@@ -185,8 +185,9 @@ def run_staggered(engine: EngineCore) -> tuple[dict[str, list[int]], list[dict]]
     return outputs, steps
 
 
-def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(llama_dir):
-    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(llama_dir, device):
+    common = dict(dtype="float32", device=device, max_num_batched_tokens=256, num_gpu_blocks=128)
     uncapped, uncapped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=0, **common).engine)
     capped, capped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=1.0, **common).engine)
     assert set(capped) == {"short", "p300", "p150", "p90"}

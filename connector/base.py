@@ -149,6 +149,12 @@ class KVConnectorScheduler(abc.ABC):
         per step for running requests still in their prompt; side-effect free."""
         return None
 
+    def estimate_load_seconds(self, num_tokens: int) -> float:
+        """How long loading ``num_tokens`` tokens from the CPU tier into the paged cache is
+        expected to take within a step (the scheduler's prefill cap counts it in the step's
+        time). Side-effect free; 0.0 when unknown."""
+        return 0.0
+
     def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
         """For a request at its compute limit: how many tokens from there can be loaded
         now (0 when its fetch got nothing: it recomputes on), or None while the fetch

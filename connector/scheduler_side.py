@@ -255,6 +255,11 @@ class OffloadScheduler(KVConnectorScheduler):
             return None
         return decision.num_head_end
 
+    def estimate_load_seconds(self, num_tokens: int) -> float:
+        if self.planner is None or num_tokens <= 0:
+            return 0.0
+        return num_tokens * self.cache_engine.bytes_per_token / self.planner.tier_rate("cpu")
+
     def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
         transfer = self.registry.get(request.request_id)
         if transfer is None or not transfer.tail_pending:

@@ -180,6 +180,13 @@ class OffloadWorker(KVConnectorWorker):
         if self._timing is not None:
             move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
         num_step_tokens = sum(load.plan.num_loaded_end - load.spec.num_load_start for load in self._loads)
+        if self.planner is not None and self.fetcher is not None and num_step_tokens:
+            # every load reads the CPU tier here: its rate is the host read plus the move
+            self.planner.observe_read(
+                "cpu",
+                num_step_tokens * engine.bytes_per_token,
+                sum(load.read_seconds for load in self._loads) + move_seconds,
+            )
         for load in self._loads:
             num_tokens = load.plan.num_loaded_end - load.spec.num_load_start
             # The step's moves share one stream: each request gets its share of the move time.

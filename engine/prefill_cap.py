@@ -92,6 +92,11 @@ class StepPrefillCap:
             num_fit = max(num_fit, min(num_new, block_size))
         return max(0, num_fit)
 
+    def spend_seconds(self, seconds: float) -> None:
+        """Something else in the step (a load from the CPU tier) takes ``seconds``."""
+        if self.time_left_s is not None and seconds > 0:
+            self.time_left_s = max(0.0, self.time_left_s - seconds)
+
     def spend(self, num_computed: int, num_tokens: int) -> None:
         """A request was scheduled with ``num_tokens`` prompt tokens from position
         ``num_computed`` in this step."""

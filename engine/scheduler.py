@@ -134,6 +134,8 @@ class Scheduler:
             num_loaded = num_tail or 0
             prefilling = step_cap is not None and not _is_decoding(request)
             if prefilling:
+                if num_loaded:  # the tail's copy runs in this step too
+                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_loaded))
                 num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
                 if num_new == 0:
                     index += 1  # the step's prefill time is spent: it goes on next step
@@ -209,6 +211,8 @@ class Scheduler:
                 if limit is not None and limit > num_computed:
                     num_new = min(num_new, limit - num_computed)
             if step_cap is not None:
+                if num_external:  # its load from the CPU tier runs in this step too
+                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_external))
                 num_new = step_cap.limit(num_computed, num_new)
                 if num_new == 0:
                     break  # the step's prefill time is spent: admitted next step

@@ -238,3 +238,23 @@ def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_
     assert second.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
     assert planner.counts["probes"] == 1  # measured now: no second probe
     close(llm)
+
+
+def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):
+    """The scheduler's prefill cap counts a step's CPU-tier load in the step's time, at the
+    rate the worker measures from its own loads (the prior until then)."""
+    from tests.connector.test_async_loads import PARAMS, close, disk_config
+
+    llm = new_llm(tiny_model_dir("llama"), disk_config(tmp_path))
+    connector = llm.engine.scheduler.connector
+    prior = connector.planner.tier_rate("cpu")
+    prompt = make_prompt(200, 9)
+    first, second = (llm.generate([prompt], PARAMS)[0] for _ in range(2))  # the second hits the CPU tier
+    assert second.metrics.tier_to_loaded_tokens == {"cpu": 199}
+    assert second.token_ids == first.token_ids
+    measured = connector.planner.tier_rate("cpu")
+    assert measured != prior
+    assert connector.estimate_load_seconds(1000) == pytest.approx(
+        1000 * connector.cache_engine.bytes_per_token / measured
+    )
+    close(llm)

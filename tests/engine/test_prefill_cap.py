@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.base import ConnectorMetadata, KVConnectorScheduler
 from connector.planner import PrefillRates
 from engine import LLM, EngineArgs, EngineCore, SamplingParams
 from engine.block_manager import BlockManager
@@ -109,6 +110,65 @@ def test_a_slower_latest_step_shrinks_the_cap_at_once():
     assert run_step(scheduler)["long"] == 28
     rates.observe(256, 28, 0.112)  # that step ran at 250 tokens/s: the next fits 7.5 tokens
     assert run_step(scheduler)["long"] == 4
+
+
+class LoadingConnector(KVConnectorScheduler):
+    """Promises ``num_promised`` tier tokens to requests named "hit*" and says a load from
+    the CPU tier runs at 10,000 tokens/s (the scheduler's rules, without any tier)."""
+
+    def __init__(self, num_promised: int) -> None:
+        self.num_promised = num_promised
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (self.num_promised if request.request_id.startswith("hit") else 0), False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduled):
+        return ConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False
+
+    def estimate_load_seconds(self, num_tokens):
+        return num_tokens / 10_000
+
+    def get_compute_limit(self, request):
+        """ "split*" requests recompute a head up to 40 while their tail [40, 120) is fetched."""
+        return 40 if request.request_id.startswith("split") and request.num_computed_tokens <= 40 else None
+
+    def get_num_tail_tokens(self, request):
+        return 80
+
+
+def test_a_load_in_the_step_counts_against_the_prefill_time():
+    cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000))
+    scheduler = Scheduler(
+        BlockManager(512, BLOCK_SIZE, True), 8, 512, connector=LoadingConnector(80), prefill_cap=cap
+    )
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(make_request("hit", 300, first_token=100))
+    # 30 ms for the step: the 80 loaded tokens take 8 ms, 20 tokens of compute fit the rest
+    # (28 without the load, test_prompt_chunks_are_capped_while_another_request_decodes...)
+    assert run_step(scheduler) == {"decode": 1, "hit": 20}
+
+
+def test_a_tail_loaded_in_the_step_counts_against_the_prefill_time():
+    cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000))
+    scheduler = Scheduler(
+        BlockManager(512, BLOCK_SIZE, True), 8, 512, connector=LoadingConnector(0), prefill_cap=cap
+    )
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    split = make_request("split", 300, first_token=100)
+    scheduler.add_request(split)
+    assert run_step(scheduler) == {"decode": 1, "split": 28}  # the head, capped
+    assert run_step(scheduler) == {"decode": 1, "split": 12}  # up to the compute limit
+    # the tail [40, 120) is loaded (8 ms) and 20 tokens computed after it: 30 ms in all
+    assert run_step(scheduler) == {"decode": 1, "split": 20}
+    assert split.num_computed_tokens == 140 and split.metrics.num_external_cached_tokens == 80
 
 
 def test_long_prefill_token_threshold_caps_every_prompt_even_alone():

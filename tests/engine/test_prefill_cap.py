@@ -265,6 +265,16 @@ def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(
     assert capped_steps[0] == {"num_prompt": 20, "decoding": False, "num_fit": capped_steps[0]["num_fit"]}
 
 
+def test_the_cap_with_async_scheduling_gives_identical_tokens(llama_dir):
+    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128)
+    plain, _ = run_staggered(LLM(llama_dir, max_decode_gap_ms=0, **common).engine)
+    capped, steps = run_staggered(
+        LLM(llama_dir, max_decode_gap_ms=1.0, async_scheduling=True, **common).engine
+    )
+    assert capped == plain
+    assert any(s["decoding"] and s["num_prompt"] for s in steps)
+
+
 def test_the_threshold_gives_identical_tokens(llama_dir):
     common = dict(
         dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128, max_decode_gap_ms=0

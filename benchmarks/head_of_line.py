@@ -7,8 +7,11 @@ page cache too for disk where allowed), starts a decoding request, then submits
 the long prompt again and steps the engine. It reports the co-running decode's
 longest gap between two tokens while the long prompt waits for its first token,
 its median gap, and the long prompt's TTFT, against recompute (the same with a
-fresh prompt nothing holds), plus what the planner loaded per tier and
-recomputed. Each figure is the median over ``--repeats`` fresh prompts.
+fresh prompt nothing holds) and against a lone recompute (no decode running), plus
+what the planner loaded per tier and recomputed. Each figure is the median over
+``--repeats`` fresh prompts. Every figure is taken twice in the same engine, with
+the scheduler's prefill cap off and at ``--max-decode-gap-ms`` (engine.prefill_cap:
+while a request decodes, other prompts' chunks are sized to keep its gap short).
 
     python benchmarks/head_of_line.py --out hol.json          # GPU: Llama-3.1-8B shape, bf16, 16,384 tokens
     python benchmarks/head_of_line.py --tiny --out /tmp/hol.json   # CPU: tiny model, redis behind a throttled proxy
@@ -22,6 +25,7 @@ host) and redis when a redis-server is installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import shutil
@@ -37,18 +41,33 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.engine_throughput import llama_config  # noqa: E402
-from benchmarks.ttft import cache_server, drop_page_cache, kv_bytes_per_token, random_prompt  # noqa: E402
+from benchmarks.ttft import (  # noqa: E402
+    cache_server,
+    drop_page_cache,
+    evict_cpu_tier,
+    kv_bytes_per_token,
+    random_prompt,
+)
 from connector import OffloadConfig  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def evict_cpu_tier(llm: LLM) -> None:
-    """Empty the connector's CPU tier (the KV then exists only in the lower tier)."""
-    cpu = llm.engine.scheduler.connector.cache_engine.tiers.cpu
-    for key in cpu.keys(""):
-        cpu.delete(key)
+def set_decode_gap(llm: LLM, max_decode_gap_ms: float) -> None:
+    """Turn the scheduler's prefill cap to ``max_decode_gap_ms`` (0: off) between rounds."""
+    scheduler = llm.engine.scheduler
+    scheduler.prefill_cap = dataclasses.replace(scheduler.prefill_cap, max_decode_gap_ms=max_decode_gap_ms)
+
+
+def lone_round(llm: LLM, prompt: list[int], seed: int) -> dict:
+    """TTFT of ``prompt`` recomputed with nothing else running (the cap never applies)."""
+    llm.reset_prefix_cache()
+    llm.engine.add_request(f"lone-{seed}", prompt, FIRST_TOKEN)
+    output = None
+    while llm.engine.has_unfinished_requests():
+        output = next((o for o in llm.engine.step() if o.finished), output)
+    return {"ttft_ms": output.metrics.ttft_s * 1e3}
 
 
 def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, disk: bool, seed: int) -> dict:
@@ -100,62 +119,88 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
     }
 
 
-def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, length: int) -> dict:
+def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, length: int) -> list[dict]:
+    """One engine for the tier; per repeat and per cap setting (off, then on) a recompute,
+    a hit and a lone recompute of fresh prompts. One row per cap setting."""
     llm = LLM(config, load_format="dummy", kv_offload=offload, **engine_args)
     vocab = config.vocab_size
-    # Warm-up of every path (recompute, CPU-tier load, fetch) so compilation stays out.
-    for warm_seed in (1, 2):
+    gaps_ms = (0.0, args.max_decode_gap_ms) if args.max_decode_gap_ms else (0.0,)
+    # Warm-up of every path (recompute, CPU-tier load, fetch; capped chunks) so compilation stays out.
+    for warm_seed, gap_ms in enumerate(gaps_ms):
+        set_decode_gap(llm, gap_ms)
         warm = random_prompt(min(length, 1024), vocab, seed=4242 + warm_seed)
-        one_round(llm, warm, vocab, stored=True, disk=False, seed=-warm_seed)
-    runs = {"hit": [], "recompute": []}
+        one_round(llm, warm, vocab, stored=True, disk=False, seed=-1 - warm_seed)
+    gap_to_runs = {gap_ms: {"hit": [], "recompute": [], "lone": []} for gap_ms in gaps_ms}
     for repeat in range(args.repeats):
-        for kind in ("recompute", "hit"):
-            prompt = random_prompt(length, vocab, seed=length * 1000 + repeat * 10 + (kind == "hit"))
-            runs[kind].append(
-                one_round(llm, prompt, vocab, stored=kind == "hit", disk=name == "disk", seed=repeat * 100)
-            )
+        for gap_index, gap_ms in enumerate(gaps_ms):
+            set_decode_gap(llm, gap_ms)
+            runs = gap_to_runs[gap_ms]
+            for kind in ("recompute", "hit", "lone"):
+                seed = (
+                    length * 1000 + repeat * 100 + gap_index * 10 + ("recompute", "hit", "lone").index(kind)
+                )
+                prompt = random_prompt(length, vocab, seed=seed)
+                if kind == "lone":
+                    runs[kind].append(lone_round(llm, prompt, seed))
+                    continue
+                runs[kind].append(
+                    one_round(llm, prompt, vocab, stored=kind == "hit", disk=name == "disk", seed=seed)
+                )
     planner = llm.engine.scheduler.connector.planner
     rates = planner.snapshot() if planner is not None else {}
     del llm
     if engine_args["device"] == "cuda":
         torch.cuda.empty_cache()
 
-    def median(kind: str, field: str) -> float:
-        return statistics.median(run[field] for run in runs[kind])
+    rows = []
+    for gap_ms, runs in gap_to_runs.items():
 
-    last_hit = runs["hit"][-1]
-    return {
-        "tier": name,
-        "hit_ttft_ms": median("hit", "ttft_ms"),
-        "recompute_ttft_ms": median("recompute", "ttft_ms"),
-        "hit_decode_max_gap_ms": median("hit", "decode_max_gap_ms"),
-        "recompute_decode_max_gap_ms": median("recompute", "decode_max_gap_ms"),
-        "decode_median_gap_ms": median("hit", "decode_median_gap_ms"),
-        "decode_tokens_while_waiting": median("hit", "decode_tokens_while_waiting"),
-        "tier_to_loaded_tokens": last_hit["tier_to_loaded_tokens"],
-        "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
-        "page_cache_dropped": last_hit["page_cache_dropped"],
-        "planner_rates": rates,
-        "runs": runs,
-    }
+        def median(kind: str, field: str, runs=runs) -> float:
+            return statistics.median(run[field] for run in runs[kind])
+
+        last_hit = runs["hit"][-1]
+        rows.append(
+            {
+                "tier": name,
+                "max_decode_gap_ms": gap_ms,
+                "hit_ttft_ms": median("hit", "ttft_ms"),
+                "recompute_ttft_ms": median("recompute", "ttft_ms"),
+                "lone_recompute_ttft_ms": median("lone", "ttft_ms"),
+                "hit_decode_max_gap_ms": median("hit", "decode_max_gap_ms"),
+                "recompute_decode_max_gap_ms": median("recompute", "decode_max_gap_ms"),
+                "decode_median_gap_ms": median("hit", "decode_median_gap_ms"),
+                "decode_tokens_while_waiting": median("hit", "decode_tokens_while_waiting"),
+                "tier_to_loaded_tokens": last_hit["tier_to_loaded_tokens"],
+                "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
+                "page_cache_dropped": last_hit["page_cache_dropped"],
+                "planner_rates": rates,
+                "runs": runs,
+            }
+        )
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'tier':<7} {'TTFT hit':>9} {'TTFT rec':>9} {'hit/rec':>7} {'gap hit':>8} {'gap rec':>8} "
-        f"{'gap med':>8} {'dec toks':>8}  loaded per tier / recomputed"
+        f"{'tier':<7} {'cap ms':>6} {'TTFT hit':>9} {'TTFT rec':>9} {'hit/rec':>7} {'TTFT lone':>9} "
+        f"{'gap hit':>8} {'gap rec':>8} {'gap med':>8} {'dec toks':>8}  loaded per tier / recomputed"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         loaded = ",".join(f"{k}:{v}" for k, v in sorted(row["tier_to_loaded_tokens"].items())) or "-"
+        cap = f"{row['max_decode_gap_ms']:g}" if row["max_decode_gap_ms"] else "off"
         print(
-            f"{row['tier']:<7} {row['hit_ttft_ms']:>9.1f} {row['recompute_ttft_ms']:>9.1f} "
-            f"{row['hit_ttft_ms'] / row['recompute_ttft_ms']:>7.2f} {row['hit_decode_max_gap_ms']:>8.1f} "
-            f"{row['recompute_decode_max_gap_ms']:>8.1f} {row['decode_median_gap_ms']:>8.2f} "
-            f"{row['decode_tokens_while_waiting']:>8.0f}  {loaded} / {row['planned_recompute_tokens']}"
+            f"{row['tier']:<7} {cap:>6} {row['hit_ttft_ms']:>9.1f} {row['recompute_ttft_ms']:>9.1f} "
+            f"{row['hit_ttft_ms'] / row['recompute_ttft_ms']:>7.2f} {row['lone_recompute_ttft_ms']:>9.1f} "
+            f"{row['hit_decode_max_gap_ms']:>8.1f} {row['recompute_decode_max_gap_ms']:>8.1f} "
+            f"{row['decode_median_gap_ms']:>8.2f} {row['decode_tokens_while_waiting']:>8.0f}  "
+            f"{loaded} / {row['planned_recompute_tokens']}"
         )
-    print("(ms; gap = a co-running decode's longest gap between tokens while the long prompt waits)")
+    print(
+        "(ms; gap = a co-running decode's longest gap between tokens while the long prompt waits;"
+        " TTFT lone = recompute with nothing decoding; cap = the engine's max_decode_gap_ms)"
+    )
 
 
 def main() -> None:
@@ -170,14 +215,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--proxy-rate", type=float, default=200_000, help="CPU mode: proxy bytes/s")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="chunked-prefill budget (8192 GPU, 256 tiny)"
+        "--max-num-batched-tokens", type=int, default=8192, help="chunked-prefill budget per step"
+    )
+    parser.add_argument(
+        "--max-decode-gap-ms",
+        type=float,
+        default=EngineArgs().max_decode_gap_ms,
+        help="the prefill cap measured against no cap (0: only without)",
     )
     parser.add_argument("--load-policy", default="planned", choices=("planned", "always"))
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (tiny: 1, so that a shared CPU's other jobs do not stall "
+        "every parallel op of a step; GPU: torch's default)",
+    )
     parser.add_argument("--disk-path", type=Path, default=None, help="disk tier folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
 
     device = "cpu" if args.tiny else "cuda"
+    torch_threads = args.torch_threads or (1 if args.tiny else None)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     dtype_name = "float32" if args.tiny else "bfloat16"
     length = args.length or (3000 if args.tiny else 16384)
     tiers = (args.tiers or ("redis,disk" if args.tiny else "disk,grpc,redis")).split(",")
@@ -186,7 +247,7 @@ def main() -> None:
     engine_args = dict(
         device=device,
         dtype=dtype_name,
-        max_num_batched_tokens=args.max_num_batched_tokens or (256 if args.tiny else 8192),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks=(length + 2048) // block_size * 2,
         max_num_seqs=4,
     )
@@ -196,20 +257,18 @@ def main() -> None:
     for tier in tiers:
         fields = dict(cpu_bytes=2 * kv_bytes, load_policy=args.load_policy)
         if tier == "disk":
-            rows.append(
-                measure(
-                    tier,
-                    OffloadConfig(**fields, disk_path=str(disk_root / "disk"), disk_bytes=4 * kv_bytes),
-                    config,
-                    engine_args,
-                    args,
-                    length,
-                )
+            rows += measure(
+                tier,
+                OffloadConfig(**fields, disk_path=str(disk_root / "disk"), disk_bytes=4 * kv_bytes),
+                config,
+                engine_args,
+                args,
+                length,
             )
         elif tier == "grpc":
             with cache_server(memory_gb=max(4, 4 * kv_bytes / (1 << 30))) as url:
-                rows.append(
-                    measure(tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length)
+                rows += measure(
+                    tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length
                 )
         elif tier == "redis":
             from tests.redis_fixtures import RedisServerProcess
@@ -223,13 +282,12 @@ def main() -> None:
                 rate = args.proxy_rate if args.tiny else None
                 with DelayProxy(server.port, rate_bytes_per_s=rate) as proxy:
                     url = f"redis://127.0.0.1:{proxy.port}"
-                    rows.append(
-                        measure(
-                            tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length
-                        )
+                    tier_rows = measure(
+                        tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length
                     )
-                    if rate:
-                        rows[-1]["proxy_rate_bytes_per_s"] = rate
+                    for row in tier_rows:
+                        row["proxy_rate_bytes_per_s"] = rate
+                    rows += tier_rows
             finally:
                 server.close()
         else:
@@ -246,6 +304,8 @@ def main() -> None:
         "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)",
         "prompt_tokens": length,
         "load_policy": args.load_policy,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "torch_threads": torch.get_num_threads(),
         "rows": rows,
         "torch": torch.__version__,
     }

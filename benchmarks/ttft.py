@@ -7,7 +7,10 @@ For each prompt length it measures, with one engine per tier set:
   saving on a miss);
 - GPU prefix hit: the same prompt again, from the engine's own prefix cache;
 - CPU / disk / gRPC hit: the same prompt after the GPU prefix cache was reset, so
-  the KV comes back from that tier alone (the others are off);
+  the KV comes back from that tier alone. Disk and gRPC engines have a CPU tier too
+  (the product's asynchronous path: the hit is fetched into it in the background, the
+  planner deciding what to load and what to recompute, ``--load-policy``); it is
+  emptied before each of their hits, so the KV comes from the lower tier;
 - HF prefill: one forward pass of transformers (SDPA) over the prompt.
 Each figure is the median over ``--repeats`` fresh prompts. The bound column is
 the KV bytes at the pinned host→device rate measured in the same run plus one
@@ -103,6 +106,13 @@ def hf_prefill_seconds(config, prompts: dict[int, list[list[int]]], device, dtyp
     return seconds
 
 
+def evict_cpu_tier(llm: LLM) -> None:
+    """Empty the connector's CPU tier (the KV then exists only in the lower tiers)."""
+    cpu = llm.engine.scheduler.connector.cache_engine.tiers.cpu
+    for key in cpu.keys(""):
+        cpu.delete(key)
+
+
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     """(seconds to the first token, tokens that came from an offload tier)."""
     output = llm.generate([prompt], FIRST_TOKEN)[0]
@@ -159,6 +169,7 @@ def measure_tier(
     prompts: dict[int, list[list[int]]],
     remote_url: str | None,
     disk_path: Path,
+    load_policy: str = "planned",
 ) -> dict:
     """TTFTs of recompute and of hits from ``tier`` ("none" = offload off)."""
     # Room for the two largest prompts: LRU eviction of older prompts is fine, since
@@ -169,10 +180,13 @@ def measure_tier(
     if tier == "cpu":
         offload = OffloadConfig(cpu_bytes=kv_bytes)
     elif tier == "disk":
-        offload = OffloadConfig(cpu_bytes=0, disk_path=str(disk_path), disk_bytes=kv_bytes)
+        offload = OffloadConfig(
+            cpu_bytes=kv_bytes, disk_path=str(disk_path), disk_bytes=kv_bytes, load_policy=load_policy
+        )
     elif tier == "grpc":
-        offload = OffloadConfig(cpu_bytes=0, remote_url=remote_url)
+        offload = OffloadConfig(cpu_bytes=kv_bytes, remote_url=remote_url, load_policy=load_policy)
     llm = LLM(config, load_format="dummy", kv_offload=offload, **engine_args)
+    lower = tier in ("disk", "grpc")
     # Warm-up through every path measured below (recompute, GPU hit, tier hit) at two
     # lengths, so kernel compilation and shape specialization stay out of the figures.
     for length in sorted({256, min(prompts)}):
@@ -181,8 +195,13 @@ def measure_tier(
         ttft(llm, warmup)
         if tier != "none":
             llm.flush_kv_offload()
+            if lower:
+                evict_cpu_tier(llm)
             llm.reset_prefix_cache()
-            ttft(llm, warmup)
+            planner = llm.engine.scheduler.connector.planner
+            # the fetch-and-load path is warmed whatever the planner would choose
+            with planner.forced_loading() if planner is not None else contextlib.nullcontext():
+                ttft(llm, warmup)
     result: dict = {
         "recompute": {},
         "gpu_hit": {},
@@ -200,6 +219,8 @@ def measure_tier(
             if tier == "none":
                 continue
             llm.flush_kv_offload()
+            if lower:
+                evict_cpu_tier(llm)
             llm.reset_prefix_cache()
             if tier == "disk":
                 result["page_cache_dropped"] = drop_page_cache()
@@ -293,6 +314,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="fresh prompts per figure (median)")
     parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face reference")
     parser.add_argument("--disk-path", type=Path, default=None, help="disk tier folder (default: a temp dir)")
+    parser.add_argument(
+        "--load-policy",
+        default="planned",
+        choices=("planned", "always"),
+        help="disk/gRPC: the planner decides (planned) or every hit is loaded (always)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--png", type=Path, default=None, help="write a plot")
     args = parser.parse_args()
@@ -332,12 +359,16 @@ def main() -> None:
         if tier == "grpc":
             try:
                 with cache_server(memory_gb=48) as url:
-                    results[tier] = measure_tier(tier, config, engine_args, prompts, url, disk_root)
+                    results[tier] = measure_tier(
+                        tier, config, engine_args, prompts, url, disk_root, args.load_policy
+                    )
             except RuntimeError as error:  # e.g. a package the server needs is missing here
                 print(f"gRPC tier skipped: {error}")
                 tiers.remove(tier)
         else:
-            results[tier] = measure_tier(tier, config, engine_args, prompts, None, disk_root / tier)
+            results[tier] = measure_tier(
+                tier, config, engine_args, prompts, None, disk_root / tier, args.load_policy
+            )
     if args.disk_path is None:
         shutil.rmtree(disk_root, ignore_errors=True)
 
@@ -381,6 +412,7 @@ def main() -> None:
         "dtype": dtype_name,
         "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)",
         "repeats": args.repeats,
+        "load_policy": args.load_policy,
         "pinned_h2d_gbps": h2d,
         "decode_step_ms": decode_s * 1e3,
         "disk_page_cache_dropped": results.get("disk", {}).get("page_cache_dropped"),

@@ -14,14 +14,14 @@ from connector.cache_engine import CacheEngine
 from connector.config import OffloadConfig
 from connector.fetcher import ChunkFetcher
 from connector.lookup import TierLookups
-from connector.planner import LoadPlanner
+from connector.planner import LoadPlanner, PrefillRates
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
 from connector.worker_side import OffloadWorker
 
-__all__ = ["CacheEngine", "OffloadConfig", "create_cache_engine", "create_kv_connector"]
+__all__ = ["CacheEngine", "OffloadConfig", "PrefillRates", "create_cache_engine", "create_kv_connector"]
 
 
 def create_cache_engine(
@@ -74,8 +74,10 @@ def create_kv_connector(
     head_dim: int,
     block_size: int,
     device: torch.device,
+    prefill_rates: PrefillRates | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """The scheduler-side and worker-side connector of one engine, sharing one cache engine."""
+    """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
+    ``prefill_rates`` is the engine's measured prefill rate (its planner reads it)."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -100,6 +102,8 @@ def create_kv_connector(
             bytes_per_token=cache_engine.bytes_per_token,
             deadline_fraction=config.fetch_deadline_fraction,
             always_load=config.load_policy == "always",
+            prefill_rates=prefill_rates,
+            probe_interval_s=config.tier_probe_interval_s,
         )
         fetcher = ChunkFetcher(
             tiers.cpu,

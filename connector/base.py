@@ -149,6 +149,12 @@ class KVConnectorScheduler(abc.ABC):
         per step for running requests still in their prompt; side-effect free."""
         return None
 
+    def estimate_load_seconds(self, num_tokens: int) -> float:
+        """How long loading ``num_tokens`` tokens from the CPU tier into the paged cache is
+        expected to take within a step (the scheduler's prefill cap counts it in the step's
+        time). Side-effect free; 0.0 when unknown."""
+        return 0.0
+
     def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
         """For a request at its compute limit: how many tokens from there can be loaded
         now (0 when its fetch got nothing: it recomputes on), or None while the fetch
@@ -161,10 +167,6 @@ class KVConnectorScheduler(abc.ABC):
         """Blocks for the tail were allocated: records the load of ``num_tail_tokens``
         from the request's compute limit on (called once per non-None
         ``get_num_tail_tokens`` answer that the scheduler acted on)."""
-
-    def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:  # noqa: B027
-        """A step computed ``num_prefill_tokens`` prompt tokens (of prompts up to
-        ``num_max_prompt_tokens`` long) in ``seconds``: the measured prefill rate."""
 
     def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
         """Called by an engine with nothing to schedule while requests wait for

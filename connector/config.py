@@ -9,6 +9,7 @@ environment variables. Validation happens once, at construction, and raises
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ class OffloadConfig:
     breaker_backoff_s: float = 1.0
     #: a fetch waits at most this fraction of the time recomputing its tokens would take
     fetch_deadline_fraction: float = 0.5
+    #: a lower tier the plans skip is probed (one chunk of a hit read in the background, to
+    #: measure it) at most this often; 0: never (a tier judged slow is then never re-measured)
+    tier_probe_interval_s: float = 30.0
     #: "planned": load a lower-tier hit only where it beats recomputing (measured rates);
     #: "always": load every hit, waiting for the fetch however long it takes
     load_policy: str = "planned"
@@ -122,6 +126,15 @@ class OffloadConfig:
         fraction = self.fetch_deadline_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"fetch_deadline_fraction must be in (0, 1], got {fraction!r}")
+        interval = self.tier_probe_interval_s
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not 0 <= interval < math.inf
+        ):
+            raise ValueError(
+                f"tier_probe_interval_s must be a finite number of seconds >= 0 (0: never probe), got {interval!r}"
+            )
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(
                 f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}"

@@ -61,6 +61,9 @@ class FetchJob:
     pinned_keys: list[str] = field(default_factory=list)
     #: tier name -> (bytes read, seconds from the job's start to that tier's last read)
     tier_to_transfer: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: a planner's probe (``LoadPlanner.claim_probe``): read only to measure its tier, no
+    #: request waits for it; ``request_id`` is then the probe's own
+    probe: bool = False
 
     @property
     def num_ready_chunks(self) -> int:

@@ -17,12 +17,21 @@ unadmitted for its fetch. The fetch's deadline is the head's time plus
 ``deadline_fraction`` of the time recomputing the fetched tokens would take, so a
 tier slower than its estimate delays the request by at most that fraction (the
 chunks that arrived in time are used, the rest is recomputed).
+
+A tier that the plans skip (its prior, or a measurement that is old now, says it is
+slower than recomputing) would never be read again, so never measured: once per
+``probe_interval_s`` per such tier, :meth:`LoadPlanner.claim_probe` names one chunk of
+a request's hit that the scheduler side reads in the background (a probe: on nobody's
+critical path; the request recomputes as planned). Its read measures the tier like
+any fetch, so a tier faster than its prior is used from the next request on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -32,13 +41,19 @@ TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.
 ALWAYS_LOAD_DEADLINE_S = 600.0
 #: prefill tokens per second assumed before the first measured prefill step
 PREFILL_PRIOR_TOKENS_PER_S = 20_000.0
+#: a tier the plans skip is probed (one chunk read in the background) at most this often
+TIER_PROBE_INTERVAL_S = 30.0
+#: how long a probe's read may take before it counts as what the tier delivered by then
+TIER_PROBE_DEADLINE_S = 30.0
 
 
 class MovingRate:
-    """Exponential moving average of a rate, starting from a prior."""
+    """Exponential moving average of a rate, starting from a prior; ``last`` is the
+    latest sample (the prior until the first one)."""
 
     def __init__(self, prior: float, alpha: float) -> None:
         self.value = prior
+        self.last = prior
         self.alpha = alpha
         self.num_samples = 0
 
@@ -47,7 +62,84 @@ class MovingRate:
             return
         sample = amount / seconds
         self.value = sample if self.num_samples == 0 else (1 - self.alpha) * self.value + self.alpha * sample
+        self.last = sample
         self.num_samples += 1
+
+
+class PrefillRates:
+    """The engine's measured prefill rate, in tokens per second by the prompt position a
+    prefill reaches (classes of powers of two): attention makes a token deep in a prompt
+    slower than one near its start, so a whole prompt of n tokens and a chunk of a longer
+    prompt ending at n land in the same class.
+
+    One per engine, shared by the load planner (load or recompute?) and the scheduler's
+    prefill cap (how many prompt tokens fit a step while others decode). The engine core
+    reports every step that computed prompt tokens (:meth:`observe`, step thread); the
+    planner may read from its fetch threads, hence the lock. An unmeasured class starts
+    from its nearest measured neighbour, else from ``prior``."""
+
+    def __init__(self, prior: float = PREFILL_PRIOR_TOKENS_PER_S, alpha: float = 0.3) -> None:
+        self.prior = prior
+        self.alpha = alpha
+        self._lock = threading.Lock()
+        self._length_class_to_rate: dict[int, MovingRate] = {}
+        #: (length class, rate) of the latest observed step
+        self._latest: tuple[int, float] | None = None
+
+    def observe(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
+        """A step computed ``num_tokens`` prompt tokens, reaching prompt position
+        ``num_prompt_tokens`` at the deepest, in ``seconds`` (the whole step: other
+        requests' decode tokens included)."""
+        with self._lock:
+            self._rate(num_prompt_tokens).observe(num_tokens, seconds)
+            if num_tokens > 0 and seconds > 0:
+                self._latest = (_length_class(num_prompt_tokens), num_tokens / seconds)
+
+    def rate(self, num_prompt_tokens: int) -> float:
+        """The moving average for this prompt length (the planner's estimate)."""
+        with self._lock:
+            return self._rate(num_prompt_tokens).value
+
+    def cautious_rate(self, num_prompt_tokens: int) -> float | None:
+        """A low estimate for a step reaching this prompt position, or None when nothing
+        has been measured yet: the lowest of the class's moving average, its latest sample
+        (a slowdown counts at once) and the latest step's rate when that step reached a
+        class no deeper (tokens deeper in a prompt cost more: the next chunk of a prompt is
+        at most as fast as the one before, whatever big, efficient steps measured in its
+        class earlier)."""
+        with self._lock:
+            if not any(r.num_samples for r in self._length_class_to_rate.values()):
+                return None
+            rate = self._rate(num_prompt_tokens)
+            value = min(rate.value, rate.last)
+            if self._latest is not None and self._latest[0] <= _length_class(num_prompt_tokens):
+                value = min(value, self._latest[1])
+            return value
+
+    def snapshot(self) -> dict[int, float]:
+        """Moving averages by the shortest prompt length of each class (``2^k``)."""
+        with self._lock:
+            return {1 << (c - 1): rate.value for c, rate in self._length_class_to_rate.items()}
+
+    def _rate(self, num_prompt_tokens: int) -> MovingRate:
+        length_class = _length_class(num_prompt_tokens)
+        rate = self._length_class_to_rate.get(length_class)
+        if rate is None:
+            rate = MovingRate(self.prior, self.alpha)
+            self._length_class_to_rate[length_class] = rate
+        if not rate.num_samples:
+            # An unmeasured length class follows its nearest measured neighbour.
+            measured = [c for c, r in self._length_class_to_rate.items() if r.num_samples]
+            nearest = min(measured, key=lambda c: abs(c - length_class), default=None)
+            if nearest is not None:
+                rate.value = self._length_class_to_rate[nearest].value
+                rate.last = self._length_class_to_rate[nearest].last
+        return rate
+
+
+def _length_class(num_prompt_tokens: int) -> int:
+    """Prompt positions [2^(k-1), 2^k) are class k."""
+    return max(1, num_prompt_tokens).bit_length()
 
 
 @dataclass
@@ -93,20 +185,34 @@ class LoadPlanner:
         always_load: bool = False,
         alpha: float = 0.3,
         tier_priors: dict[str, float] | None = None,
-        prefill_prior: float = PREFILL_PRIOR_TOKENS_PER_S,
+        prefill_rates: PrefillRates | None = None,
+        probe_interval_s: float = TIER_PROBE_INTERVAL_S,
+        clock=time.monotonic,
     ) -> None:
         self.bytes_per_token = bytes_per_token
         self.deadline_fraction = deadline_fraction
         #: load every hit and wait for it (``load_policy: always``): no recompute trade-off
         self.always_load = always_load
         self.alpha = alpha
-        self._tier_priors = {**TIER_PRIOR_BYTES_PER_S, **(tier_priors or {})}
-        self._prefill_prior = prefill_prior
+        #: bytes/s per tier name until its first measured read (read when a tier is first planned)
+        self.tier_priors = {**TIER_PRIOR_BYTES_PER_S, **(tier_priors or {})}
+        #: seconds between two probes of a tier the plans skip (0: never probe)
+        self.probe_interval_s = probe_interval_s
+        self._clock = clock
+        self._tier_to_observed_at: dict[str, float] = {}
+        self._tier_to_next_probe_at: dict[str, float] = {}
+        #: the engine's (shared with its scheduler), or the planner's own
+        self.prefill_rates = prefill_rates if prefill_rates is not None else PrefillRates()
         self._lock = threading.Lock()
         self._tier_to_rate: dict[str, MovingRate] = {}
-        self._length_class_to_rate: dict[int, MovingRate] = {}
         #: decisions so far, for /metrics (kvstash_planner_*)
-        self.counts = {"requests": 0, "fetched_tokens": 0, "recomputed_tokens": 0, "cpu_tokens": 0}
+        self.counts = {
+            "requests": 0,
+            "fetched_tokens": 0,
+            "recomputed_tokens": 0,
+            "cpu_tokens": 0,
+            "probes": 0,
+        }
 
     @contextlib.contextmanager
     def forced_loading(self) -> Iterator[None]:
@@ -124,46 +230,34 @@ class LoadPlanner:
     def observe_read(self, tier_name: str, num_bytes: int, seconds: float) -> None:
         with self._lock:
             self._tier_rate(tier_name).observe(num_bytes, seconds)
+            if num_bytes > 0 and seconds > 0:
+                self._tier_to_observed_at[tier_name] = self._clock()
 
     def observe_prefill(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """A step computed ``num_tokens`` prompt tokens of prompts up to ``num_prompt_tokens`` long."""
-        with self._lock:
-            self._prefill_rate(num_prompt_tokens).observe(num_tokens, seconds)
+        self.prefill_rates.observe(num_prompt_tokens, num_tokens, seconds)
 
     def tier_rate(self, tier_name: str) -> float:
         with self._lock:
             return self._tier_rate(tier_name).value
 
     def prefill_rate(self, num_prompt_tokens: int) -> float:
-        with self._lock:
-            return self._prefill_rate(num_prompt_tokens).value
+        return self.prefill_rates.rate(num_prompt_tokens)
 
     def _tier_rate(self, tier_name: str) -> MovingRate:
         rate = self._tier_to_rate.get(tier_name)
         if rate is None:
-            rate = MovingRate(self._tier_priors.get(tier_name, 0.1e9), self.alpha)
+            rate = MovingRate(self.tier_priors.get(tier_name, 0.1e9), self.alpha)
             self._tier_to_rate[tier_name] = rate
-        return rate
-
-    def _prefill_rate(self, num_prompt_tokens: int) -> MovingRate:
-        length_class = max(1, num_prompt_tokens).bit_length()
-        rate = self._length_class_to_rate.get(length_class)
-        if rate is None:
-            # An unmeasured length class starts from its nearest measured neighbour.
-            measured = [c for c, r in self._length_class_to_rate.items() if r.num_samples]
-            nearest = min(measured, key=lambda c: abs(c - length_class), default=None)
-            prior = self._length_class_to_rate[nearest].value if nearest is not None else self._prefill_prior
-            rate = MovingRate(prior, self.alpha)
-            self._length_class_to_rate[length_class] = rate
         return rate
 
     def snapshot(self) -> dict[str, float]:
         """Current rates: ``tier:<name>`` bytes/s and ``prefill:<2^k>`` tokens/s."""
         with self._lock:
             rates = {f"tier:{name}": rate.value for name, rate in self._tier_to_rate.items()}
-            for length_class, rate in self._length_class_to_rate.items():
-                rates[f"prefill:{1 << (length_class - 1)}"] = rate.value
-            return rates
+        for num_tokens, value in self.prefill_rates.snapshot().items():
+            rates[f"prefill:{num_tokens}"] = value
+        return rates
 
     # ---- the plan ----------------------------------------------------------------
     def plan(
@@ -249,6 +343,31 @@ class LoadPlanner:
             rates=rates,
             num_head_end=num_head_end,
         )
+
+    def claim_probe(self, decision: LoadDecision, chunk_tiers: Sequence[str]) -> int | None:
+        """The index of a chunk of ``chunk_tiers`` (the hit ``decision`` was planned for)
+        to read in the background so that a lower tier this plan skips is measured, or
+        None. A tier qualifies when no read measured it within ``probe_interval_s`` and
+        it was not probed within that time either; claiming starts that interval (the
+        caller must start the read). Called by the scheduler side once per decision it
+        acts on; never with ``load_policy: always`` (every hit is read anyway)."""
+        if self.probe_interval_s <= 0 or self.always_load:
+            return None
+        fetched = range(decision.first_fetch_chunk, decision.first_fetch_chunk + decision.num_fetch_chunks)
+        now = self._clock()
+        with self._lock:
+            for index, tier in enumerate(chunk_tiers):
+                # chunks before the fetch range are in the CPU tier or on the GPU already
+                if tier == "cpu" or index < decision.first_fetch_chunk or index in fetched:
+                    continue
+                observed_at = self._tier_to_observed_at.get(tier, -math.inf)
+                next_probe_at = self._tier_to_next_probe_at.get(tier, -math.inf)
+                if now - observed_at < self.probe_interval_s or now < next_probe_at:
+                    continue
+                self._tier_to_next_probe_at[tier] = now + self.probe_interval_s
+                self.counts["probes"] += 1
+                return index
+        return None
 
     def record(self, decision: LoadDecision, num_computed: int) -> None:
         """Count a decision that was acted on (a request admitted or its fetch started)."""

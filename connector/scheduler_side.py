@@ -26,10 +26,13 @@ from connector.base import (
 from connector.cache_engine import CacheEngine
 from connector.fetcher import ChunkFetcher, FetchJob
 from connector.lookup import TierLookups
-from connector.planner import LoadPlanner
+from connector.planner import TIER_PROBE_DEADLINE_S, LoadPlanner
 from connector.request_transfer import RequestTransfer, TransferPhase, TransferRegistry
 
 log = logging.getLogger(__name__)
+
+#: request ids of the planner's probe fetches (never an engine request's: no registry entry)
+PROBE_ID_PREFIX = "kvstash-tier-probe-"
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -71,6 +74,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self.fetcher = fetcher
         self._pending_loads: list[LoadSpec] = []
         self._pending_fetches: list[FetchJob] = []
+        self._num_probes = 0
 
     @staticmethod
     def _prompt(request: ConnectorRequest) -> tuple[int, ...]:
@@ -178,6 +182,9 @@ class OffloadScheduler(KVConnectorScheduler):
         decision = transfer.decision
         if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
             self.planner.record(decision, transfer.num_computed_at_plan)
+            probe_chunk = self.planner.claim_probe(decision, transfer.chunk_tiers or [])
+            if probe_chunk is not None:
+                self._start_probe(transfer, probe_chunk)
         splits = (
             decision is not None
             and decision.num_fetch_chunks
@@ -247,6 +254,11 @@ class OffloadScheduler(KVConnectorScheduler):
         if not (transfer.tail_pending or admitting_split):
             return None
         return decision.num_head_end
+
+    def estimate_load_seconds(self, num_tokens: int) -> float:
+        if self.planner is None or num_tokens <= 0:
+            return 0.0
+        return num_tokens * self.cache_engine.bytes_per_token / self.planner.tier_rate("cpu")
 
     def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
         transfer = self.registry.get(request.request_id)
@@ -319,6 +331,25 @@ class OffloadScheduler(KVConnectorScheduler):
         self._pending_fetches.append(job)
         return job
 
+    def _start_probe(self, transfer: RequestTransfer, chunk: int) -> None:
+        """Read chunk ``chunk`` of the request's hit into the CPU tier in the background,
+        only to measure its tier (the planner's probe; the request does not wait for it).
+        The worker reports its rate to the planner and releases it when it ends."""
+        span = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)[chunk]
+        engine = self.cache_engine
+        self._num_probes += 1
+        self._pending_fetches.append(
+            FetchJob(
+                f"{PROBE_ID_PREFIX}{self._num_probes}",
+                [span.key],
+                [(engine.num_layers, 2, span.end - span.start, engine.num_kv_heads, engine.head_dim)],
+                [transfer.chunk_tiers[chunk]],
+                deadline_s=TIER_PROBE_DEADLINE_S,
+                first_chunk=chunk,
+                probe=True,
+            )
+        )
+
     # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
         metadata = ConnectorMetadata(loads=self._pending_loads, fetches=self._pending_fetches)
@@ -374,10 +405,6 @@ class OffloadScheduler(KVConnectorScheduler):
             if transfer.fetch is not None and self.fetcher is not None:
                 self.fetcher.release(transfer.fetch)
             self.registry.preempted(transfer)  # looked up and planned again when readmitted
-
-    def observe_step(self, num_prefill_tokens: int, num_max_prompt_tokens: int, seconds: float) -> None:
-        if self.planner is not None and num_prefill_tokens > 0:
-            self.planner.observe_prefill(num_max_prompt_tokens, num_prefill_tokens, seconds)
 
     def wait_for_transfers(self, timeout_s: float) -> None:
         if self.fetcher is not None:

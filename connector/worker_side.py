@@ -20,6 +20,7 @@ Lower-tier writes then happen on the tier manager's thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from connector.cache_engine import CacheEngine, LoadPlan
 from connector.fetcher import ChunkFetcher
 from connector.planner import LoadPlanner
 from connector.request_transfer import TransferRegistry
+
+log = logging.getLogger(__name__)
 
 
 class _Load(NamedTuple):
@@ -177,6 +180,13 @@ class OffloadWorker(KVConnectorWorker):
         if self._timing is not None:
             move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
         num_step_tokens = sum(load.plan.num_loaded_end - load.spec.num_load_start for load in self._loads)
+        if self.planner is not None and self.fetcher is not None and num_step_tokens:
+            # every load reads the CPU tier here: its rate is the host read plus the move
+            self.planner.observe_read(
+                "cpu",
+                num_step_tokens * engine.bytes_per_token,
+                sum(load.read_seconds for load in self._loads) + move_seconds,
+            )
         for load in self._loads:
             num_tokens = load.plan.num_loaded_end - load.spec.num_load_start
             # The step's moves share one stream: each request gets its share of the move time.
@@ -250,11 +260,22 @@ class OffloadWorker(KVConnectorWorker):
         self.cache_engine.publish_finished_stores()
         if self.fetcher is not None:
             for job in self.fetcher.poll():
-                tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
-                self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
+                if not job.probe:  # a probe's chunk is no request's hit
+                    tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
+                    self.cache_engine.tiers.count_hits(
+                        {t: n for t, n in tier_to_chunks.items() if t != "cpu"}
+                    )
                 if self.planner is not None:
                     for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
                         self.planner.observe_read(tier_name, num_bytes, seconds)
+                        if job.probe:
+                            log.info(
+                                "probe of tier %s: %d bytes in %.1f ms (%.3f GB/s)",
+                                tier_name,
+                                num_bytes,
+                                seconds * 1e3,
+                                num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                            )
                 if self.registry.fetch_finished(job) is None:
                     self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
         return self.registry.take_finished_sending(), self.registry.take_finished_recving()

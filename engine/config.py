@@ -39,6 +39,9 @@ _DTYPE_NAMES = {
 }
 
 SPECULATIVE_METHODS = ("ngram",)
+#: the shortest decode gap one can ask for: a step's own fixed costs (launches, sampling,
+#: the host's bookkeeping) take about a millisecond already
+MIN_DECODE_GAP_MS = 1.0
 
 
 def check_cpu_offload_gb(value: object) -> None:
@@ -73,6 +76,12 @@ class EngineArgs:
     cpu_kv_cache_bytes: int = 128 << 20
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    #: vLLM's: a prompt gets at most this many tokens per step (0: off, only the budget)
+    long_prefill_token_threshold: int = 0
+    #: while a request decodes, size other requests' prompt chunks so that a step lasts
+    #: about 3/4 of this, from the measured prefill rate: the decode's gap between two
+    #: tokens stays near or under it. A lone prompt keeps its full chunk. 0: off.
+    max_decode_gap_ms: float = 50.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     kv_offload: OffloadConfig | None = None
@@ -115,6 +124,17 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        threshold = self.long_prefill_token_threshold
+        if not _is_int(threshold) or threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {threshold!r}"
+            )
+        gap_ms = self.max_decode_gap_ms
+        if not _is_real(gap_ms) or not (gap_ms == 0 or MIN_DECODE_GAP_MS <= gap_ms < math.inf):
+            raise ValueError(
+                f"max_decode_gap_ms must be 0 (off) or a finite number of milliseconds >= "
+                f"{MIN_DECODE_GAP_MS:g}, got {gap_ms!r}"
+            )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from connector.planner import PrefillRates
 from connector.token_db import check_cache_salt
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, ModelConfig, SamplingParams
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model
+from engine.prefill_cap import PrefillCap
 from engine.request import Request, RequestOutput
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer, SpecDecodeStats
@@ -128,6 +130,8 @@ class EngineCore:
         self.block_size = args.block_size
         self.tokenizer = self._load_tokenizer()
 
+        #: measured prefill tokens/s; the connector's planner and the scheduler's prefill cap read it
+        self.prefill_rates = PrefillRates()
         scheduler_connector = worker_connector = None
         if args.kv_offload is not None:
             from connector import create_kv_connector
@@ -148,6 +152,7 @@ class EngineCore:
                 head_dim=config.head_dim,
                 block_size=args.block_size,
                 device=self.device,
+                prefill_rates=self.prefill_rates,
             )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -156,6 +161,12 @@ class EngineCore:
             args.max_num_batched_tokens,
             connector=scheduler_connector,
             proposer=proposer,
+            prefill_cap=PrefillCap(
+                block_size=args.block_size,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_decode_gap_ms=args.max_decode_gap_ms,
+                rates=self.prefill_rates,
+            ),
         )
         self.runner = ModelRunner(
             self.model,
@@ -518,20 +529,20 @@ class EngineCore:
     def _finish_step(self, plan, result, began: float) -> list[RequestOutput]:
         """Update the scheduler with a step's runner output (`began`: perf_counter when
         the step was submitted) -> the outputs of the requests that got tokens."""
-        connector = self.scheduler.connector
         num_outputs_before = {r.request_id: len(r.output_token_ids) for r in plan.requests}
-        if connector is not None:
-            prefill = [
-                (request, n)
-                for request, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
-                if request.num_computed_tokens < request.num_prompt_tokens
-            ]
-            if prefill:
-                connector.observe_step(
-                    sum(n for _, n in prefill),
-                    max(request.num_prompt_tokens for request, _ in prefill),
-                    time.perf_counter() - began,
-                )
+        prefill = [
+            (request, n)
+            for request, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+            if request.num_computed_tokens < request.num_prompt_tokens
+        ]
+        if prefill:
+            # keyed by the deepest prompt position the step computes (a chunk's tokens attend
+            # over everything before them: deep chunks are slower per token)
+            self.prefill_rates.observe(
+                max(request.num_computed_tokens + n for request, n in prefill),
+                sum(n for _, n in prefill),
+                time.perf_counter() - began,
+            )
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,

@@ -22,6 +22,15 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "cpu_kv_cache_bytes": (int, "KV cache bytes when running on CPU."),
     "max_num_seqs": (int, "Most requests running at once."),
     "max_num_batched_tokens": (int, "Token budget per step (chunked prefill)."),
+    "long_prefill_token_threshold": (
+        int,
+        "At most this many prompt tokens of one request per step (vLLM's; 0: off).",
+    ),
+    "max_decode_gap_ms": (
+        float,
+        "While a request decodes, cap other prompts' chunks so a step lasts about 3/4 of "
+        "this (from the measured prefill rate); a lone prompt keeps its full chunk. 0: off.",
+    ),
     "max_model_len": (int, "Context limit (default: the model's)."),
     "enable_prefix_caching": (bool, "Reuse KV of shared prefixes on the GPU."),
     "speculative": (click.Choice(["ngram"]), "Speculative decoding method."),

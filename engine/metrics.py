@@ -223,6 +223,7 @@ def _planner_and_breaker_metrics(engine: EngineCore):
             ("cpu_tokens", "Prompt tokens the planner loaded from the CPU tier."),
             ("fetched_tokens", "Prompt tokens the planner fetched from lower tiers to load."),
             ("recomputed_tokens", "Prompt tokens the planner chose to recompute."),
+            ("probes", "Background reads of one chunk that measure a tier the plans skip."),
         ):
             yield CounterMetricFamily(f"kvstash_planner_{name}", text, counts[name])
         tier_rate = GaugeMetricFamily(

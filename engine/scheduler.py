@@ -12,7 +12,9 @@ A request whose KV the connector must first fetch from a lower tier waits aside 
 WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`, no blocks held) and is put back
 at the front of the waiting queue when the worker reports the fetch finished; one
 whose lookup is not answered yet is skipped for the step. Neither holds up the
-requests behind it.
+requests behind it. While a request decodes, the prompt tokens of a step are capped
+(`prefill_cap`, engine.prefill_cap) so that the decode's next token is not held up by
+a long prefill step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
 from engine.block_manager import BlockManager
+from engine.prefill_cap import PrefillCap
 from engine.request import Request, RequestStatus
 from engine.spec_decode import NgramProposer, draft_slots_leave_room, propose_drafts
 
@@ -66,6 +69,8 @@ class Scheduler:
     connector: KVConnectorScheduler | None = None
     #: drafts speculative decoding verifies in decode steps (None: no speculation)
     proposer: NgramProposer | None = None
+    #: prompt tokens per step while others decode, and per long prompt (None: only the budget)
+    prefill_cap: PrefillCap | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -96,6 +101,11 @@ class Scheduler:
         preempted: list[Request] = []
         request_id_to_spec_token_ids: dict[str, list[int]] = {}
         self.step_requests = []
+        step_cap = None
+        if self.prefill_cap is not None:
+            step_cap = self.prefill_cap.for_step(
+                any(_is_decoding(r) for r in self.running if only is None or r in only)
+            )
 
         # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
         index = 0
@@ -122,6 +132,14 @@ class Scheduler:
                 elif limit is not None:
                     num_new = min(num_new, limit - request.num_computed_tokens)
             num_loaded = num_tail or 0
+            prefilling = step_cap is not None and not _is_decoding(request)
+            if prefilling:
+                if num_loaded:  # the tail's copy runs in this step too
+                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_loaded))
+                num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
+                if num_new == 0:
+                    index += 1  # the step's prefill time is spent: it goes on next step
+                    continue
             spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
             num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
             # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
@@ -148,6 +166,8 @@ class Scheduler:
                     request.num_computed_tokens += num_tail
                     request.metrics.num_external_cached_tokens += num_tail
                     self.stats.num_external_hit_tokens += num_tail
+                if prefilling:
+                    step_cap.spend(request.num_computed_tokens, num_new)
                 scheduled.append(request)
                 num_scheduled.append(num_new)
                 budget -= num_new
@@ -190,6 +210,12 @@ class Scheduler:
                 limit = self.connector.get_compute_limit(request)
                 if limit is not None and limit > num_computed:
                     num_new = min(num_new, limit - num_computed)
+            if step_cap is not None:
+                if num_external:  # its load from the CPU tier runs in this step too
+                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_external))
+                num_new = step_cap.limit(num_computed, num_new)
+                if num_new == 0:
+                    break  # the step's prefill time is spent: admitted next step
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
                 break
             self._take_waiting(request, candidates, only)
@@ -204,6 +230,8 @@ class Scheduler:
             self.stats.num_prefix_hit_tokens += num_gpu_hit
             self.stats.num_external_hit_tokens += num_external
             self.running.append(request)
+            if step_cap is not None:
+                step_cap.spend(request.num_computed_tokens, num_new)
             scheduled.append(request)
             num_scheduled.append(num_new)
             budget -= num_new
@@ -372,3 +400,9 @@ class Scheduler:
             self.request_id_to_sending[request.request_id] = request
         else:
             self.block_manager.free(request)
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether the request generates (its next token is its only uncomputed one), as
+    opposed to computing its prompt (or recomputing it and its outputs after a preemption)."""
+    return bool(request.output_token_ids) and request.num_computed_tokens >= request.num_tokens - 1

@@ -1,4 +1,5 @@
-"""benchmarks/ttft.py runs end to end on CPU: every tier serves the repeated prompt."""
+"""benchmarks/ttft.py runs end to end on CPU: every tier serves the repeated prompt (the
+disk tier through the asynchronous path: fetched into the emptied CPU tier, then loaded)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ def test_ttft_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
     out = tmp_path / "ttft.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/ttft.py", "--tiny", "--skip-hf", "--repeats", "1"]
-        + ["--lengths", "300", "--tiers", "cpu,disk", "--out", str(out), "--png", str(tmp_path / "t.png")],
+        + ["--lengths", "300", "--tiers", "cpu,disk", "--load-policy", "always"]
+        + ["--out", str(out), "--png", str(tmp_path / "t.png")],
         cwd=repo_root,
         env=subprocess_env,
         capture_output=True,

@@ -23,6 +23,8 @@ from engine.offload_cli import offload_config_from_options
         ({"pin_timeout_s": 0}, "pin_timeout_s must be a positive number"),
         ({"save_queue_size": 0}, "save_queue_size must be positive"),
         ({"layerwise": "yes"}, "layerwise must be a boolean"),
+        ({"tier_probe_interval_s": -1}, "tier_probe_interval_s must be a finite number of seconds >= 0"),
+        ({"tier_probe_interval_s": float("inf")}, "tier_probe_interval_s must be a finite number"),
     ],
 )
 def test_bad_values_name_the_field(fields, message):

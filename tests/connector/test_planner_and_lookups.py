@@ -9,7 +9,7 @@ import pytest
 
 from connector import OffloadConfig
 from connector.breaker import CircuitBreaker
-from connector.planner import LoadPlanner
+from connector.planner import LoadPlanner, PrefillRates
 from engine import SamplingParams
 from tests.connector.test_async_loads import make_prompt, new_llm
 
@@ -127,9 +127,134 @@ def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, bla
     assert num_steps > 2 and num_decode_tokens >= num_steps - 2
     breaker = engine.scheduler.connector.cache_engine.tiers.breakers["redis"]
     assert breaker.num_trips == 1 and breaker.is_open
-    # The next request does not ask the remote at all: admitted in its first step.
+    # The next request does not ask the remote at all: admitted in its first step (its
+    # prompt may be chunked there: "decode" is decoding, engine.prefill_cap).
     engine.add_request("second", make_prompt(100, 3), SamplingParams(max_tokens=1, ignore_eos=True))
     outputs = engine.step()
-    assert any(o.request_id == "second" for o in outputs)
+    second = engine.requests.get("second")
+    assert any(o.request_id == "second" for o in outputs) or second.num_computed_tokens > 0
     assert breaker.num_skipped >= 1
     engine.abort_request("decode")
+
+
+def test_prefill_rates_by_prompt_position_and_the_cautious_estimate():
+    rates = PrefillRates(prior=20_000.0)
+    assert rates.cautious_rate(100) is None and rates.rate(100) == 20_000.0  # nothing measured
+    rates.observe(16384, 8192, 0.25)  # one big step reaching position 16,384: 32,768 tokens/s
+    assert rates.rate(100) == rates.rate(20_000) == 32_768.0  # unmeasured classes follow it
+    rates.observe(4096, 1024, 0.04)  # a capped chunk reaching 4,096: 25,600 tokens/s
+    # The planner's moving average for deep prompts keeps the big step's rate; the cap's
+    # estimate for a deeper chunk is bounded by the latest, shallower step.
+    assert rates.rate(16384) == 32_768.0
+    assert rates.cautious_rate(16384) == 25_600.0
+    assert rates.cautious_rate(5000) == 25_600.0  # its own class is measured now
+    assert rates.cautious_rate(2048) == 25_600.0  # nearest neighbour: the 4,096 class
+    rates.observe(16384, 512, 0.05)  # the deep class slows down: its latest sample counts
+    assert rates.cautious_rate(16384) == 10_240.0
+    assert rates.cautious_rate(5000) == 25_600.0  # a deeper latest step does not bound a shallower class
+    assert set(rates.snapshot()) == {64, 2048, 4096, 16384}  # classes by their first position
+
+
+def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
+    clock = [0.0]
+    planner = LoadPlanner(bytes_per_token=MIB, probe_interval_s=30.0, clock=lambda: clock[0])
+    planner.observe_prefill(1025, 1000, 1.0)
+    planner.tier_priors["redis"] = 1e3  # its prior: far slower than recompute
+    tiers = ["cpu", "disk", "redis", "redis"]
+    planner.observe_read("disk", 100 << 30, 1.0)  # measured fast: fetched, never probed
+    decision = plan(planner, tiers)
+    assert decision.first_fetch_chunk == 1 and decision.num_fetch_chunks == 1  # disk only
+    assert planner.claim_probe(decision, tiers) == 2  # the first redis chunk, not fetched
+    assert planner.claim_probe(decision, tiers) is None  # one probe per interval
+    clock[0] = 29.0
+    assert planner.claim_probe(decision, tiers) is None
+    clock[0] = 31.0
+    assert planner.claim_probe(decision, tiers) == 2
+    assert planner.counts["probes"] == 2
+    # The probe measured redis faster than recompute: the next plan fetches it, no probe.
+    planner.observe_read("redis", 100 << 30, 1.0)
+    clock[0] = 100.0
+    fast = plan(planner, tiers)
+    assert fast.num_fetch_chunks == 3 and fast.tier_to_planned_tokens["redis"] == 512
+    assert planner.claim_probe(fast, tiers) is None
+    # A measurement younger than the interval is trusted, even a slow one.
+    planner.observe_read("redis", 1, 100.0)
+    for _ in range(20):
+        planner.observe_read("redis", 1, 100.0)
+    clock[0] = 110.0
+    slow = plan(planner, tiers)
+    assert slow.num_fetch_chunks == 1 and planner.claim_probe(slow, tiers) is None
+    clock[0] = 140.5  # stale now: probed again
+    assert planner.claim_probe(slow, tiers) == 2
+
+
+def test_planner_never_probes_with_always_load_or_a_zero_interval():
+    for planner in (
+        LoadPlanner(bytes_per_token=MIB, always_load=True),
+        LoadPlanner(bytes_per_token=MIB, probe_interval_s=0),
+    ):
+        planner.tier_priors["redis"] = 1e3
+        decision = plan(planner, ["redis", "redis"])
+        assert planner.claim_probe(decision, ["redis", "redis"]) is None
+
+
+def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_path):
+    """The disk tier's prior says it is far slower than recompute, so the planner skips
+    it; the probe that planning starts reads one chunk in the background, measures the
+    disk, and the next request of that prompt loads from it (the same tokens)."""
+    from tests.connector.test_async_loads import PARAMS, close, disk_config, run_until_done, write_to
+
+    model_dir = tiny_model_dir("llama")
+    prompt = make_prompt(200, 5)
+    (expected,) = new_llm(model_dir, None).generate([prompt], PARAMS)
+    write_to(model_dir, disk_config(tmp_path), [prompt])
+
+    llm = new_llm(model_dir, disk_config(tmp_path))
+    engine = llm.engine
+    planner = engine.scheduler.connector.planner
+    planner.tier_priors["disk"] = 1e3  # 1 kB/s: "never worth reading"
+    cpu = engine.scheduler.connector.cache_engine.tiers.cpu
+
+    engine.add_request("first", prompt, PARAMS)
+    first = run_until_done(engine, ["first"])["first"]
+    assert first.token_ids == expected.token_ids
+    assert "disk" not in first.metrics.tier_to_loaded_tokens  # recomputed as planned
+    assert planner.counts["probes"] == 1
+    # The probe's read ends on a fetcher thread; a step reports it to the planner.
+    fetcher = engine.scheduler.connector.fetcher
+    for step in range(200):
+        if planner.tier_rate("disk") > 1e3:
+            break
+        fetcher.wait_for_progress(0.05)
+        engine.add_request(f"tick-{step}", make_prompt(3, 100 + step), SamplingParams(max_tokens=1))
+        run_until_done(engine, [f"tick-{step}"])
+    assert planner.tier_rate("disk") > 1e5, planner.snapshot()
+
+    for key in cpu.keys(""):  # the KV is on disk only again
+        cpu.delete(key)
+    engine.add_request("second", prompt, PARAMS)
+    second = run_until_done(engine, ["second"])["second"]
+    assert second.token_ids == expected.token_ids
+    assert second.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
+    assert planner.counts["probes"] == 1  # measured now: no second probe
+    close(llm)
+
+
+def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):
+    """The scheduler's prefill cap counts a step's CPU-tier load in the step's time, at the
+    rate the worker measures from its own loads (the prior until then)."""
+    from tests.connector.test_async_loads import PARAMS, close, disk_config
+
+    llm = new_llm(tiny_model_dir("llama"), disk_config(tmp_path))
+    connector = llm.engine.scheduler.connector
+    prior = connector.planner.tier_rate("cpu")
+    prompt = make_prompt(200, 9)
+    first, second = (llm.generate([prompt], PARAMS)[0] for _ in range(2))  # the second hits the CPU tier
+    assert second.metrics.tier_to_loaded_tokens == {"cpu": 199}
+    assert second.token_ids == first.token_ids
+    measured = connector.planner.tier_rate("cpu")
+    assert measured != prior
+    assert connector.estimate_load_seconds(1000) == pytest.approx(
+        1000 * connector.cache_engine.bytes_per_token / measured
+    )
+    close(llm)

@@ -1,0 +1,344 @@
+"""The prefill cap (engine.prefill_cap): while a request decodes, other prompts get
+chunks sized from the measured prefill rate so that the decode is not held up by one
+long step; `long_prefill_token_threshold` caps every prompt per step (vLLM's). Scheduler
+rules without a model, then greedy tokens on a tiny model in float32 on CPU."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from connector.base import ConnectorMetadata, KVConnectorScheduler
+from connector.planner import PrefillRates
+from engine import LLM, EngineArgs, EngineCore, SamplingParams
+from engine.block_manager import BlockManager
+from engine.prefill_cap import CAP_PRIOR_TOKENS_PER_S, STEP_TARGET_FRACTION, PrefillCap
+from engine.request import Request
+from engine.scheduler import Scheduler
+from tests.engine.hf_reference import random_prompt
+
+BLOCK_SIZE = 4
+
+
+def make_request(
+    request_id: str, num_prompt_tokens: int, first_token: int = 10, max_tokens: int = 8
+) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(first_token, first_token + num_prompt_tokens)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        eos_token_ids=frozenset({0}),
+        max_model_len=2000,
+    )
+
+
+def make_scheduler(cap: PrefillCap, budget: int = 512) -> Scheduler:
+    return Scheduler(BlockManager(512, BLOCK_SIZE, True), 8, budget, prefill_cap=cap)
+
+
+def measured_rates(tokens_per_s: float) -> PrefillRates:
+    rates = PrefillRates()
+    rates.observe(256, int(tokens_per_s), 1.0)
+    return rates
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    """Schedule once, feed back token 7 for every request the runner would sample; the plan."""
+    output = scheduler.schedule()
+    sampled = {
+        r.request_id: 7
+        for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)
+        if r.num_computed_tokens + n == r.num_tokens
+    }
+    scheduler.update_from_output(output, sampled)
+    return {r.request_id: n for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)}
+
+
+def test_a_lone_prompt_keeps_its_full_chunk():
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000)))
+    scheduler.add_request(make_request("long", 300))
+    assert run_step(scheduler) == {"long": 300}
+
+
+def test_prompt_chunks_are_capped_while_another_request_decodes_and_freed_after():
+    # 1,000 tokens/s, 40 ms gap: 30 ms of prefill per step = 30 tokens, 28 on a block boundary
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000)))
+    decode = make_request("decode", 10, max_tokens=6)
+    scheduler.add_request(decode)
+    assert run_step(scheduler) == {"decode": 10}  # alone: its whole prompt
+    long = make_request("long", 200, first_token=500)
+    scheduler.add_request(long)
+    plans = [run_step(scheduler) for _ in range(5)]
+    num_cap = int(40e-3 * STEP_TARGET_FRACTION * 1000) // BLOCK_SIZE * BLOCK_SIZE
+    assert num_cap == 28
+    # the decode gets its token every step; the prompt at most the cap, block-aligned
+    assert plans == [{"decode": 1, "long": num_cap}] * 5
+    assert decode.is_finished and long.num_computed_tokens == 5 * num_cap
+    # nothing decodes any more: the rest of the prompt in one step
+    assert run_step(scheduler) == {"long": 200 - 5 * num_cap}
+    assert long.output_token_ids == [7]
+
+
+def test_the_cap_is_shared_by_the_step_and_the_first_prompt_always_progresses():
+    # 100 tokens/s: 3 tokens fit 30 ms; the first prompt of the step still gets a block
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(100)))
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(make_request("a", 40, first_token=100))
+    scheduler.add_request(make_request("b", 40, first_token=300))
+    assert run_step(scheduler) == {"decode": 1, "a": BLOCK_SIZE}  # b waits: the step's time is spent
+    assert run_step(scheduler) == {"decode": 1, "a": BLOCK_SIZE}
+
+
+def test_an_unmeasured_engine_plans_with_the_low_prior():
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=PrefillRates()))
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(make_request("long", 400, first_token=100))
+    num_fit = int(40e-3 * STEP_TARGET_FRACTION * CAP_PRIOR_TOKENS_PER_S)
+    assert run_step(scheduler) == {"decode": 1, "long": num_fit // BLOCK_SIZE * BLOCK_SIZE}
+
+
+def test_a_slower_latest_step_shrinks_the_cap_at_once():
+    rates = measured_rates(1000)
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=rates))
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(make_request("long", 400, first_token=100))
+    assert run_step(scheduler)["long"] == 28
+    rates.observe(256, 28, 0.112)  # that step ran at 250 tokens/s: the next fits 7.5 tokens
+    assert run_step(scheduler)["long"] == 4
+
+
+class LoadingConnector(KVConnectorScheduler):
+    """Promises ``num_promised`` tier tokens to requests named "hit*" and says a load from
+    the CPU tier runs at 10,000 tokens/s (the scheduler's rules, without any tier)."""
+
+    def __init__(self, num_promised: int) -> None:
+        self.num_promised = num_promised
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (self.num_promised if request.request_id.startswith("hit") else 0), False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduled):
+        return ConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False
+
+    def estimate_load_seconds(self, num_tokens):
+        return num_tokens / 10_000
+
+    def get_compute_limit(self, request):
+        """ "split*" requests recompute a head up to 40 while their tail [40, 120) is fetched."""
+        return 40 if request.request_id.startswith("split") and request.num_computed_tokens <= 40 else None
+
+    def get_num_tail_tokens(self, request):
+        return 80
+
+
+def test_a_load_in_the_step_counts_against_the_prefill_time():
+    cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000))
+    scheduler = Scheduler(
+        BlockManager(512, BLOCK_SIZE, True), 8, 512, connector=LoadingConnector(80), prefill_cap=cap
+    )
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    scheduler.add_request(make_request("hit", 300, first_token=100))
+    # 30 ms for the step: the 80 loaded tokens take 8 ms, 20 tokens of compute fit the rest
+    # (28 without the load, test_prompt_chunks_are_capped_while_another_request_decodes...)
+    assert run_step(scheduler) == {"decode": 1, "hit": 20}
+
+
+def test_a_tail_loaded_in_the_step_counts_against_the_prefill_time():
+    cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000))
+    scheduler = Scheduler(
+        BlockManager(512, BLOCK_SIZE, True), 8, 512, connector=LoadingConnector(0), prefill_cap=cap
+    )
+    scheduler.add_request(make_request("decode", 4, max_tokens=50))
+    run_step(scheduler)
+    split = make_request("split", 300, first_token=100)
+    scheduler.add_request(split)
+    assert run_step(scheduler) == {"decode": 1, "split": 28}  # the head, capped
+    assert run_step(scheduler) == {"decode": 1, "split": 12}  # up to the compute limit
+    # the tail [40, 120) is loaded (8 ms) and 20 tokens computed after it: 30 ms in all
+    assert run_step(scheduler) == {"decode": 1, "split": 20}
+    assert split.num_computed_tokens == 140 and split.metrics.num_external_cached_tokens == 80
+
+
+def test_long_prefill_token_threshold_caps_every_prompt_even_alone():
+    scheduler = make_scheduler(PrefillCap(BLOCK_SIZE, long_prefill_token_threshold=32), budget=64)
+    scheduler.add_request(make_request("a", 70))
+    scheduler.add_request(make_request("b", 20, first_token=300))
+    assert run_step(scheduler) == {"a": 32, "b": 20}
+    assert run_step(scheduler) == {"a": 32, "b": 1}
+    assert run_step(scheduler) == {"a": 6, "b": 1}
+
+
+# ---- the engine: identical tokens, the cap held step by step --------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+def run_staggered(engine: EngineCore) -> tuple[dict[str, list[int]], list[dict]]:
+    """A short request decodes while three longer prompts arrive; per-step records of
+    (prompt tokens, whether a decode ran, the most tokens the cap allowed)."""
+    steps: list[dict] = []
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def recording_schedule(only=None):
+        prefilling = [
+            r for r in scheduler.running + list(scheduler.waiting) if r.num_computed_tokens < r.num_tokens - 1
+        ]
+        cap = scheduler.prefill_cap
+        num_fit = max(
+            (
+                int(
+                    cap.max_decode_gap_ms
+                    * 1e-3
+                    * STEP_TARGET_FRACTION
+                    * cap.rate(
+                        r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens, cap.block_size)
+                    )
+                )
+                for r in prefilling
+            ),
+            default=0,
+        )
+        plan = schedule(only)
+        decoding = [
+            r
+            for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+            if r.output_token_ids and n == 1
+        ]
+        num_prompt = sum(
+            n
+            for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
+        steps.append({"num_prompt": num_prompt, "decoding": bool(decoding), "num_fit": num_fit})
+        return plan
+
+    scheduler.schedule = recording_schedule
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", random_prompt(20, seed=1), greedy)
+    outputs: dict[str, list[int]] = {}
+    arrivals = {2: ("p300", 300), 4: ("p150", 150), 5: ("p90", 90)}
+    num_steps = 0
+    while engine.has_unfinished_requests() or arrivals:
+        if num_steps in arrivals:
+            request_id, length = arrivals.pop(num_steps)
+            engine.add_request(request_id, random_prompt(length, seed=length), greedy)
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.token_ids
+        num_steps += 1
+    return outputs, steps
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(llama_dir, device):
+    common = dict(dtype="float32", device=device, max_num_batched_tokens=256, num_gpu_blocks=128)
+    uncapped, uncapped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=0, **common).engine)
+    capped, capped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=1.0, **common).engine)
+    assert set(capped) == {"short", "p300", "p150", "p90"}
+    assert capped == uncapped
+    block_size = EngineArgs().block_size
+    decode_steps = [s for s in capped_steps if s["decoding"] and s["num_prompt"]]
+    assert decode_steps, "no prompt was computed while a request decoded"
+    for step in decode_steps:
+        assert step["num_prompt"] <= max(block_size, step["num_fit"]), step
+    # without the cap those steps held far more prompt tokens
+    assert max(s["num_prompt"] for s in uncapped_steps if s["decoding"]) > max(
+        max(block_size, s["num_fit"]) for s in decode_steps
+    )
+    # nothing decodes in the first step: the lone prompt took its whole chunk
+    assert capped_steps[0] == {"num_prompt": 20, "decoding": False, "num_fit": capped_steps[0]["num_fit"]}
+
+
+def test_the_cap_with_async_scheduling_gives_identical_tokens(llama_dir):
+    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128)
+    plain, _ = run_staggered(LLM(llama_dir, max_decode_gap_ms=0, **common).engine)
+    capped, steps = run_staggered(
+        LLM(llama_dir, max_decode_gap_ms=1.0, async_scheduling=True, **common).engine
+    )
+    assert capped == plain
+    assert any(s["decoding"] and s["num_prompt"] for s in steps)
+
+
+def test_the_threshold_gives_identical_tokens(llama_dir):
+    common = dict(
+        dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128, max_decode_gap_ms=0
+    )
+    plain, _ = run_staggered(LLM(llama_dir, **common).engine)
+    capped, steps = run_staggered(LLM(llama_dir, long_prefill_token_threshold=24, **common).engine)
+    assert capped == plain
+    assert max(s["num_prompt"] for s in steps) <= 3 * 24  # at most three prompts at once, 24 each
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
+        ({"long_prefill_token_threshold": 2.5}, "long_prefill_token_threshold must be an integer >= 0"),
+        ({"long_prefill_token_threshold": True}, "long_prefill_token_threshold must be an integer >= 0"),
+        ({"max_decode_gap_ms": -5}, r"max_decode_gap_ms must be 0 \(off\) or a finite number"),
+        ({"max_decode_gap_ms": 0.5}, r"max_decode_gap_ms must be 0 \(off\) or a finite number"),
+        ({"max_decode_gap_ms": math.nan}, r"max_decode_gap_ms must be 0 \(off\) or a finite number"),
+        ({"max_decode_gap_ms": math.inf}, r"max_decode_gap_ms must be 0 \(off\) or a finite number"),
+        ({"max_decode_gap_ms": "50"}, r"max_decode_gap_ms must be 0 \(off\) or a finite number"),
+    ],
+)
+def test_bad_cap_values_are_rejected_with_the_field_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs).validate()
+
+
+def test_the_cli_flags_reach_the_engine_and_bad_ones_are_reported(llama_dir):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    result = CliRunner().invoke(
+        main, ["generate", str(llama_dir), "--prompt", "hi", "--device", "cpu", "--max-decode-gap-ms", "-1"]
+    )
+    assert result.exit_code != 0
+    assert "max_decode_gap_ms must be 0 (off)" in result.output
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(llama_dir),
+            "--prompt",
+            "hi",
+            "--device",
+            "cpu",
+            "--long-prefill-token-threshold",
+            "-3",
+        ],
+    )
+    assert result.exit_code != 0
+    assert "long_prefill_token_threshold must be an integer >= 0" in result.output
+    result = CliRunner().invoke(
+        main,
+        ["generate", str(llama_dir), "--prompt", "hi", "--device", "cpu", "--dtype", "float32"]
+        + [
+            "--max-tokens",
+            "2",
+            "--ignore-eos",
+            "--long-prefill-token-threshold",
+            "16",
+            "--max-decode-gap-ms",
+            "30",
+        ],
+    )
+    assert result.exit_code == 0, result.output

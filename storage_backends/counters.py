@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
-COUNTER_NAMES = ("hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected")
+#: ``verified``: values whose checksum the backend itself computed (the byte tiers count it;
+#: the cache server's tests hold each disk-tier Get to one)
+COUNTER_NAMES = ("hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected", "verified")
 
 
 class Counters:

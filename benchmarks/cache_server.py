@@ -28,6 +28,12 @@ client process's (its threads: redis-py or the grpc:// tier), which load
 elsewhere changes far less than throughput: on a machine with free cores,
 server + client CPU per MB is what bounds a single client's rate.
 
+``--server-disk-mib`` gives the server a disk tier (in a temporary folder) and
+``--server-memory-mib`` sizes its memory tier: with a memory tier smaller than the
+load, every timed load Get misses memory and is served from the disk tier (read,
+verified once, kept in memory, sent); the load table shows the hits by tier and the
+server's CPU per MB, the figure that load elsewhere on the machine changes least.
+
 ``put_many`` is the engine's write path (the connector's write-through hands
 the tier batches): ``--put-batch`` values per call, pipelined over the bulk
 pool (``--bulk-connections``) on the kvstash side, one redis-py pipeline of SETs
@@ -38,6 +44,8 @@ with ``--out`` (every round's rows and the medians).
     .venv/bin/python benchmarks/cache_server.py --sizes-kib 32768 --clients 1 --load-mib 2048 \
         --load-connections 8 --to-device --out bench-out/cache_server_load.json   # the GPU machine
     .venv/bin/python benchmarks/cache_server.py --load-only --load-mib 2048 --load-connections 8 --to-device
+    .venv/bin/python benchmarks/cache_server.py --load-only --load-mib 512 --server-memory-mib 160 \
+        --server-disk-mib 1024 --transports unix --load-rounds 5   # Gets from the server's disk tier
 """
 
 from __future__ import annotations
@@ -89,14 +97,17 @@ def make_value(num_bytes: int, seed: int) -> KVChunk:
     return KVChunk(tensor)
 
 
-def start_cache_server(memory_gb: float, bulk: str) -> tuple[subprocess.Popen, str]:
+def start_cache_server(
+    memory_gb: float, bulk: str, disk_path: str | None = None, disk_gb: float | None = None
+) -> tuple[subprocess.Popen, str]:
     # keep the caller's PYTHONPATH after the repo's (packages installed beside the system's)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
     )
     process = subprocess.Popen(
         [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)]
-        + ["--bulk-port", "any" if bulk == "on" else "off"],
+        + ["--bulk-port", "any" if bulk == "on" else "off"]
+        + (["--disk-path", disk_path, "--disk-gb", str(disk_gb)] if disk_path is not None else []),
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -456,6 +467,21 @@ def main() -> int:
         action="store_true",
         help="only the end-to-end load (no Put/Get cells, no redis-server)",
     )
+    parser.add_argument(
+        "--server-memory-mib",
+        type=int,
+        help="the server's memory tier (default: room for every cell and the load); with "
+        "--server-disk-mib, a small one makes Gets come from the disk tier",
+    )
+    parser.add_argument(
+        "--server-disk-mib",
+        type=int,
+        default=0,
+        help="give the server a disk tier of this many MiB in a temporary folder (0: memory only)",
+    )
+    parser.add_argument(
+        "--server-disk-dir", type=Path, help="where the disk tier's temporary folder goes (default: $TMPDIR)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -465,7 +491,15 @@ def main() -> int:
     memory_gb = 2 * most_bytes / (1 << 30) + 0.25
 
     load_bytes = args.load_mib * MIB
-    server, address = start_cache_server(memory_gb + 2 * load_bytes / (1 << 30), args.bulk)
+    server_memory_gb = memory_gb + 2 * load_bytes / (1 << 30)
+    if args.server_memory_mib is not None:
+        server_memory_gb = args.server_memory_mib / 1024
+    disk_dir = None
+    if args.server_disk_mib:
+        disk_dir = tempfile.mkdtemp(prefix="kvstash-bench-disk-", dir=args.server_disk_dir)
+    server, address = start_cache_server(
+        server_memory_gb, args.bulk, disk_dir, args.server_disk_mib / 1024 if disk_dir else None
+    )
     redis_process = None
     if cells:
         redis_process, redis_port, redis_dir = start_redis(int(memory_gb * (1 << 30)))
@@ -518,6 +552,8 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
         if redis_process is not None:
             redis_process.terminate()
             redis_process.wait(30)
@@ -550,6 +586,8 @@ def main() -> int:
                 "load_connections": args.load_connections,
                 "to_device": args.to_device,
                 "load_only": args.load_only,
+                "server_memory_mib": server_memory_gb * 1024,
+                "server_disk_mib": args.server_disk_mib,
             },
             "cells": cells_summary,
             "load": load_rows,
@@ -566,6 +604,16 @@ def clear_cache_server(address: str) -> None:
 
     with make_channel(address, secure=False) as channel:
         kvstash_pb2_grpc.AdminStub(channel).Clear(kvstash_pb2.ClearRequest(), timeout=60)
+
+
+def tier_hits(address: str) -> dict[str, int]:
+    """Hits so far of each of the server's tiers (shows which tier served a load)."""
+    from protos import kvstash_pb2, kvstash_pb2_grpc
+    from storage_backends.grpc_channel import make_channel
+
+    with make_channel(address, secure=False) as channel:
+        stats = kvstash_pb2_grpc.AdminStub(channel).Stats(kvstash_pb2.StatsRequest(), timeout=60)
+    return {tier.name: tier.hits for tier in stats.tiers}
 
 
 def clear_redis(port: int) -> None:
@@ -657,13 +705,15 @@ def measure_load(address: str, args: argparse.Namespace, server_process) -> list
         load = functools.partial(load_one, backend, keys, buffers, device_buffers, streams)
         try:
             backend.get_into(keys[0], buffers[0])  # discovery and the first connection, outside the clock
-            seconds = []
+            seconds, cpu_seconds = [], []
+            hits_before = tier_hits(address)
             for _ in range(args.load_rounds):
                 cpu_start, start = server_cpu_s(server_process), time.perf_counter()
                 with ThreadPoolExecutor(args.load_connections) as pool:
                     list(pool.map(load, range(num_chunks)))
                 seconds.append(time.perf_counter() - start)
-                cpu_s = server_cpu_s(server_process) - cpu_start
+                cpu_seconds.append(server_cpu_s(server_process) - cpu_start)
+            hits_after = tier_hits(address)
             used = backend.transport
         finally:
             backend.close()
@@ -682,7 +732,10 @@ def measure_load(address: str, args: argparse.Namespace, server_process) -> list
                 "best_gb_per_s": total / min(seconds) / 1e9,
                 "median_gb_per_s": total / float(np.median(seconds)) / 1e9,
                 "seconds": seconds,
-                "server_cpu_ms_per_mb_last_round": cpu_s * 1e3 / (total / 1e6),
+                "server_cpu_ms_per_mb_last_round": cpu_seconds[-1] * 1e3 / (total / 1e6),
+                "server_cpu_ms_per_mb_median": float(np.median(cpu_seconds)) * 1e3 / (total / 1e6),
+                # which tier served the timed loads (a small --server-memory-mib: the disk tier)
+                "tier_hits": {name: hits_after[name] - hits_before.get(name, 0) for name in hits_after},
             }
         )
     return rows
@@ -709,7 +762,16 @@ def print_load_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(
-        "transport", "KV loaded", "chunks", "connections", "pinned", "to GPU", "GB/s best", "GB/s median"
+        "transport",
+        "KV loaded",
+        "chunks",
+        "connections",
+        "pinned",
+        "to GPU",
+        "GB/s best",
+        "GB/s median",
+        "server CPU ms/MB",
+        "hits by tier",
     )
     for row in rows:
         table.add_row(
@@ -721,6 +783,8 @@ def print_load_table(rows: list[dict]) -> None:
             str(row["to_device"]),
             f"{row['best_gb_per_s']:.2f}",
             f"{row['median_gb_per_s']:.2f}",
+            f"{row['server_cpu_ms_per_mb_median']:.3f}",
+            " ".join(f"{name}={hits}" for name, hits in row["tier_hits"].items()),
         )
     Console(width=170).print(table)
 

@@ -44,6 +44,12 @@ def entry_size(key: str, num_value_bytes: int) -> int:
     return num_value_bytes + len(key.encode("utf-8")) + ENTRY_OVERHEAD_BYTES
 
 
+def num_bytes_held(data: bytes | memoryview) -> int:
+    """Bytes of the whole buffer behind ``data``: what keeping ``data`` keeps alive."""
+    view = memoryview(data)
+    return max(len(view), memoryview(view.obj).nbytes) if view.obj is not None else len(view)
+
+
 class Reservation:
     """Room held in the memory tier for one value in flight; made by :meth:`EncodedMemoryTier.reserve`.
 
@@ -105,8 +111,11 @@ class EncodedMemoryTier(StorageBackend):
 
     # ---- writes --------------------------------------------------------------
     def put_encoded(self, key: str, data: bytes) -> None:
-        """Verify then store; ValueError for a corrupt value or one larger than the whole tier."""
+        """Verify (counted in ``verified``) then store a copy; ValueError for a corrupt value or
+        one larger than the whole tier. The cache server never calls it: its Puts and its
+        promotions from lower tiers hand over values already verified (:meth:`put_verified`)."""
         verify_chunk(data, key=key)
+        self._counters.add("verified")
         self.put_verified(key, bytes(data))
 
     def put_verified(
@@ -114,12 +123,15 @@ class EncodedMemoryTier(StorageBackend):
     ) -> None:
         """Store a value the caller has verified and hands over (it must never change again).
 
-        The cache server's Put verifies while the pieces arrive, so a second pass would only cost time.
+        The cache server's Put verifies while the pieces arrive, and a lower tier's
+        ``get_encoded`` verifies what it read, so a second pass would only cost time. The entry
+        counts against the cap with the whole buffer behind ``data`` (a view's ``obj``: the
+        disk tier's read buffer is up to one block longer than the value).
         ``reservation`` (from :meth:`reserve` for this value) becomes the entry's room; it is
         released whatever happens. ValueError for a value larger than the whole tier;
         CapacityError when pins and other uploads in flight leave no room.
         """
-        size = entry_size(key, len(data))
+        size = entry_size(key, num_bytes_held(data))
         with self._lock:
             if reservation is not None:
                 self._release_locked(reservation)

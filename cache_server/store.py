@@ -6,8 +6,9 @@ checksum as it arrives (``value_assembly``), so a corrupt upload is refused with
 ``ValueError`` and stores nothing; lower tiers verify again on their own.
 
 Writes go to every tier (write-through), so a restart with a disk tier keeps its
-data; reads take the highest tier that holds the key and copy a lower-tier hit
-into memory. A lower tier that fails (Redis down) is logged and skipped by every
+data; reads take the highest tier that holds the key and keep a lower-tier hit
+in memory too (the very buffer that tier verified as it read it: no copy, no
+second checksum). A lower tier that fails (Redis down) is logged and skipped by every
 call (Get, Put, Contains, Delete, listing, Evict, Clear): the memory tier still
 serves, and a value it lacks is a miss. Called from the server's worker threads; every method is
 thread-safe because every backend is.
@@ -100,12 +101,18 @@ class TieredStore:
         return None
 
     def get(self, key: str) -> StoredValue | None:
-        """Highest-tier copy of ``key``; a lower-tier hit is copied into memory when there is room."""
+        """Highest-tier copy of ``key``; a lower-tier hit is kept in memory too when there is room.
+
+        Every tier's ``get_encoded`` returns a value it verified (header, key hash, checksum)
+        in that very read, as a buffer nobody else changes, so the memory tier keeps that same
+        object (``put_verified``): no second checksum pass, no copy."""
         found = self._find(key)
         if found is not None and found.tier != self.memory.name:
             try:
-                self.memory.put_encoded(key, found.data)
-            except CapacityError as error:  # uploads in flight or pins hold the room: serve it anyway
+                self.memory.put_verified(key, found.data)
+            except (CapacityError, ValueError) as error:
+                # pins or uploads in flight hold the room, or the value is larger than the whole
+                # memory tier (written under a larger --memory-gb): serve it anyway
                 logger.debug("not promoting %r into memory: %s", key, error)
         return found
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 
-COUNTER_NAMES = ("hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected")
+#: ``verified``: checksum passes the backend itself ran over a value (counted by the disk tier's
+#: reads and the cache server's memory tier's ``put_encoded``; the cache server's tests hold a
+#: Get served from disk to one)
+COUNTER_NAMES = ("hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected", "verified")
 
 
 class Counters:

@@ -35,7 +35,9 @@ modification times. The index is rewritten on close and every
 Reads: the head (record, key, chunk header) into a small aligned per-thread
 buffer, the record's key and the chunk header's key hash checked against the
 key asked for, then the payload straight into the destination tensor (the
-caller's buffer for :meth:`get_into`), the CRC verified in the reading thread;
+caller's buffer for :meth:`get_into`, a new block-aligned value buffer for
+:meth:`get_encoded`, which is returned as a view, uncopied), the CRC verified once
+in the reading thread (counted in ``verified``);
 any mismatch is logged, counted in ``corrupt``, the file removed and the read is
 a miss. ``get_many``/``get_many_into``/``put_many`` keep up to ``io_threads``
 files in flight.
@@ -59,7 +61,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from zlib_ng.zlib_ng import crc32
@@ -102,6 +104,8 @@ _MAX_HEAD_BYTES = disk_io.round_up(_RECORD.size + 0xFFFF + 4096) + disk_io.BLOCK
 DEFAULT_IO_THREADS = 16
 #: the index file is rewritten after this many writes and removals (and on close)
 INDEX_EVERY_CHANGES = 1024
+
+_T = TypeVar("_T")
 
 
 def key_to_filename(key: str) -> str:
@@ -345,10 +349,14 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
                 f"truncated chunk payload: {num_prefetched + num_read} of {len(dest)} bytes"
             )
 
-    def _read_into(self, key: str, allocate: Callable[[ChunkHeader], torch.Tensor]) -> KVChunk | None:
-        """Read and verify ``key``'s chunk into the tensor ``allocate(header)`` returns (the
-        chunk's shape and dtype, a view of the caller's memory or a new buffer); None on a
-        miss. Runs in the calling thread, checksum included."""
+    def _read_verified(self, key: str, read_body: Callable[[int, _Head], _T]) -> _T | None:
+        """Open ``key``'s file, check its head (record, key, chunk header, file size), then
+        ``read_body(fd, head)``, which reads the payload and calls :meth:`_check_checksum`;
+        its result, or None on a miss. Every read goes through here, so every value is
+        verified exactly once, in the calling thread; a ChunkFormatError from anywhere in
+        the read (corrupt, truncated, misfiled) is logged, counted in ``corrupt``, the file
+        removed and the read a miss. A ValueError from ``read_body`` (an unfit caller
+        buffer) propagates: it is not the file's fault."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None or not entry.record.ready:
@@ -365,28 +373,12 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             raise BackendError(f"disk tier: cannot open {path}: {exc}") from exc
         try:
             _, head = self._read_head(fd, expected_key=key)
-            header = head.header
             file_size = os.fstat(fd).st_size
-            if file_size != head.payload_offset + header.payload_len:
-                what = "truncated" if file_size < head.payload_offset + header.payload_len else "oversized"
-                raise ChunkFormatError(
-                    f"{what} file: {file_size} bytes, header says {head.payload_offset + header.payload_len}"
-                )
-            tensor = allocate(header)  # a ValueError for an unfit buffer propagates: not the file's fault
-            raw = memoryview(tensor_bytes(tensor).numpy())
-            if header.codec == "none":
-                stored = raw
-                self._read_payload(fd, head, stored)
-            else:
-                stored = self._lz4_scratch.get(header.payload_len)[: header.payload_len]
-                self._read_payload(fd, head, stored)
-            checksum = crc32(stored, header_checksum(head.header_bytes, header))
-            if checksum != header.checksum:
-                raise ChunkFormatError(
-                    f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"
-                )
-            if header.codec == "lz4":
-                _decompress_lz4_into(stored, raw)
+            expected_size = head.payload_offset + head.header.payload_len
+            if file_size != expected_size:
+                what = "truncated" if file_size < expected_size else "oversized"
+                raise ChunkFormatError(f"{what} file: {file_size} bytes, header says {expected_size}")
+            result = read_body(fd, head)
         except (ChunkFormatError, UnicodeDecodeError) as exc:
             logger.warning(
                 "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s", key, path, exc
@@ -401,7 +393,38 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         finally:
             os.close(fd)
         self._counters.add("hits")
-        return KVChunk(tensor, header.layout)
+        return result
+
+    def _check_checksum(self, head: _Head, stored: memoryview) -> None:
+        """The chunk's CRC over its header and the ``stored`` payload; ChunkFormatError on a
+        mismatch. Counted in ``verified`` (one per value read: tests hold reads to that)."""
+        checksum = crc32(stored, header_checksum(head.header_bytes, head.header))
+        self._counters.add("verified")
+        if checksum != head.header.checksum:
+            raise ChunkFormatError(
+                f"chunk checksum mismatch: stored {head.header.checksum:#010x}, computed {checksum:#010x}"
+            )
+
+    def _read_into(self, key: str, allocate: Callable[[ChunkHeader], torch.Tensor]) -> KVChunk | None:
+        """Read and verify ``key``'s chunk into the tensor ``allocate(header)`` returns (the
+        chunk's shape and dtype, a view of the caller's memory or a new buffer); None on a
+        miss. Runs in the calling thread, checksum included."""
+
+        def read_body(fd: int, head: _Head) -> KVChunk:
+            header = head.header
+            tensor = allocate(header)
+            raw = memoryview(tensor_bytes(tensor).numpy())
+            if header.codec == "none":
+                stored = raw
+            else:
+                stored = self._lz4_scratch.get(header.payload_len)[: header.payload_len]
+            self._read_payload(fd, head, stored)
+            self._check_checksum(head, stored)
+            if header.codec == "lz4":
+                _decompress_lz4_into(stored, raw)
+            return KVChunk(tensor, header.layout)
+
+        return self._read_verified(key, read_body)
 
     def get(self, key: str) -> KVChunk | None:
         return self._read_into(key, _new_aligned_tensor)
@@ -434,43 +457,26 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             raise ValueError(f"get_many_into: {len(keys)} keys but {len(outs)} buffers")
         return self._map(lambda pair: self.get_into(*pair), list(zip(keys, outs, strict=True)))
 
-    def get_encoded(self, key: str) -> bytes | None:
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None or not entry.record.ready:
-                self._counters.add("misses")
-                return None
-        try:
-            with open(entry.record.path, "rb") as file:
-                data = file.read()
-        except FileNotFoundError:
-            self._counters.add("misses")
-            return None
-        except OSError as exc:
-            self._counters.add("errors")
-            raise BackendError(f"disk tier: cannot read {entry.record.path}: {exc}") from exc
-        try:
-            stored_key, chunk_offset = parse_record(data)
-            if stored_key != key:
-                raise ChunkFormatError(f"file holds key {stored_key!r}")
-            chunk_bytes = memoryview(data)[chunk_offset:]
-            header = verify_chunk(chunk_bytes, key=key)
-            payload_offset = _RECORD.unpack_from(data)[4]
-            if payload_offset != chunk_offset + header.header_len:
-                raise ChunkFormatError("chunk header does not end where the record says the payload starts")
-        except (ChunkFormatError, UnicodeDecodeError) as exc:
-            logger.warning(
-                "disk tier: corrupt chunk for key %r in %s (treated as a miss): %s",
-                key,
-                entry.record.path,
-                exc,
-            )
-            self._counters.add("corrupt")
-            self._counters.add("misses")
-            self._drop_entry(key, entry)
-            return None
-        self._counters.add("hits")
-        return bytes(chunk_bytes)
+    def get_encoded(self, key: str) -> memoryview | None:
+        """The serialized chunk (header, then payload as stored), verified once (header, key
+        hash, file size, CRC) by the read that fills it, or None on a miss.
+
+        The chunk header is copied from the head read; the payload goes from the file straight
+        into the returned buffer (O_DIRECT when the tier uses it: the buffer is placed so that
+        the payload starts on a block boundary). No other copy is made: the result is a
+        read-only view of a buffer nobody else holds, so the cache server keeps it as its
+        memory-tier entry as it is (``EncodedMemoryTier.put_verified``) and sends from it."""
+
+        def read_body(fd: int, head: _Head) -> memoryview:
+            header = head.header
+            value = _new_value_buffer(header.header_len, header.payload_len)
+            value[: header.header_len] = head.header_bytes
+            stored = value[header.header_len :]
+            self._read_payload(fd, head, stored)
+            self._check_checksum(head, stored)
+            return value.toreadonly()
+
+        return self._read_verified(key, read_body)
 
     # ---- writes --------------------------------------------------------------
     def put(self, key: str, chunk: KVChunk) -> None:
@@ -725,6 +731,16 @@ def _new_aligned_tensor(header: ChunkHeader) -> torch.Tensor:
     return storage[start : start + header.raw_len].view(header.dtype).view(header.shape)
 
 
+def _new_value_buffer(header_len: int, payload_len: int) -> memoryview:
+    """A writable view of ``header_len + payload_len`` new bytes whose payload part starts on a
+    block boundary (O_DIRECT reads land there). It views one larger allocation (at most one
+    block more, which ``memoryview.obj`` exposes, so a cap can count the whole of it);
+    ``torch.empty``: not zero-filled first (see cache_server.value_assembly)."""
+    backing = torch.empty(header_len + payload_len + disk_io.BLOCK, dtype=torch.uint8).numpy()
+    start = -(backing.ctypes.data + header_len) % disk_io.BLOCK
+    return memoryview(backing)[start : start + header_len + payload_len]
+
+
 def _decompress_lz4_into(stored: memoryview, raw: memoryview) -> None:
     import lz4.block
 
@@ -755,7 +771,7 @@ def _unpack_record(data: bytes | memoryview, num_bytes: int) -> tuple[int, int, 
 
 def parse_record(data: bytes) -> tuple[str, int]:
     """(key, offset of the serialized chunk) of a whole chunk file's bytes; ChunkFormatError when
-    foreign. For :meth:`DiskBackend.get_encoded` and tools and tests that look inside files."""
+    foreign. For tools and tests that look inside files."""
     key_len, chunk_offset, _ = _unpack_record(data, len(data))
     if not _RECORD.size + key_len <= chunk_offset <= len(data):
         raise ChunkFormatError("truncated or inconsistent disk record")

@@ -237,7 +237,11 @@ class PipelineExecutor:
                 if conn.poll(POLL_S):
                     return conn.recv()
             except (EOFError, ConnectionResetError, OSError):
-                self._die(f"pipeline stage {stage} closed its connection")
+                process = self._processes[stage - 1]
+                process.join(1.0)  # a dead stage's pipe closes first: say why it died
+                if process.exitcode is None:
+                    self._die(f"pipeline stage {stage} closed its connection")
+                self._check_alive()
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 self._die(f"pipeline stage {stage} did not answer within {timeout_s:.0f} s")
@@ -247,7 +251,13 @@ class PipelineExecutor:
             raise PipelineDeadError(self.dead_reason)
         for stage, process in enumerate(self._processes, start=1):
             if not process.is_alive():
-                self._die(f"pipeline stage {stage} (pid {process.pid}) exited with code {process.exitcode}")
+                code = process.exitcode
+                how = (
+                    f"was killed by signal {-code}"
+                    if code is not None and code < 0
+                    else f"exited with code {code}"
+                )
+                self._die(f"pipeline stage {stage} (pid {process.pid}) {how}")
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:

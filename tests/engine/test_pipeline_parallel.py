@@ -1,0 +1,242 @@
+"""Pipeline parallelism (engine.pipeline): an engine of 2 stages, one process each
+(gloo on CPU), gives the greedy float32 tokens of Hugging Face and of one stage for
+every tiny arch, with chunked prefill, prefix caching, preemption and offload hits
+(CPU and disk tiers, each stage storing its own layers); a load that fails on one
+stage only is recomputed on every stage; a killed stage ends the engine's requests
+with an error and its processes. Engines are shared per module: each stage process
+imports torch, which takes seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from connector import OffloadConfig
+from engine import LLM, SamplingParams
+from engine.pipeline import split_layers
+from tests.engine.hf_reference import hf_greedy, random_prompt
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+NUM_NEW_TOKENS = 12
+_SHARED = random_prompt(300, seed=205)
+#: 6 prompts of 1..300 tokens; the last shares 160 tokens (10 blocks) with the 300-token one
+PROMPTS = [
+    random_prompt(1, seed=200),
+    random_prompt(9, seed=201),
+    random_prompt(70, seed=202),
+    random_prompt(150, seed=203),
+    _SHARED,
+    _SHARED[:160] + random_prompt(60, seed=206),
+]
+GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+#: 40 blocks of 16 = 640 tokens for 6 requests of 856 tokens in all: some are preempted
+NUM_BLOCKS = 40
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    assert all(o.finish_reason == "length" for o in outputs), [o.finish_reason for o in outputs]
+    return [o.token_ids for o in outputs]
+
+
+def test_layers_split_into_contiguous_stages() -> None:
+    layouts = split_layers(7, 3)
+    assert [(s.first_layer, s.end_layer) for s in layouts] == [(0, 3), (3, 5), (5, 7)]
+    assert layouts[0].is_first and layouts[-1].is_last and not layouts[1].is_last
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        split_layers(2, 3)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pp_case(request, tiny_model_dir):
+    """(model dir, HF greedy outputs, a PP=2 engine with chunked prefill and a KV pool
+    small enough to preempt), once per arch."""
+    model_dir = tiny_model_dir(request.param)
+    expected = hf_greedy(model_dir, PROMPTS, NUM_NEW_TOKENS)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        pipeline_parallel_size=2,
+        max_num_batched_tokens=64,
+        num_gpu_blocks=NUM_BLOCKS,
+    )
+    yield model_dir, expected, llm
+    llm.engine.shutdown()
+
+
+def test_pp2_matches_hf_with_chunked_prefill_preemption_and_prefix_caching(pp_case) -> None:
+    _, expected, llm = pp_case
+    stats_before = llm.engine.scheduler.stats.num_preemptions
+    assert _token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    assert llm.engine.scheduler.stats.num_preemptions > stats_before
+    # 850 prompt tokens at 64 per step: prompts were cut into chunks
+    assert llm.stats.num_steps > sum(len(p) for p in PROMPTS) // 64
+    # the same prompts again, one at a time: each hits its full blocks in the prefix cache
+    for prompt, tokens in zip(PROMPTS[4:], expected[4:], strict=True):
+        (output,) = llm.generate([prompt], GREEDY)
+        assert output.token_ids == tokens
+        assert output.metrics.num_local_cached_tokens == (len(prompt) - 1) // 16 * 16
+
+
+def _offload_config(disk_path: Path) -> OffloadConfig:
+    return OffloadConfig(chunk_size=64, cpu_bytes=16 << 20, disk_path=str(disk_path), disk_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def offload_case(tiny_model_dir, tmp_path_factory):
+    """A PP=2 engine with a CPU and a disk tier that stored PROMPTS' KV, its outputs,
+    and PP=1's outputs of the same prompts."""
+    model_dir = tiny_model_dir("llama")
+    disk_path = tmp_path_factory.mktemp("pp-offload") / "disk"
+    pp1 = _token_ids(LLM(model_dir, dtype="float32", device="cpu").generate(PROMPTS, GREEDY))
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        pipeline_parallel_size=2,
+        kv_offload=_offload_config(disk_path),
+    )
+    first = _token_ids(llm.generate(PROMPTS, GREEDY))
+    llm.flush_kv_offload()
+    yield model_dir, disk_path, llm, first, pp1
+    llm.engine.shutdown()
+
+
+def test_pp2_offload_hits_from_cpu_tier_match_pp1(offload_case) -> None:
+    _, _, llm, first, pp1 = offload_case
+    assert first == pp1
+    assert llm.reset_prefix_cache()
+    outputs = llm.generate(PROMPTS[3:5], GREEDY)
+    assert _token_ids(outputs) == pp1[3:5]
+    # 150 and 300 tokens: their whole chunks of 64 and the partial chunk, all but the last token
+    assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"cpu": 149}, {"cpu": 299}]
+    # each stage stored its own layers in its own folder
+    assert {p.name for p in offload_case[1].iterdir()} == {"pp2-stage0", "pp2-stage1"}
+
+
+def test_pp2_disk_hits_and_a_chunk_missing_on_one_stage(offload_case) -> None:
+    """A fresh engine on the same disk folders loads from disk. A chunk deleted from the
+    last stage's folder only is a load failure there: stage 0 loaded it, yet every stage
+    recomputes from the same position and the tokens stay exact."""
+    model_dir, disk_path, llm, _, pp1 = offload_case
+    llm.engine.shutdown()  # the disk tiers lock their folders
+    llm.engine.runner.connector.close()
+    stage1_files = sorted((disk_path / "pp2-stage1").rglob("*.kvc"))
+    assert stage1_files
+    fresh = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        pipeline_parallel_size=2,
+        kv_offload=_offload_config(disk_path),
+    )
+    try:
+        (from_disk,) = fresh.generate([PROMPTS[3]], GREEDY)
+        assert from_disk.token_ids == pp1[3]
+        assert from_disk.metrics.tier_to_loaded_tokens == {"disk": 149}
+        fresh.engine.shutdown()
+        fresh.engine.runner.connector.close()
+        for path in (disk_path / "pp2-stage1").rglob("*.kvc"):
+            path.unlink()
+        again = LLM(
+            model_dir,
+            dtype="float32",
+            device="cpu",
+            pipeline_parallel_size=2,
+            kv_offload=_offload_config(disk_path),
+        )
+        try:
+            (output,) = again.generate([PROMPTS[4]], GREEDY)
+            assert output.token_ids == pp1[4]
+            assert again.engine.scheduler.stats.num_load_failures == 1
+            # the stages agreed: stage 0's loaded tokens were recomputed too
+            assert output.metrics.num_external_cached_tokens == 0
+        finally:
+            again.engine.shutdown()
+            again.engine.runner.connector.close()
+    finally:
+        fresh.engine.shutdown()
+        # a one-stage engine pointed at stage 0's folder finds none of its chunks
+        pp1_llm = LLM(
+            model_dir,
+            dtype="float32",
+            device="cpu",
+            kv_offload=_offload_config(disk_path / "pp2-stage0"),
+        )
+        (plain,) = pp1_llm.generate([PROMPTS[3]], GREEDY)
+        assert plain.token_ids == pp1[3] and plain.metrics.num_external_cached_tokens == 0
+        pp1_llm.engine.runner.connector.close()
+
+
+_KILLABLE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from engine import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", device="cpu", pipeline_parallel_size=2)
+        print("pids", *llm.engine.pipeline.stage_pids, flush=True)
+        params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([[5, 6, 7]], params)
+        print("done", outputs[0].finish_reason, len(outputs[0].token_ids), flush=True)
+        print("dead", llm.engine.device_error(), flush=True)
+    """
+)
+
+
+def _start(script: str, model_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(model_dir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = process.stdout.readline()
+    assert line.startswith("pids"), line + process.stderr.read()
+    return process, [int(pid) for pid in line.split()[1:]]
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def test_a_killed_stage_ends_the_requests_with_an_error_and_the_engine_exits(
+    tiny_model_dir, subprocess_env
+) -> None:
+    process, (stage_pid,) = _start(_KILLABLE_SCRIPT, tiny_model_dir("llama"), subprocess_env)
+    try:
+        time.sleep(1.0)  # the request is decoding
+        os.kill(stage_pid, signal.SIGKILL)
+        # the issue's bound: error reported and every process gone within 10 s
+        stdout, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    done = stdout.splitlines()
+    assert done[0].startswith("done error"), stdout + stderr
+    assert done[1] == f"dead pipeline stage 1 (pid {stage_pid}) was killed by signal 9", stdout
+
+
+def test_sigterm_to_the_engine_process_stops_every_stage(tiny_model_dir, subprocess_env) -> None:
+    process, stage_pids = _start(_KILLABLE_SCRIPT, tiny_model_dir("llama"), subprocess_env)
+    try:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=10)
+        assert _wait_gone(stage_pids, 10) == []
+    finally:
+        process.kill()

@@ -117,6 +117,18 @@ class PipelineExecutor:
             self._conns.append(ours)
         # stop the stages however the engine ends (also when start-up fails below)
         self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns)
+        # joining the group blocks without watching the stages: first see each one start
+        # (a stage that fails to import, e.g. a main module without the __main__ guard
+        # that spawn needs, is reported here at once)
+        for stage in range(1, num_stages):
+            try:
+                self._expect(stage, "started", START_TIMEOUT_S)
+            except PipelineDeadError as error:
+                raise PipelineDeadError(
+                    f"{error} while starting (its traceback is above); a program that starts an "
+                    "engine of several stages must run it under `if __name__ == '__main__':`, "
+                    "since each stage process re-imports the main module (multiprocessing spawn)"
+                ) from None
         self._group = create_process_group(
             self.backend, self._store, STORE_HOST, 0, num_stages, TRANSFER_TIMEOUT_S
         )

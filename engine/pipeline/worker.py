@@ -1,6 +1,6 @@
 """The process of one pipeline stage after the first (`torch.multiprocessing`, spawn).
 
-Life: join the engine's process group, load the stage's weights and answer
+Life: answer "started" (imports done), join the engine's process group, load the stage's weights and answer
 "loaded"; take the KV pool size and offload settings, build the KV tensor, the
 connector and the runner and answer "ready"; then, per step, run the plan the first
 process sends and answer with a `StageReply`. It ends when told to stop, when the
@@ -72,6 +72,7 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        conn.send(("started", None))  # imports done: the first process may join the group now
         store = open_store(
             spec.store_host, spec.store_port, spec.layout.stage, spec.layout.num_stages, spec.timeout_s
         )

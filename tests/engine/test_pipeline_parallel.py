@@ -54,6 +54,23 @@ def test_layers_split_into_contiguous_stages() -> None:
         split_layers(2, 3)
 
 
+def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
+        LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=3)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+def test_the_commands_take_the_flag(command) -> None:
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0 and "--pipeline-parallel-size" in result.output
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def pp_case(request, tiny_model_dir):
     """(model dir, HF greedy outputs, a PP=2 engine with chunked prefill and a KV pool
@@ -240,3 +257,31 @@ def test_sigterm_to_the_engine_process_stops_every_stage(tiny_model_dir, subproc
         assert _wait_gone(stage_pids, 10) == []
     finally:
         process.kill()
+
+
+@pytest.mark.gpu
+def test_pp2_on_one_cuda_device_matches_pp1(tiny_model_dir) -> None:
+    """Both stages on the engine's GPU (gloo through host memory when they share it, NCCL
+    when the host has a GPU per stage): the CUDA path end to end, offload included."""
+    import torch
+
+    model_dir = tiny_model_dir("qwen3")
+    prompts = PROMPTS + [random_prompt(600, seed=207)]
+    kwargs = {"dtype": "float32", "device": "cuda", "max_num_batched_tokens": 64}
+    pp1 = _token_ids(LLM(model_dir, **kwargs).generate(prompts, GREEDY))
+    config = OffloadConfig(chunk_size=64, cpu_bytes=64 << 20)
+    llm = LLM(model_dir, pipeline_parallel_size=2, kv_offload=config, **kwargs)
+    try:
+        expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+        assert llm.engine.pipeline.backend == expected_backend
+        assert _token_ids(llm.generate(prompts, GREEDY)) == pp1
+        llm.flush_kv_offload()
+        assert llm.reset_prefix_cache()
+        outputs = llm.generate(prompts[3:], GREEDY)
+        assert _token_ids(outputs) == pp1[3:]
+        # every prompt token but the last came from the CPU tier or the GPU prefix cache
+        hits = [o.metrics.num_external_cached_tokens + o.metrics.num_local_cached_tokens for o in outputs]
+        assert hits == [len(p) - 1 for p in prompts[3:]]
+        assert all(o.metrics.num_external_cached_tokens > 0 for o in outputs)
+    finally:
+        llm.engine.shutdown()

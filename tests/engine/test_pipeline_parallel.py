@@ -103,6 +103,30 @@ def test_pp2_matches_hf_with_chunked_prefill_preemption_and_prefix_caching(pp_ca
         assert output.metrics.num_local_cached_tokens == (len(prompt) - 1) // 16 * 16
 
 
+def test_pp2_verifies_drafts_and_samples_seeded_like_one_stage(pp_case) -> None:
+    """The last stage verifies speculative drafts (a replay proposer whose drafts are partly
+    wrong) and keeps seeded requests' generators across steps."""
+    from engine.spec_decode.replay import ReplayProposer
+
+    model_dir, expected, llm = pp_case
+    llm.engine.scheduler.proposer = ReplayProposer(
+        3,
+        {tuple(p): c for p, c in zip(PROMPTS, expected, strict=True)},
+        vocab_size=llm.engine.model_config.vocab_size,
+        corrupt_fraction=0.35,
+        seed=3,
+    )
+    try:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    finally:
+        llm.engine.scheduler.proposer = None
+    stats = llm.stats.spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11)
+    one_stage = LLM(model_dir, dtype="float32", device="cpu").generate(PROMPTS[:4], seeded)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in one_stage]
+
+
 def _offload_config(disk_path: Path) -> OffloadConfig:
     return OffloadConfig(chunk_size=64, cpu_bytes=16 << 20, disk_path=str(disk_path), disk_bytes=64 << 20)
 

@@ -217,6 +217,29 @@ def test_pp2_disk_hits_and_a_chunk_missing_on_one_stage(offload_case) -> None:
         pp1_llm.engine.runner.connector.close()
 
 
+def test_serve_with_two_stages_answers_like_one_stage_and_stops_them(tiny_model_dir) -> None:
+    import httpx
+
+    from tests.serving.server_process import ServeProcess
+
+    model_dir = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    (expected,) = LLM(model_dir, dtype="float32", device="cpu").generate(["the pipeline says"], params)
+    server = ServeProcess(model_dir, "--device", "cpu", "--dtype", "float32", "--pipeline-parallel-size", "2")
+    server.start()
+    try:
+        stage_pids = [child.pid for child in psutil.Process(server.process.pid).children()]
+        assert stage_pids
+        body = {"model": "tiny", "prompt": "the pipeline says", "max_tokens": 12, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected.text
+        server.stop()  # SIGTERM
+        assert _wait_gone(stage_pids, 10) == []
+    finally:
+        server.close()
+
+
 _KILLABLE_SCRIPT = textwrap.dedent(
     """
     import sys

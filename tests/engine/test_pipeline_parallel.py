@@ -59,6 +59,8 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="cpu_offload_gb is not supported"):
+        LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2, cpu_offload_gb=1)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])

@@ -258,6 +258,67 @@ _KILLABLE_SCRIPT = textwrap.dedent(
 )
 
 
+_FAULTY_STAGE_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    from engine import LLM, SamplingParams
+    from engine.pipeline import stage_runner
+
+    # Runs in every process (spawn re-imports this main module): the last stage fails
+    # any step that prefills a prompt of 13 tokens, before it receives its input.
+    _run_model = stage_runner.StageRunner._run_model
+
+    def _faulty_run_model(self, plan, host):
+        if self.layout.is_last and any(
+            r.num_tokens == 13 and r.num_computed_tokens == 0 for r in plan.requests
+        ):
+            raise RuntimeError("injected fault on the last stage")
+        return _run_model(self, plan, host)
+
+    stage_runner.StageRunner._run_model = _faulty_run_model
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", device="cpu", pipeline_parallel_size=2)
+        prompts = json.loads(sys.argv[2])
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+        print(json.dumps([[o.finish_reason, o.token_ids] for o in outputs]), flush=True)
+        llm.engine.shutdown()
+    """
+)
+
+
+def test_a_step_failing_on_a_later_stage_ends_only_its_request(
+    tiny_model_dir, subprocess_env, tmp_path
+) -> None:
+    """The failing stage sends no hidden states and every stage ends the step; the
+    engine retries the step's requests in smaller groups: only the request that fails
+    alone ends with an error, the others get the tokens of one stage."""
+    import json
+
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(20, seed=210), random_prompt(13, seed=211), random_prompt(30, seed=212)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    # a file, not -c: the stage processes re-import the main module from its path
+    script = tmp_path / "faulty_stage.py"
+    script.write_text(_FAULTY_STAGE_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    outputs = json.loads(result.stdout.splitlines()[-1])
+    assert [reason for reason, _ in outputs] == ["length", "error", "length"]
+    assert [outputs[0][1], outputs[2][1]] == [expected[0], expected[2]]
+    assert "injected fault on the last stage" in result.stderr
+
+
 def _start(script: str, model_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:
     process = subprocess.Popen(
         [sys.executable, "-c", script, str(model_dir)],

@@ -4,9 +4,10 @@ tokens that come back from the last stage (DESIGN §3; seed 001: only the last
 stage samples, and its tokens reach the scheduler through this process, since
 the first and last stages never talk directly).
 
-One batch is in flight at a time: `execute` returns when every stage answered the
-step. Plans carry a step id and stages answer per step id, so a batch queue could
-later keep several micro-batches in flight (one per stage) without a new protocol.
+One batch is in flight at a time: `execute` is `collect(submit(plan))` and returns
+when every stage answered the step. Plans carry a step id and stages answer in step
+order, so a batch queue (async scheduling) can later call `submit` for up to one
+micro-batch per stage before it `collect`s the oldest, without a new protocol.
 
 A stage that dies (killed, crashed) is noticed while waiting for any reply: every
 other stage is then stopped, the step raises `PipelineDeadError`, and every later
@@ -21,7 +22,7 @@ import multiprocessing
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +53,14 @@ TRANSFER_TIMEOUT_S = 600.0
 POLL_S = 0.05
 #: a stage told to stop gets this long to exit before it is terminated, then killed
 STOP_GRACE_S = 3.0
+
+
+class StepInFlight(NamedTuple):
+    """A submitted step: stage 0's output (or the error it raised) until `collect`."""
+
+    step_id: int
+    output: RunnerOutput | None
+    error: Exception | None
 
 
 class PipelineDeadError(RuntimeError):
@@ -184,9 +193,17 @@ class PipelineExecutor:
 
     # ---- per step ------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """One step over every stage: the same interface as `ModelRunner.execute`.
-        Raises PipelineStageError when the step failed in a later stage (every stage
-        ended the step: the engine may retry), PipelineDeadError when a stage is gone."""
+        """One step over every stage: the same interface as `ModelRunner.execute`
+        (`collect(submit(plan))`: one batch in flight). Raises PipelineStageError when the
+        step failed in some stage (every stage ended the step: the engine may retry),
+        PipelineDeadError when a stage is gone."""
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: SchedulerOutput) -> StepInFlight:
+        """Hand every later stage the plan and run stage 0's part of it here; returns at
+        once after stage 0 sent its hidden states on. Plans go down the pipes and hidden
+        states down the links in step order, so a batch queue may submit the next plan
+        before collecting this one (up to one in flight per stage)."""
         self._check_alive()
         self._step_id += 1
         step_id = self._step_id
@@ -196,18 +213,25 @@ class PipelineExecutor:
                 conn.send(stage_plan)
             except (BrokenPipeError, ConnectionResetError, EOFError) as error:
                 self._die(f"pipeline stage {stage} cannot be reached ({type(error).__name__})")
-        first_error: BaseException | None = None
         try:
-            output = self.runner.execute_stage(plan, step_id)
+            return StepInFlight(step_id, self.runner.execute_stage(plan, step_id), None)
         except Exception as error:  # noqa: BLE001 - the other stages still answer this step
-            first_error = error
-        replies: list[StageReply] = [self._reply(stage, step_id) for stage in range(1, len(self.layouts))]
-        if first_error is not None:
-            raise first_error
+            return StepInFlight(step_id, None, error)
+
+    def collect(self, step: StepInFlight) -> RunnerOutput:
+        """Wait for every later stage's answer to `step` (submitted steps are collected in
+        order): stage 0's output with the last stage's tokens and every stage's load
+        failures merged into one mask."""
+        replies: list[StageReply] = [
+            self._reply(stage, step.step_id) for stage in range(1, len(self.layouts))
+        ]
+        if step.error is not None:
+            raise step.error
         failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
             stage = replies.index(failed) + 1
-            raise PipelineStageError(f"pipeline stage {stage} failed step {step_id}: {failed.error}")
+            raise PipelineStageError(f"pipeline stage {stage} failed step {step.step_id}: {failed.error}")
+        output = step.output
         last = replies[-1]
         output.request_id_to_token = last.request_id_to_token
         output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids

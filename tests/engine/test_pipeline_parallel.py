@@ -129,6 +129,34 @@ def test_pp2_verifies_drafts_and_samples_seeded_like_one_stage(pp_case) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in one_stage]
 
 
+def test_two_micro_batches_in_flight_through_the_stages(pp_case) -> None:
+    """`submit` of a second plan before the first is collected (what a batch queue will
+    do): stage 0 runs both, the last stage answers both in order, tokens exact."""
+    model_dir, _, llm = pp_case
+    prompts = [random_prompt(40, seed=220), random_prompt(25, seed=221)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    engine, pipeline = llm.engine, llm.engine.pipeline
+    requests = [engine.add_request(f"micro-{i}", p, params) for i, p in enumerate(prompts)]
+    plans = [engine.scheduler.schedule(only={request}) for request in requests]
+    assert [plan.requests for plan in plans] == [[requests[0]], [requests[1]]]
+    in_flight = [pipeline.submit(plan) for plan in plans]
+    for plan, step in zip(plans, in_flight, strict=True):
+        output = pipeline.collect(step)
+        engine.scheduler.update_from_output(
+            plan,
+            output.request_id_to_token,
+            output.load_failures,
+            output.finished_sending_ids,
+            output.request_id_to_accepted_draft_ids,
+        )
+    engine.scheduler.step_requests = []
+    for request in requests:
+        engine.requests.pop(request.request_id)
+    assert [r.output_token_ids for r in requests] == expected
+    assert all(r.is_finished for r in requests)
+
+
 def _offload_config(disk_path: Path) -> OffloadConfig:
     return OffloadConfig(chunk_size=64, cpu_bytes=16 << 20, disk_path=str(disk_path), disk_bytes=64 << 20)
 

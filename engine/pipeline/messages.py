@@ -43,6 +43,8 @@ class StageRequest:
     sampling_params: SamplingParams
     #: set by the last stage from its own per-request generators (seeded sampling)
     generator: torch.Generator | None = None
+    #: tokens sampled by steps still in flight (async scheduling, not with pipeline stages)
+    num_output_placeholders: int = 0
 
     @property
     def all_token_ids(self) -> AbsentTokenIds:

@@ -45,7 +45,18 @@ class StageRunner(ModelRunner):
     ) -> None:
         # the KV tensor and the connector hold this stage's layers only
         stage_config = _with_num_layers(config, layout.num_layers)
-        super().__init__(model, stage_config, num_blocks, block_size, device, dtype, connector)
+        # Later stages get `StageRequest`s, not the scheduler's requests: they build their
+        # inputs from the plan each step (the persistent batch reads request histories).
+        super().__init__(
+            model,
+            stage_config,
+            num_blocks,
+            block_size,
+            device,
+            dtype,
+            connector,
+            persistent_batch=layout.is_first,
+        )
         self.layout = layout
         self.link = link
         self._step_id = -1

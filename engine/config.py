@@ -167,8 +167,8 @@ class EngineArgs:
             raise ValueError("cpu_offload_gb is not supported with pipeline_parallel_size > 1")
         if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling is not supported with pipeline_parallel_size > 1")
-        if self.pipeline_parallel_size > 1 and self.async_scheduling:
-            raise ValueError("async_scheduling is not supported with pipeline_parallel_size > 1")
+        if self.pipeline_parallel_size > 1 and self.deterministic:
+            raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(
                 f"ngram sizes need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}"

@@ -35,9 +35,12 @@ def create_cache_engine(
     device: torch.device,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layer_range: tuple[int, int, int] | None = None,
 ) -> CacheEngine:
     """A :class:`CacheEngine` over the tiers ``config`` names, for KV of this shape.
-    Its tiers are closed (queued writes finished) when it is garbage-collected or at exit."""
+    Its tiers are closed (queued writes finished) when it is garbage-collected or at exit.
+    ``layer_range``: a pipeline stage's ``(first_layer, end_layer, num_model_layers)``
+    (part of the namespace; ``num_layers`` is then the stage's)."""
     if not isinstance(config, OffloadConfig):
         raise ValueError(f"config must be an OffloadConfig, got {type(config).__name__}")
     namespace = namespace_fingerprint(
@@ -49,6 +52,7 @@ def create_cache_engine(
         chunk_size=config.chunk_size,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        layer_range=layer_range,
     )
     token_db = TokenDatabase(
         namespace, config.chunk_size, config.save_partial_chunks, key_prefix=config.key_prefix
@@ -75,9 +79,11 @@ def create_kv_connector(
     block_size: int,
     device: torch.device,
     prefill_rates: PrefillRates | None = None,
+    layer_range: tuple[int, int, int] | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
-    ``prefill_rates`` is the engine's measured prefill rate (its planner reads it)."""
+    ``prefill_rates`` is the engine's measured prefill rate (its planner reads it). A
+    pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -86,6 +92,7 @@ def create_kv_connector(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         device=device,
+        layer_range=layer_range,
     )
     registry = TransferRegistry()
     tiers = cache_engine.tiers

@@ -90,11 +90,15 @@ def namespace_fingerprint(
     chunk_size: int,
     tp_rank: int = 0,
     tp_size: int = 1,
+    layer_range: tuple[int, int, int] | None = None,
 ) -> str:
     """A short name for everything that makes stored KV incompatible.
 
     Two engines share chunks exactly when all these agree; it prefixes every key
-    so that ``keys(prefix)`` lists one model's chunks.
+    so that ``keys(prefix)`` lists one model's chunks. ``layer_range`` is a pipeline
+    stage's ``(first_layer, end_layer, num_model_layers)``: its chunks hold only those
+    layers, so they never meet a whole-model engine's (None, the whole model, leaves
+    the fingerprint as it always was).
     """
     identity = {
         "model_id": model_id,
@@ -107,6 +111,8 @@ def namespace_fingerprint(
         "tp_size": tp_size,
         "chunk_size": chunk_size,
     }
+    if layer_range is not None:
+        identity["layer_range"] = list(layer_range)
     digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
     return f"kvstash-{digest}"
 

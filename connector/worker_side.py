@@ -280,6 +280,35 @@ class OffloadWorker(KVConnectorWorker):
                     self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
         return self.registry.take_finished_sending(), self.registry.take_finished_recving()
 
+    # ---- pipeline stages after the first (their scheduler side runs in another process) ----
+    def track_requests(self, metadata: ConnectorMetadata, finished_request_ids: set[str]) -> None:
+        """Called once per step before ``bind_connector_metadata`` by a pipeline stage whose
+        scheduler side lives in the first stage's process: create the transfer state of
+        every request ``metadata`` loads or saves (as that scheduler side does when it
+        builds the metadata) and forget the finished ones. Such a stage calls
+        ``finish_saves`` at the end of each step, so no finished request is still sending."""
+        for request_id in finished_request_ids:
+            self.registry.finish(request_id)
+        for spec in (*metadata.loads, *metadata.saves):
+            self.registry.get_or_create(spec.request_id, tuple(spec.token_ids), spec.cache_salt)
+        for spec in metadata.saves:
+            self.registry.save_issued(self.registry.get(spec.request_id))
+
+    def add_load_failures(self, request_id_to_num_valid: dict[str, int]) -> None:
+        """An earlier pipeline stage's loads of these requests stopped early (request id →
+        leading tokens truly in its cache): this stage's KV of the tokens after that was
+        computed from wrong inputs. Called after ``start_load_kv``, before ``wait_for_save``:
+        such a request saves nothing this step and is reported by ``load_failures`` with
+        the smaller of both lengths (one consistent mask over every stage)."""
+        for request_id, num_valid in request_id_to_num_valid.items():
+            transfer = self.registry.get(request_id)
+            if transfer is None:
+                continue  # neither loads nor saves here this step: nothing of it to drop
+            own = transfer.num_valid_after_load
+            transfer.num_valid_after_load = num_valid if own is None else min(own, num_valid)
+            if request_id not in self._failed_load_ids:
+                self._failed_load_ids.append(request_id)
+
     def load_failures(self) -> dict[str, int]:
         """Request id → leading tokens truly in the paged cache, for loads that stopped
         at a missing or corrupt chunk this step."""

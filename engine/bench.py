@@ -546,6 +546,7 @@ def _run_engine(
     seconds = time.perf_counter() - start
     if llm.engine.runner.connector is not None:
         llm.engine.runner.connector.close()
+    llm.engine.shutdown()  # pipeline stage processes (pipeline_parallel_size > 1)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return EngineRun(turns, warmup, seconds, llm.engine.device, llm.engine.dtype, peak)
 

@@ -107,6 +107,9 @@ class EngineArgs:
     #: schedule and submit step N+1 while step N runs on the device (engine.batch_queue,
     #: up to two steps in flight); speculative decoding runs synchronous steps regardless
     async_scheduling: bool = False
+    #: pipeline stages: the layers split into this many contiguous ranges, one process
+    #: each (engine.pipeline); 1 runs the whole model in the engine's process
+    pipeline_parallel_size: int = 1
 
     #: batch-invariant kernels (engine.deterministic): a request's tokens do not depend on
     #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
@@ -121,7 +124,13 @@ class EngineArgs:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_kv_cache_bytes"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "cpu_kv_cache_bytes",
+            "pipeline_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         threshold = self.long_prefill_token_threshold
@@ -154,6 +163,12 @@ class EngineArgs:
         if self.speculative is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"speculative={self.speculative!r} needs num_speculative_tokens >= 1")
         check_cpu_offload_gb(self.cpu_offload_gb)
+        if self.pipeline_parallel_size > 1 and self.cpu_offload_gb:
+            raise ValueError("cpu_offload_gb is not supported with pipeline_parallel_size > 1")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not supported with pipeline_parallel_size > 1")
+        if self.pipeline_parallel_size > 1 and self.deterministic:
+            raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(
                 f"ngram sizes need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}"

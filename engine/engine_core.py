@@ -111,15 +111,36 @@ class EngineCore:
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
         self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
-        self.model = load_model(
-            config,
-            self.model_dir,
-            self.device,
-            self.dtype,
-            dummy=args.load_format == "dummy",
-            cpu_offload_gb=args.cpu_offload_gb,
-        )
-        if self.device.type == "cuda" and not args.enforce_eager and self.dtype != torch.float32:
+        #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline); this
+        #: process then runs stage 0 and `model` is None
+        self.pipeline = None
+        if args.pipeline_parallel_size > 1:
+            from engine.pipeline import PipelineExecutor
+
+            self.model = None
+            self.pipeline = PipelineExecutor(
+                config,
+                self.model_dir,
+                num_stages=args.pipeline_parallel_size,
+                device=self.device,
+                dtype=self.dtype,
+                dummy_weights=args.load_format == "dummy",
+            )
+        else:
+            self.model = load_model(
+                config,
+                self.model_dir,
+                self.device,
+                self.dtype,
+                dummy=args.load_format == "dummy",
+                cpu_offload_gb=args.cpu_offload_gb,
+            )
+        if (
+            self.model is not None
+            and self.device.type == "cuda"
+            and not args.enforce_eager
+            and self.dtype != torch.float32
+        ):
             # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly
             self.model.compile_glue()
         if args.deterministic:
@@ -132,7 +153,7 @@ class EngineCore:
 
         #: measured prefill tokens/s; the connector's planner and the scheduler's prefill cap read it
         self.prefill_rates = PrefillRates()
-        scheduler_connector = worker_connector = None
+        scheduler_connector = worker_connector = model_id = None
         if args.kv_offload is not None:
             from connector import create_kv_connector
             from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
@@ -143,17 +164,22 @@ class EngineCore:
                 model_id = model_fingerprint(self.model_dir)
             else:
                 model_id = dummy_model_fingerprint(model)
-            scheduler_connector, worker_connector = create_kv_connector(
-                args.kv_offload,
-                model_id=model_id,
-                dtype=self.dtype,
-                num_layers=config.num_layers,
-                num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                block_size=args.block_size,
-                device=self.device,
-                prefill_rates=self.prefill_rates,
-            )
+            if self.pipeline is not None:
+                scheduler_connector, worker_connector = self.pipeline.create_connectors(
+                    args.kv_offload, model_id, args.block_size
+                )
+            else:
+                scheduler_connector, worker_connector = create_kv_connector(
+                    args.kv_offload,
+                    model_id=model_id,
+                    dtype=self.dtype,
+                    num_layers=config.num_layers,
+                    num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim,
+                    block_size=args.block_size,
+                    device=self.device,
+                    prefill_rates=self.prefill_rates,
+                )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -168,19 +194,24 @@ class EngineCore:
                 rates=self.prefill_rates,
             ),
         )
-        self.runner = ModelRunner(
-            self.model,
-            config,
-            num_blocks,
-            args.block_size,
-            self.device,
-            self.dtype,
-            connector=worker_connector,
-            cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
-            max_model_len=self.max_model_len,
-            deterministic=args.deterministic,
-        )
-        if args.warmup and self.device.type == "cuda":
+        if self.pipeline is not None:
+            self.runner = self.pipeline.start_runners(
+                num_blocks, args.block_size, worker_connector, args.kv_offload, model_id
+            )
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                config,
+                num_blocks,
+                args.block_size,
+                self.device,
+                self.dtype,
+                connector=worker_connector,
+                cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
+                max_model_len=self.max_model_len,
+                deterministic=args.deterministic,
+            )
+        if args.warmup and self.device.type == "cuda" and self.pipeline is None:
             warm_up(
                 self.runner,
                 WarmupLimits(
@@ -338,6 +369,8 @@ class EngineCore:
         lower offload tiers was attempted."""
         if self.scheduler.connector is not None:
             self.scheduler.connector.flush()
+            if self.pipeline is not None:
+                self.pipeline.flush_connectors()
             self._free_sent_blocks()
 
     def _free_sent_blocks(self) -> None:
@@ -359,12 +392,21 @@ class EngineCore:
             raise ValueError("async scheduling cannot change while steps are in flight")
         if enabled and self.scheduler.proposer is not None:
             raise ValueError("speculative decoding runs synchronous steps: async scheduling stays off")
+        if enabled and self.pipeline is not None:
+            raise ValueError("async scheduling is not supported with pipeline_parallel_size > 1")
         self._batch_queue = BatchQueue(self.scheduler, self.runner) if enabled else None
 
     @property
     def num_steps_in_flight(self) -> int:
         """Steps submitted and not yet collected (async scheduling; 0 otherwise)."""
         return len(self._batch_queue) if self._batch_queue is not None else 0
+
+    def shutdown(self) -> None:
+        """Stop the pipeline's stage processes (pipeline_parallel_size > 1; each closes
+        its connector first). Idempotent; also happens when the engine is collected or
+        the process exits. Nothing to do for a one-process engine."""
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or steps in flight whose outputs are not out yet."""
@@ -394,6 +436,8 @@ class EngineCore:
                 self.scheduler.step_requests = step_requests + [
                     r for r in in_flight if r not in step_requests
                 ]
+            if self.pipeline is not None and self.pipeline.dead_reason is not None:
+                raise self._end_all_with_error() from error
             raise self._recover_from_failed_step(group, snapshot) from error
         if group is not None:
             if not snapshot.request_ids:
@@ -443,6 +487,16 @@ class EngineCore:
             return EngineStepError(outputs, num_retried=len(unfinished))
         outputs += [self._end_with_error(r) for r in unfinished]
         return EngineStepError(outputs, engine_ok=self._probe() if unfinished else None)
+
+    def _end_all_with_error(self) -> EngineStepError:
+        """A pipeline stage died: no step can run any more. Every request is ended
+        (finish_reason "error"); the engine reports itself dead (`device_error`)."""
+        if self.runner.connector is not None:
+            self.runner.connector.abort_step()
+        self.scheduler.step_requests = []
+        self._retry_groups.clear()
+        outputs = [self._end_with_error(request) for request in list(self.requests.values())]
+        return EngineStepError(outputs, engine_ok=False)
 
     def _roll_back(self, requests: list[Request], snapshot: _StepSnapshot) -> None:
         """Send the requests back to the waiting queue as they were before the step."""
@@ -503,6 +557,8 @@ class EngineCore:
         """Whether the device can still run steps; a server calls it after a failed step.
         A sticky CUDA error (illegal address, device-side assert) fails every later call on
         the device, so a synchronize shows it: its first line, else None (always on CPU)."""
+        if self.pipeline is not None and self.pipeline.dead_reason is not None:
+            return self.pipeline.dead_reason
         if self.device.type != "cuda":
             return None
         try:

@@ -61,6 +61,7 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "Batch-invariant kernels: the same tokens whatever the batch, chunking, step kind or "
         "KV source, in bf16 too (slower; docs/deterministic.md).",
     ),
+    "pipeline_parallel_size": (int, "Pipeline stages: one process per contiguous range of layers."),
 }
 
 

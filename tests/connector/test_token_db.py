@@ -84,3 +84,21 @@ def test_namespace_changes_with_everything_that_makes_kv_incompatible(change):
 def test_bad_token_ids_are_value_errors(tokens):
     with pytest.raises(ValueError, match="token"):
         TokenDatabase("ns", 4, True).chunk_spans(tokens)
+
+
+def test_a_pipeline_stage_namespace_names_its_layer_range() -> None:
+    """Chunks of a pipeline stage hold its layers only: its namespace differs from the
+    whole model's and from every other stage's, also for the same number of layers."""
+    import torch
+
+    from connector.token_db import namespace_fingerprint
+
+    common = {"model_id": "m", "dtype": torch.float32, "num_kv_heads": 2, "head_dim": 8, "chunk_size": 64}
+    whole = namespace_fingerprint(num_layers=4, **common)
+    assert whole == namespace_fingerprint(num_layers=4, layer_range=None, **common)
+    stages = {
+        namespace_fingerprint(num_layers=2, layer_range=(0, 2, 4), **common),
+        namespace_fingerprint(num_layers=2, layer_range=(2, 4, 4), **common),
+        namespace_fingerprint(num_layers=2, **common),  # a whole 2-layer model
+    }
+    assert len(stages) == 3 and whole not in stages

@@ -1,0 +1,322 @@
+"""The first process's side of pipeline parallelism: it starts the stage processes,
+runs stage 0 itself, hands each later stage its plan, and collects the sampled
+tokens that come back from the last stage (DESIGN §3; seed 001: only the last
+stage samples, and its tokens reach the scheduler through this process, since
+the first and last stages never talk directly).
+
+One batch is in flight at a time: `execute` is `collect(submit(plan))` and returns
+when every stage answered the step. Plans carry a step id and stages answer in step
+order, so a batch queue (async scheduling) can later call `submit` for up to one
+micro-batch per stage before it `collect`s the oldest, without a new protocol.
+
+A stage that dies (killed, crashed) is noticed while waiting for any reply: every
+other stage is then stopped, the step raises `PipelineDeadError`, and every later
+step too (the engine ends its requests with an error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import time
+import weakref
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model_runner import RunnerOutput
+from engine.pipeline.comm import StageLink, create_process_group, open_store
+from engine.pipeline.layer_split import (
+    StageLayout,
+    process_group_backend,
+    split_layers,
+    stage_device,
+)
+from engine.pipeline.messages import StageReply, merge_load_failures, to_stage_plan
+from engine.pipeline.stage_model import load_stage_model
+from engine.pipeline.stage_runner import StageRunner
+from engine.pipeline.worker import FLUSH, STOP, StageAllocation, StageSpec, create_stage_connectors, run_stage
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+#: host of the stages' rendezvous store (one machine)
+STORE_HOST = "127.0.0.1"
+#: longest wait for one stage's start-up answer (weights loaded, KV allocated)
+START_TIMEOUT_S = 600.0
+#: longest a stage waits on a send or receive of hidden states before failing the step
+TRANSFER_TIMEOUT_S = 600.0
+#: how often the wait for a stage's answer checks that every stage still lives
+POLL_S = 0.05
+#: a stage told to stop gets this long to exit before it is terminated, then killed
+STOP_GRACE_S = 3.0
+
+
+class StepInFlight(NamedTuple):
+    """A submitted step: stage 0's output (or the error it raised) until `collect`."""
+
+    step_id: int
+    output: RunnerOutput | None
+    error: Exception | None
+
+
+class PipelineDeadError(RuntimeError):
+    """A stage process is gone: the pipeline cannot run another step."""
+
+
+class PipelineStageError(RuntimeError):
+    """A step failed in a later stage (raised there); the pipeline stays usable."""
+
+
+class PipelineExecutor:
+    """Owns the stage processes. Constructed once by `EngineCore` (weights of every
+    stage loaded on return), then `start_runners` once, then `execute` once per step
+    from the engine's one driving thread; `shutdown` at the end (idempotent; also run
+    when the executor is garbage-collected or the interpreter exits)."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_dir: Path | None,
+        *,
+        num_stages: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        dummy_weights: bool,
+    ) -> None:
+        self.model_config = model_config
+        self.layouts: list[StageLayout] = split_layers(model_config.num_layers, num_stages)
+        self.devices = [stage_device(device, k, num_stages) for k in range(num_stages)]
+        self.backend = process_group_backend(self.devices)
+        self.device = self.devices[0]
+        self.dtype = dtype
+        self.dead_reason: str | None = None
+        self.connector = None  # stage 0's worker-side connector (set by start_runners)
+        self.runner: StageRunner | None = None
+        self._step_id = 0
+        self._model_dir = model_dir
+        self._dummy = dummy_weights
+        context = multiprocessing.get_context("spawn")
+        self._store = open_store(STORE_HOST, 0, 0, num_stages, TRANSFER_TIMEOUT_S)
+        self._processes: list[Any] = []
+        self._conns: list[Any] = []
+        for layout in self.layouts[1:]:
+            spec = StageSpec(
+                layout=layout,
+                model_config=model_config,
+                model_dir=None if model_dir is None else str(model_dir),
+                dummy_weights=dummy_weights,
+                device=str(self.devices[layout.stage]),
+                dtype=dtype,
+                backend=self.backend,
+                store_host=STORE_HOST,
+                store_port=self._store.port,
+                timeout_s=TRANSFER_TIMEOUT_S,
+            )
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=run_stage, args=(spec, theirs), name=f"kvstash-pp-stage{layout.stage}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self._processes.append(process)
+            self._conns.append(ours)
+        # stop the stages however the engine ends (also when start-up fails below)
+        self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns)
+        # joining the group blocks without watching the stages: first see each one start
+        # (a stage that fails to import, e.g. a main module without the __main__ guard
+        # that spawn needs, is reported here at once)
+        for stage in range(1, num_stages):
+            try:
+                self._expect(stage, "started", START_TIMEOUT_S)
+            except PipelineDeadError as error:
+                raise PipelineDeadError(
+                    f"{error} while starting (its traceback is above); a program that starts an "
+                    "engine of several stages must run it under `if __name__ == '__main__':`, "
+                    "since each stage process re-imports the main module (multiprocessing spawn)"
+                ) from None
+        self._group = create_process_group(
+            self.backend, self._store, STORE_HOST, 0, num_stages, TRANSFER_TIMEOUT_S
+        )
+        self.model = load_stage_model(
+            model_config, model_dir, self.layouts[0], self.device, dtype, dummy=dummy_weights
+        )
+        for stage in range(1, num_stages):
+            self._expect(stage, "loaded", START_TIMEOUT_S)
+        logger.info(
+            "pipeline of %d stages (%s): layers %s on %s",
+            num_stages,
+            self.backend,
+            ", ".join(f"[{s.first_layer}, {s.end_layer})" for s in self.layouts),
+            ", ".join(str(d) for d in self.devices),
+        )
+
+    @property
+    def stage_pids(self) -> list[int]:
+        """Process ids of the stages after the first (tests kill one)."""
+        return [process.pid for process in self._processes]
+
+    def create_connectors(self, kv_offload, model_id: str, block_size: int):
+        """Stage 0's connector pair: the scheduler side is the engine's (lookups on stage
+        0's tiers; a chunk another stage lacks is a load failure there, see StageRunner)."""
+        return create_stage_connectors(
+            kv_offload, self.layouts[0], self.model_config, self.dtype, block_size, self.device, model_id
+        )
+
+    def start_runners(
+        self, num_blocks: int, block_size: int, connector, kv_offload, model_id: str | None
+    ) -> PipelineExecutor:
+        """Every stage allocates its KV pool of `num_blocks` blocks (its layers only) and
+        builds its runner and connector. Returns self: the engine's runner."""
+        allocation = StageAllocation(num_blocks, block_size, kv_offload, model_id)
+        for conn in self._conns:
+            conn.send(allocation)
+        link = StageLink(self._group, 0, self.backend, self.device, self.model_config.hidden_size, self.dtype)
+        self.connector = connector
+        self.runner = StageRunner(
+            self.model,
+            self.model_config,
+            self.layouts[0],
+            link,
+            num_blocks,
+            block_size,
+            self.device,
+            self.dtype,
+            connector,
+        )
+        for stage in range(1, len(self.layouts)):
+            self._expect(stage, "ready", START_TIMEOUT_S)
+        return self
+
+    # ---- per step ------------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """One step over every stage: the same interface as `ModelRunner.execute`
+        (`collect(submit(plan))`: one batch in flight). Raises PipelineStageError when the
+        step failed in some stage (every stage ended the step: the engine may retry),
+        PipelineDeadError when a stage is gone."""
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: SchedulerOutput) -> StepInFlight:
+        """Hand every later stage the plan and run stage 0's part of it here; returns at
+        once after stage 0 sent its hidden states on. Plans go down the pipes and hidden
+        states down the links in step order, so a batch queue may submit the next plan
+        before collecting this one (up to one in flight per stage)."""
+        self._check_alive()
+        self._step_id += 1
+        step_id = self._step_id
+        stage_plan = to_stage_plan(plan, step_id)
+        for stage, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(stage_plan)
+            except (BrokenPipeError, ConnectionResetError, EOFError) as error:
+                self._die(f"pipeline stage {stage} cannot be reached ({type(error).__name__})")
+        try:
+            return StepInFlight(step_id, self.runner.execute_stage(plan, step_id), None)
+        except Exception as error:  # noqa: BLE001 - the other stages still answer this step
+            return StepInFlight(step_id, None, error)
+
+    def collect(self, step: StepInFlight) -> RunnerOutput:
+        """Wait for every later stage's answer to `step` (submitted steps are collected in
+        order): stage 0's output with the last stage's tokens and every stage's load
+        failures merged into one mask."""
+        replies: list[StageReply] = [
+            self._reply(stage, step.step_id) for stage in range(1, len(self.layouts))
+        ]
+        if step.error is not None:
+            raise step.error
+        failed = next((reply for reply in replies if reply.error is not None), None)
+        if failed is not None:
+            stage = replies.index(failed) + 1
+            raise PipelineStageError(f"pipeline stage {stage} failed step {step.step_id}: {failed.error}")
+        output = step.output
+        last = replies[-1]
+        output.request_id_to_token = last.request_id_to_token
+        output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids
+        output.load_failures = merge_load_failures(output.load_failures, *(r.load_failures for r in replies))
+        return output
+
+    def flush_connectors(self) -> None:
+        """Wait until every later stage's queued lower-tier writes were attempted."""
+        self._check_alive()
+        for stage, conn in enumerate(self._conns, start=1):
+            conn.send(FLUSH)
+            self._expect(stage, "flushed", None)
+
+    def shutdown(self) -> None:
+        """Stop every stage process (each closes its connector first). Idempotent."""
+        self._finalizer()
+
+    # ---- waiting on stages ---------------------------------------------------------
+    def _reply(self, stage: int, step_id: int) -> StageReply:
+        reply = self._receive(stage, None)
+        if not isinstance(reply, StageReply) or reply.step_id != step_id:
+            self._die(f"pipeline stage {stage} answered out of step: {reply!r:.200}")
+        return reply
+
+    def _expect(self, stage: int, kind: str, timeout_s: float | None) -> Any:
+        message = self._receive(stage, timeout_s)
+        if isinstance(message, tuple) and message[0] == "error":
+            self._die(f"pipeline stage {stage} failed to start:\n{message[1]}")
+        if not (isinstance(message, tuple) and message[0] == kind):
+            self._die(f"pipeline stage {stage} sent {message!r:.200} instead of {kind!r}")
+        return message[1]
+
+    def _receive(self, stage: int, timeout_s: float | None) -> Any:
+        """The next message of `stage`, watching every stage's liveness meanwhile."""
+        conn = self._conns[stage - 1]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                if conn.poll(POLL_S):
+                    return conn.recv()
+            except (EOFError, ConnectionResetError, OSError):
+                process = self._processes[stage - 1]
+                process.join(1.0)  # a dead stage's pipe closes first: say why it died
+                if process.exitcode is None:
+                    self._die(f"pipeline stage {stage} closed its connection")
+                self._check_alive()
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                self._die(f"pipeline stage {stage} did not answer within {timeout_s:.0f} s")
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise PipelineDeadError(self.dead_reason)
+        for stage, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                code = process.exitcode
+                how = (
+                    f"was killed by signal {-code}"
+                    if code is not None and code < 0
+                    else f"exited with code {code}"
+                )
+                self._die(f"pipeline stage {stage} (pid {process.pid}) {how}")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s; stopping the other stages", reason)
+            self._finalizer()
+        raise PipelineDeadError(self.dead_reason)
+
+
+def _stop_processes(processes: list, conns: list) -> None:
+    """Ask every stage to stop, then terminate and kill the ones still running."""
+    for conn in conns:
+        with contextlib.suppress(OSError, ValueError):  # gone already
+            conn.send(STOP)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+    for conn in conns:
+        conn.close()

@@ -49,7 +49,7 @@ from benchmarks.ttft import (  # noqa: E402
     random_prompt,
 )
 from connector import OffloadConfig  # noqa: E402
-from engine import LLM, EngineArgs, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument(
         "--max-decode-gap-ms",
         type=float,
-        default=EngineArgs().max_decode_gap_ms,
+        default=50.0,
         help="the prefill cap measured against no cap (0: only without)",
     )
     parser.add_argument("--load-policy", default="planned", choices=("planned", "always"))

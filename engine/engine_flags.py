@@ -29,7 +29,7 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "max_decode_gap_ms": (
         float,
         "While a request decodes, cap other prompts' chunks so a step lasts about 3/4 of "
-        "this (from the measured prefill rate); a lone prompt keeps its full chunk. 0: off.",
+        "this (from the measured prefill rate); a lone prompt keeps its full chunk. 0 (default): off.",
     ),
     "max_model_len": (int, "Context limit (default: the model's)."),
     "enable_prefix_caching": (bool, "Reuse KV of shared prefixes on the GPU."),

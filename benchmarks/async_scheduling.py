@@ -30,33 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import llama_config  # noqa: E402
+from benchmarks.ttft import synchronize  # noqa: E402
 from engine import EngineArgs, EngineCore, SamplingParams  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.scheduler import SchedulerOutput  # noqa: E402
 from engine.step_future import DeviceTimeline  # noqa: E402
-
-
-def model_config(model_size: str):
-    from engine.bench_presets import llama31_config
-
-    if model_size == "8b":
-        return llama31_config()
-    return llama31_config(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=16384,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_round(
@@ -188,7 +167,7 @@ def main() -> None:
     if args.new_tokens is None:
         args.new_tokens = 128 if device.type == "cuda" else 24
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    config = model_config(model_size)
+    config = llama_config(tiny=model_size != "8b")
     max_len = max(args.prompt_len + args.new_tokens + 16, args.prepare_context_len + args.prepare_steps + 16)
     num_blocks = max(args.concurrency) * -(-(args.prompt_len + args.new_tokens + 16) // 16) + 16
     engine = EngineCore(

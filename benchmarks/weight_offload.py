@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.ttft import synchronize  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.bench_presets import llama31_8b_config, llama31_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -52,11 +53,6 @@ def tiny_config():
         bos_token_id=1,
         eos_token_id=2,
     )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def decode_step_times(llm: LLM, args, device: torch.device) -> tuple[list[float], list[list[int]]]:

@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
 ALWAYS_LOAD_DEADLINE_S = 600.0
+#: the least share of a prefill step's time counted as its tokens' (the rest may be the
+#: step's fixed cost, see PrefillRates)
+MIN_PREFILL_SHARE_OF_STEP = 0.1
 #: prefill tokens per second assumed before the first measured prefill step
 PREFILL_PRIOR_TOKENS_PER_S = 20_000.0
 #: a tier the plans skip is probed (one chunk read in the background) at most this often
@@ -76,7 +79,15 @@ class PrefillRates:
     prefill cap (how many prompt tokens fit a step while others decode). The engine core
     reports every step that computed prompt tokens (:meth:`observe`, step thread); the
     planner may read from its fetch threads, hence the lock. An unmeasured class starts
-    from its nearest measured neighbour, else from ``prior``."""
+    from its nearest measured neighbour, else from ``prior``.
+
+    A step has a fixed cost whatever its prompt tokens (the weights are read once per
+    forward pass: ~7 ms for an 8B model on an H100). The engine core reports steps
+    without prompt tokens (:meth:`observe_step_without_prefill`); that cost, a moving
+    average, is taken off a prefill step's time before its tokens are divided by it.
+    Without it a chunk of a few tokens measured as a few hundred tokens per second and
+    the prefill cap, planning from that, kept the chunks that short (a 16k prompt took
+    26 s on an H100 while another request decoded)."""
 
     def __init__(self, prior: float = PREFILL_PRIOR_TOKENS_PER_S, alpha: float = 0.3) -> None:
         self.prior = prior
@@ -85,12 +96,35 @@ class PrefillRates:
         self._length_class_to_rate: dict[int, MovingRate] = {}
         #: (length class, rate) of the latest observed step
         self._latest: tuple[int, float] | None = None
+        #: seconds of a step without prompt tokens (moving average; 0 until measured)
+        self._fixed_step_s = 0.0
+        self._num_fixed_samples = 0
+
+    def observe_step_without_prefill(self, seconds: float) -> None:
+        """A step that computed no prompt tokens (decodes only) took ``seconds``."""
+        if seconds <= 0:
+            return
+        with self._lock:
+            if self._num_fixed_samples == 0:
+                self._fixed_step_s = seconds
+            else:
+                self._fixed_step_s = (1 - self.alpha) * self._fixed_step_s + self.alpha * seconds
+            self._num_fixed_samples += 1
+
+    @property
+    def fixed_step_s(self) -> float:
+        """The measured cost of a step without prompt tokens (0 until measured)."""
+        with self._lock:
+            return self._fixed_step_s
 
     def observe(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """A step computed ``num_tokens`` prompt tokens, reaching prompt position
         ``num_prompt_tokens`` at the deepest, in ``seconds`` (the whole step: other
         requests' decode tokens included)."""
         with self._lock:
+            # The step's fixed cost is not the tokens' (at most 90% of the step, so a noisy
+            # fixed-cost estimate cannot make a chunk look instantaneous).
+            seconds = max(seconds - self._fixed_step_s, MIN_PREFILL_SHARE_OF_STEP * seconds)
             self._rate(num_prompt_tokens).observe(num_tokens, seconds)
             if num_tokens > 0 and seconds > 0:
                 self._latest = (_length_class(num_prompt_tokens), num_tokens / seconds)

@@ -599,6 +599,8 @@ class EngineCore:
                 sum(n for _, n in prefill),
                 time.perf_counter() - began,
             )
+        elif plan.requests:
+            self.prefill_rates.observe_step_without_prefill(time.perf_counter() - began)
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,

@@ -49,6 +49,9 @@ class PrefillCap:
         time_budget_s = None
         if any_decoding and self.max_decode_gap_ms > 0:
             time_budget_s = self.max_decode_gap_ms * 1e-3 * STEP_TARGET_FRACTION
+            if self.rates is not None:
+                # The step's fixed cost (its decodes' forward pass) comes first.
+                time_budget_s = max(0.0, time_budget_s - self.rates.fixed_step_s)
         return StepPrefillCap(self, time_budget_s)
 
     def rate(self, num_end: int) -> float:

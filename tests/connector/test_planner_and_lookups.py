@@ -232,6 +232,11 @@ def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_
 
     for key in cpu.keys(""):  # the KV is on disk only again
         cpu.delete(key)
+    # Recompute estimated at 100 tokens/s from here on (the tiny model's real rate on a
+    # busy machine may beat a one-chunk disk read): with the disk at its 1 kB/s prior the
+    # planner would still recompute (100 KB of KV: 100 s against 2 s), so only the probe's
+    # measurement can make it load.
+    planner.prefill_rates = PrefillRates(prior=100.0)
     engine.add_request("second", prompt, PARAMS)
     second = run_until_done(engine, ["second"])["second"]
     assert second.token_ids == expected.token_ids

@@ -142,6 +142,28 @@ class LoadingConnector(KVConnectorScheduler):
         return 80
 
 
+def test_a_steps_fixed_cost_is_not_counted_against_its_prompt_tokens():
+    """The H100 case: decode-only steps take 7 ms; a step with a decode and a 16-token
+    chunk took 7.2 ms. Its tokens cost the difference (at least 10% of the step: 0.72 ms),
+    and the next capped step plans 37.5 ms - 7 ms at that rate: hundreds of tokens. Divided
+    by the whole step (the old rate model) the chunk measured 2,222 tokens/s and the cap
+    kept planning ~80-token chunks; a 16k prompt took 26 s to its first token."""
+    rates = PrefillRates()
+    for _ in range(3):
+        rates.observe_step_without_prefill(0.007)
+    assert rates.fixed_step_s == pytest.approx(0.007)
+    rates.observe(272, 16, 0.0072)
+    assert rates.cautious_rate(300) == pytest.approx(16 / 0.00072)
+    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, rates=rates).for_step(any_decoding=True)
+    assert step.time_left_s == pytest.approx(0.05 * STEP_TARGET_FRACTION - 0.007)
+    # int(0.0305 s x 22,222 tokens/s) = 677 tokens, ending on a block boundary (4): 676
+    assert step.limit(272, 4096) == 676
+    # a lone prompt's step (nothing decoding) is not capped at all
+    assert (
+        PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, rates=rates).for_step(False).limit(272, 4096) == 4096
+    )
+
+
 def test_a_load_in_the_step_counts_against_the_prefill_time():
     cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, rates=measured_rates(1000))
     scheduler = Scheduler(
@@ -200,12 +222,11 @@ def run_staggered(engine: EngineCore) -> tuple[dict[str, list[int]], list[dict]]
             r for r in scheduler.running + list(scheduler.waiting) if r.num_computed_tokens < r.num_tokens - 1
         ]
         cap = scheduler.prefill_cap
+        budget_s = max(0.0, cap.max_decode_gap_ms * 1e-3 * STEP_TARGET_FRACTION - cap.rates.fixed_step_s)
         num_fit = max(
             (
                 int(
-                    cap.max_decode_gap_ms
-                    * 1e-3
-                    * STEP_TARGET_FRACTION
+                    budget_s
                     * cap.rate(
                         r.num_computed_tokens + min(r.num_tokens - r.num_computed_tokens, cap.block_size)
                     )
@@ -249,7 +270,8 @@ def run_staggered(engine: EngineCore) -> tuple[dict[str, list[int]], list[dict]]
 def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(llama_dir, device):
     common = dict(dtype="float32", device=device, max_num_batched_tokens=256, num_gpu_blocks=128)
     uncapped, uncapped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=0, **common).engine)
-    capped, capped_steps = run_staggered(LLM(llama_dir, max_decode_gap_ms=1.0, **common).engine)
+    capped_engine = LLM(llama_dir, max_decode_gap_ms=1.0, **common).engine
+    capped, capped_steps = run_staggered(capped_engine)
     assert set(capped) == {"short", "p300", "p150", "p90"}
     assert capped == uncapped
     block_size = EngineArgs().block_size
@@ -261,6 +283,8 @@ def test_greedy_tokens_are_identical_with_and_without_the_cap_and_the_cap_holds(
     assert max(s["num_prompt"] for s in uncapped_steps if s["decoding"]) > max(
         max(block_size, s["num_fit"]) for s in decode_steps
     )
+    # the decode-only steps measured the fixed cost that the cap takes off each step
+    assert capped_engine.prefill_rates.fixed_step_s > 0
     # nothing decodes in the first step: the lone prompt took its whole chunk
     assert capped_steps[0] == {"num_prompt": 20, "decoding": False, "num_fit": capped_steps[0]["num_fit"]}
 

@@ -29,7 +29,7 @@ def test_cache_server_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert {(cell["op"]) for cell in report["cells"]} == {"put", "get", "get_into"}
+    assert {(cell["op"]) for cell in report["cells"]} == {"put", "get", "get_into", "put_many"}
     for cell in report["cells"]:
         for transport in ("unix", "tcp", "grpc"):
             assert cell[f"kvstash-{transport}_mb_per_s"] > 0 and cell[f"kvstash-{transport}_ratio"] > 0

@@ -2,14 +2,18 @@
 (gloo on CPU, float32 tiny llama) keeps up to 2 micro-batches of disjoint requests in
 flight, and gives the greedy tokens of one synchronous stage with different
 max_tokens, a stop string, an abort while in flight, preemption and CPU-tier offload
-hits; a killed stage still ends the requests with an error and the engine exits.
+hits; a micro-batch failing on the last stage ends only its failing request, and a
+killed stage still ends the requests with an error and the engine exits.
 
 One engine is shared by the module (each stage process imports torch: seconds)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -18,7 +22,7 @@ import pytest
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
 from tests.engine.hf_reference import random_prompt
-from tests.engine.test_pipeline_parallel import _start
+from tests.engine.test_pipeline_parallel import _FAULTY_STAGE_SCRIPT, _start
 
 PROMPTS = [random_prompt(n, seed=300 + i) for i, n in enumerate([5, 40, 17, 90, 3, 33])]
 PARAMS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in [1, 7, 12, 3, 20, 9]]
@@ -213,3 +217,34 @@ def test_a_killed_stage_with_micro_batches_in_flight_ends_the_requests(
     done = stdout.splitlines()
     assert done[0] == "done error error", stdout + stderr
     assert done[1] == f"dead pipeline stage 1 (pid {stage_pid}) was killed by signal 9", stdout
+
+
+def test_a_micro_batch_failing_on_the_last_stage_ends_only_its_failing_request(
+    tiny_model_dir, subprocess_env, tmp_path
+) -> None:
+    """The failed micro-batch raises when collected; the one behind it is abandoned (its
+    replies dropped by the next collect) and every request is retried in smaller groups:
+    only the request that fails alone ends with an error."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(20, seed=210), random_prompt(13, seed=211), random_prompt(30, seed=212)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    script = tmp_path / "faulty_stage_async.py"
+    script.write_text(
+        _FAULTY_STAGE_SCRIPT.replace(
+            "pipeline_parallel_size=2)", "pipeline_parallel_size=2, async_scheduling=True)"
+        )
+    )
+    assert "async_scheduling=True" in script.read_text()
+    result = subprocess.run(
+        [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    outputs = json.loads(result.stdout.splitlines()[-1])
+    assert [reason for reason, _ in outputs] == ["length", "error", "length"]
+    assert [outputs[0][1], outputs[2][1]] == [expected[0], expected[2]]
+    assert "injected fault on the last stage" in result.stderr

@@ -26,7 +26,7 @@ from tests.engine.test_pipeline_parallel import _FAULTY_STAGE_SCRIPT, _start
 
 PROMPTS = [random_prompt(n, seed=300 + i) for i, n in enumerate([5, 40, 17, 90, 3, 33])]
 PARAMS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in [1, 7, 12, 3, 20, 9]]
-#: 24 blocks of 16 = 384 tokens: the preemption test's 5 requests of ~100 tokens do not fit
+#: 24 blocks of 16 = 384 tokens: the preemption test's 4 requests of 119 tokens do not fit
 NUM_BLOCKS = 24
 
 
@@ -167,12 +167,18 @@ def test_stop_string_and_abort_while_in_flight(engines) -> None:
 
 def test_preemption_and_offload_hits_give_the_tokens_of_one_stage(engines) -> None:
     one_stage, llm = engines
-    prompts = [random_prompt(60 + 5 * i, seed=340 + i) for i in range(5)]
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    # 4 prompts of 5 blocks, 2 micro-batches of 2: all 24 blocks are taken at the 81st
+    # token, so at the 97th the first micro-batch's requests preempt the last running
+    # request, which is in the micro-batch in flight
+    prompts = [random_prompt(79, seed=340 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in one_stage.generate(prompts, params)]
     preemptions_before = llm.engine.scheduler.stats.num_preemptions
+    dropped_before = llm.engine._batch_queue.num_dropped_outputs
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.scheduler.stats.num_preemptions > preemptions_before
+    # a request preempted while its micro-batch was in flight: that output was dropped
+    assert llm.engine._batch_queue.num_dropped_outputs > dropped_before
     _assert_clean(llm)
     # the same prompts again from the CPU tier (steps with loads run alone)
     llm.flush_kv_offload()

@@ -1,11 +1,15 @@
-"""Pipeline parallelism's cost on one device: the same engine with 1 and 2 stages.
+"""Pipeline parallelism: the same engine with 1 and 2 stages, the 2 stages with and
+without async scheduling (issue #21: up to one micro-batch per stage in flight).
 
-Both stages of PP=2 share the device (on one GPU they talk through host memory over
-gloo), so this measures the pipeline's overhead (plans to the other process, hidden
-states across, tokens back), not a speed-up: that needs a GPU per stage. Each engine
-runs an untimed warm-up pass, then a prefill pass (`--requests` prompts of
-`--prompt-len` tokens, one new token each) and a decode pass (`--requests` short
-prompts, `--new-tokens` each); greedy tokens of every engine must be identical.
+On one GPU both stages share it (they talk through host memory over gloo): PP=2 then
+measures the pipeline's overhead (plans to the other process, hidden states across,
+tokens back), and async scheduling what overlapping the two stages' micro-batches wins
+back on a shared device. With 2 GPUs each stage has its own (NCCL) and async
+scheduling keeps both busy. Each engine runs an untimed warm-up pass, then a prefill
+pass (`--requests` prompts of `--prompt-len` tokens, one new token each) and a decode
+pass (`--requests` short prompts, `--new-tokens` each); greedy tokens of every engine
+must be identical. `overlapped` counts the micro-batches submitted while another was
+in flight (0 without async scheduling).
 
     python benchmarks/pipeline_parallel.py --out pp.json            # CUDA: Llama-3.1-8B shapes, 8 layers, bf16
     python benchmarks/pipeline_parallel.py --tiny --out /tmp/pp.json  # CPU, tiny model
@@ -45,7 +49,9 @@ def run_engine(config, engine_args: dict, prefill_prompts, decode_prompts, new_t
         decode_outputs = llm.generate(decode_prompts, greedy)
         _sync()
         decode_s = time.perf_counter() - began
+        pipeline = llm.engine.pipeline
         return {
+            "overlapped_submits": pipeline.num_overlapped_submits if pipeline is not None else 0,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": sum(len(p) for p in prefill_prompts) / prefill_s,
             "decode_s": decode_s,
@@ -90,23 +96,29 @@ def main() -> None:
         "max_model_len": 4096,
         "num_gpu_blocks": requests * (prompt_len // 16 + 8),
     }
+    num_gpus = torch.cuda.device_count() if on_cuda else 0
+    where = "2 GPUs" if num_gpus >= 2 else "one device"
     engines = {
         "pp1": {},
         "pp1 eager": {"enforce_eager": True},
-        "pp2 (one device)": {"pipeline_parallel_size": 2},
+        f"pp2 ({where})": {"pipeline_parallel_size": 2},
+        f"pp2 async ({where})": {"pipeline_parallel_size": 2, "async_scheduling": True},
     }
     results = {}
     for name, extra in engines.items():
         results[name] = run_engine(config, common | extra, prefill_prompts, decode_prompts, new_tokens)
     reference = results["pp1"]["token_ids"]
-    header = f"{'engine':<18} {'prefill s':>10} {'prefill tok/s':>14} {'decode s':>9} {'decode tok/s':>13} same tokens"
+    header = (
+        f"{'engine':<22} {'prefill s':>10} {'prefill tok/s':>14} {'decode s':>9} {'decode tok/s':>13} "
+        f"{'overlapped':>10} same tokens"
+    )
     print(f"{requests} requests: prefill {prompt_len} tokens each, decode {new_tokens} tokens each; {common}")
     print(header)
     for name, r in results.items():
         same = "yes" if r["token_ids"] == reference else "NO"
         print(
-            f"{name:<18} {r['prefill_s']:>10.3f} {r['prefill_tokens_per_s']:>14.0f} "
-            f"{r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>13.0f} {same}"
+            f"{name:<22} {r['prefill_s']:>10.3f} {r['prefill_tokens_per_s']:>14.0f} "
+            f"{r['decode_s']:>9.3f} {r['decode_tokens_per_s']:>13.0f} {r['overlapped_submits']:>10} {same}"
         )
     report = {
         "machine": platform.machine(),
@@ -116,6 +128,7 @@ def main() -> None:
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "layers": config.num_hidden_layers,
+        "num_gpus": num_gpus,
         "engine_args": common,
         "results": {
             name: {k: v for k, v in r.items() if k != "token_ids"}

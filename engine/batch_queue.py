@@ -17,6 +17,15 @@ never shown: a request that finished (EOS, stop string, `max_tokens`, abort) in 
 earlier step is skipped by `update_from_output`; one preempted by a later schedule,
 or whose KV load failed, is removed from the step's plan before its update.
 
+With pipeline parallelism (`num_stages` > 1) the queue holds up to one micro-batch per
+stage, as vLLM V1 does: a request in a micro-batch in flight is not scheduled again
+until that micro-batch was collected (its sampled token came back from the last stage
+through the executor), so micro-batches hold disjoint requests and no input id is
+filled on the device. Each micro-batch takes at most 1/`num_stages` of the unfinished
+requests, so that with several requests every stage has one to run; one request alone
+runs one micro-batch at a time (no overlap). The oldest micro-batch is collected
+before the next is planned when the queue is full or every request is in flight.
+
 Synchronous steps (the queue collects at once): a step with connector loads (a load
 that fails must be known before the request's next step computes or saves on top of
 it), and a plan without requests (its connector bookkeeping runs after every step in
@@ -27,6 +36,7 @@ tokens of the previous step). Called only by `EngineCore`; not thread-safe.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -83,9 +93,13 @@ class InFlightStep:
 class BatchQueue:
     """The engine core's steps in flight (see the module docstring)."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, num_stages: int = 1) -> None:
+        """`num_stages` > 1: `runner` is the pipeline executor and steps are micro-batches
+        of disjoint requests, up to `num_stages` in flight."""
         self.scheduler = scheduler
         self.runner = runner
+        self.num_stages = num_stages
+        self.max_steps_in_flight = num_stages if num_stages > 1 else MAX_STEPS_IN_FLIGHT
         self._in_flight: deque[InFlightStep] = deque()
         #: the step `_collect_oldest` is updating (a step that raises there is abandoned too)
         self._collecting: InFlightStep | None = None
@@ -97,6 +111,8 @@ class BatchQueue:
         self.num_dropped_outputs = 0
         #: steps collected at once because they had loads or no requests (tests, stats)
         self.num_sync_steps = 0
+        #: steps submitted while another was in flight (tests, stats)
+        self.num_overlapped_steps = 0
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -108,6 +124,8 @@ class BatchQueue:
         collect the oldest step if the queue is full, the new step must run alone, or
         there was nothing new to submit. -> the outputs of the steps collected (none
         while the queue fills)."""
+        if self.num_stages > 1:
+            return self._step_micro_batch(finish, take_snapshot)
         plan = self.scheduler.schedule()
         self._forget_preempted(plan.preempted_request_ids)
         if not plan.requests:
@@ -119,16 +137,72 @@ class BatchQueue:
             began = time.perf_counter()
             self.num_sync_steps += 1
             return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))
+        outputs = self._submit(plan, finish, take_snapshot)
+        if outputs is not None:
+            return outputs
+        if len(self._in_flight) < MAX_STEPS_IN_FLIGHT:
+            return []
+        return self._collect_oldest(finish)
+
+    def _step_micro_batch(
+        self, finish: FinishStep, take_snapshot: Callable[[list[Request]], None]
+    ) -> list[RequestOutput]:
+        """One step with pipeline stages: collect the oldest micro-batch while the queue is
+        full or holds every unfinished request, then plan and submit a micro-batch of the
+        requests that are in none."""
+        scheduler = self.scheduler
+        outputs: list[RequestOutput] = []
+        while self._in_flight and (
+            len(self._in_flight) >= self.max_steps_in_flight or not self._has_requests_to_schedule()
+        ):
+            outputs += self._collect_oldest(finish)
+        # the requests that can run at once, shared out over the stages
+        num_seated = min(len(scheduler.running) + len(scheduler.waiting), scheduler.max_num_seqs)
+        plan = scheduler.schedule(
+            exclude=self._requests_in_flight(),
+            max_num_requests=max(1, math.ceil(num_seated / self.num_stages)),
+        )
+        self._forget_preempted(plan.preempted_request_ids)
+        if not plan.requests:
+            # its connector bookkeeping runs after every step in flight
+            outputs += self.drain(finish)
+            connector = scheduler.connector
+            if connector is not None and scheduler.request_id_to_remote_wait:
+                connector.wait_for_transfers(0.005)
+            began = time.perf_counter()
+            self.num_sync_steps += 1
+            return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))
+        drained = self._submit(plan, finish, take_snapshot)
+        return latest_per_request(outputs + (drained or []))
+
+    def _submit(
+        self, plan: SchedulerOutput, finish: FinishStep, take_snapshot: Callable[[list[Request]], None]
+    ) -> list[RequestOutput] | None:
+        """Submit a plan with requests -> the outputs of every step in flight when it had
+        to run synchronously (connector loads), else None."""
         take_snapshot(plan.requests)
         began = time.perf_counter()
+        if self._in_flight:
+            self.num_overlapped_steps += 1
         future = self.runner.submit(plan)
         self._push(plan, future, began)
         if plan.connector_meta is not None and plan.connector_meta.loads:
             self.num_sync_steps += 1
             return self.drain(finish)
-        if len(self._in_flight) < MAX_STEPS_IN_FLIGHT:
-            return []
-        return self._collect_oldest(finish)
+        return None
+
+    def _requests_in_flight(self) -> set[Request]:
+        return {request for step in self._in_flight for request in step.plan.requests}
+
+    def _has_requests_to_schedule(self) -> bool:
+        """Whether a running request is in no micro-batch in flight, or a waiting one may
+        take a free seat. (A plan can still come out empty, e.g. when no block is free for
+        a waiting request: then every micro-batch is collected before it runs.)"""
+        scheduler = self.scheduler
+        in_flight = self._requests_in_flight()
+        if any(r not in in_flight for r in scheduler.running):
+            return True
+        return bool(scheduler.waiting) and len(scheduler.running) < scheduler.max_num_seqs
 
     def drain(self, finish: FinishStep) -> list[RequestOutput]:
         """Collect every step in flight, oldest first -> their outputs (the latest one

@@ -107,7 +107,8 @@ class EngineArgs:
     #: one backwards) that fit; 0 = every weight on the device
     cpu_offload_gb: float = 0.0
     #: schedule and submit step N+1 while step N runs on the device (engine.batch_queue,
-    #: up to two steps in flight); speculative decoding runs synchronous steps regardless
+    #: up to two steps in flight; with pipeline stages, one micro-batch of disjoint
+    #: requests per stage); speculative decoding runs synchronous steps regardless
     async_scheduling: bool = False
     #: pipeline stages: the layers split into this many contiguous ranges, one process
     #: each (engine.pipeline); 1 runs the whole model in the engine's process
@@ -167,8 +168,6 @@ class EngineArgs:
         check_cpu_offload_gb(self.cpu_offload_gb)
         if self.pipeline_parallel_size > 1 and self.cpu_offload_gb:
             raise ValueError("cpu_offload_gb is not supported with pipeline_parallel_size > 1")
-        if self.pipeline_parallel_size > 1 and self.async_scheduling:
-            raise ValueError("async_scheduling is not supported with pipeline_parallel_size > 1")
         if self.pipeline_parallel_size > 1 and self.deterministic:
             raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:

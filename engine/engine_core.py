@@ -228,7 +228,7 @@ class EngineCore:
             if proposer is not None:
                 logger.info("async scheduling is off: speculative decoding runs synchronous steps")
             else:
-                self._batch_queue = BatchQueue(self.scheduler, self.runner)
+                self._batch_queue = self._new_batch_queue()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         #: groups of requests a failed step sent back; while any is left each step runs
@@ -392,9 +392,12 @@ class EngineCore:
             raise ValueError("async scheduling cannot change while steps are in flight")
         if enabled and self.scheduler.proposer is not None:
             raise ValueError("speculative decoding runs synchronous steps: async scheduling stays off")
-        if enabled and self.pipeline is not None:
-            raise ValueError("async scheduling is not supported with pipeline_parallel_size > 1")
-        self._batch_queue = BatchQueue(self.scheduler, self.runner) if enabled else None
+        self._batch_queue = self._new_batch_queue() if enabled else None
+
+    def _new_batch_queue(self) -> BatchQueue:
+        """Up to two steps in flight in one process; with pipeline stages, up to one
+        micro-batch of disjoint requests per stage."""
+        return BatchQueue(self.scheduler, self.runner, num_stages=self.args.pipeline_parallel_size)
 
     @property
     def num_steps_in_flight(self) -> int:

@@ -54,7 +54,8 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "async_scheduling": (
         bool,
         "Schedule the next step while the device runs the current one (two steps in flight; "
-        "speculative decoding stays synchronous).",
+        "with pipeline stages, one micro-batch of disjoint requests per stage; speculative "
+        "decoding stays synchronous).",
     ),
     "deterministic": (
         bool,

@@ -91,10 +91,19 @@ class Scheduler:
             self.waiting or self.running or self.request_id_to_sending or self.request_id_to_remote_wait
         )
 
-    def schedule(self, only: Collection[Request] | None = None) -> SchedulerOutput:
+    def schedule(
+        self,
+        only: Collection[Request] | None = None,
+        *,
+        exclude: Collection[Request] = (),
+        max_num_requests: int | None = None,
+    ) -> SchedulerOutput:
         """Plan one step. With `only`, the step holds none but those requests (the engine
         core retrying the requests of a failed step in smaller groups); the others wait,
-        and running ones may still be preempted to make room."""
+        and running ones may still be preempted to make room. `exclude`: running requests
+        that this step skips (pipeline micro-batches in flight hold them; they may still
+        be preempted). `max_num_requests`: at most that many requests in the step (the
+        batch queue splits the requests over pipeline micro-batches)."""
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: list[int] = []
@@ -110,8 +119,10 @@ class Scheduler:
         # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
+            if max_num_requests is not None and len(scheduled) >= max_num_requests:
+                break
             request = self.running[index]
-            if only is not None and request not in only:
+            if (only is not None and request not in only) or request in exclude:
                 index += 1
                 continue
             self.step_requests.append(request)
@@ -180,7 +191,13 @@ class Scheduler:
         # one whose KV must first be fetched waits aside, holding no blocks.
         skipped: list[Request] = []
         candidates = self.waiting if only is None else deque(r for r in self.waiting if r in only)
-        while not preempted and candidates and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not preempted
+            and candidates
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and (max_num_requests is None or len(scheduled) < max_num_requests)
+        ):
             request = candidates[0]
             self.step_requests.append(request)
             cached_block_ids = self.block_manager.find_cached_prefix(request)

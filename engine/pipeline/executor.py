@@ -4,10 +4,15 @@ tokens that come back from the last stage (DESIGN §3; seed 001: only the last
 stage samples, and its tokens reach the scheduler through this process, since
 the first and last stages never talk directly).
 
-One batch is in flight at a time: `execute` is `collect(submit(plan))` and returns
-when every stage answered the step. Plans carry a step id and stages answer in step
-order, so a batch queue (async scheduling) can later call `submit` for up to one
-micro-batch per stage before it `collect`s the oldest, without a new protocol.
+`execute` is `collect(submit(plan))`: one batch in flight, every stage answered on
+return. With async scheduling the engine's batch queue instead `submit`s up to one
+micro-batch per stage and reads each one's `result()` (its `collect`) oldest first:
+plans carry a step id and stages answer in step order, so while the last stage runs
+micro-batch N, stage 0 runs N+1. The micro-batches hold disjoint requests (the batch
+queue schedules a request again only once its micro-batch was collected), so no stage
+ever needs a token another micro-batch has not returned yet. A step given up without
+being collected (the engine abandons the steps in flight after a failed one) has its
+replies read and dropped by the next `collect`.
 
 A stage that dies (killed, crashed) is noticed while waiting for any reply: every
 other stage is then stopped, the step raises `PipelineDeadError`, and every later
@@ -22,7 +27,7 @@ import multiprocessing
 import time
 import weakref
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -55,12 +60,22 @@ POLL_S = 0.05
 STOP_GRACE_S = 3.0
 
 
-class StepInFlight(NamedTuple):
-    """A submitted step: stage 0's output (or the error it raised) until `collect`."""
+class StepInFlight:
+    """A submitted step: stage 0's output (or the error it raised) until `collect`.
+    `result()` is `collect` (the batch queue's future interface); a second call gives
+    the same output, or raises the same error."""
 
-    step_id: int
-    output: RunnerOutput | None
-    error: Exception | None
+    def __init__(
+        self, executor: PipelineExecutor, step_id: int, output: RunnerOutput | None, error: Exception | None
+    ) -> None:
+        self.executor = executor
+        self.step_id = step_id
+        self.output = output
+        self.error = error
+        self.collected = False
+
+    def result(self) -> RunnerOutput:
+        return self.executor.collect(self)
 
 
 class PipelineDeadError(RuntimeError):
@@ -97,6 +112,10 @@ class PipelineExecutor:
         self.connector = None  # stage 0's worker-side connector (set by start_runners)
         self.runner: StageRunner | None = None
         self._step_id = 0
+        #: the latest step whose stage replies were read (steps are answered in order)
+        self._replied_step_id = 0
+        #: steps submitted while an earlier one was not collected yet (tests, stats)
+        self.num_overlapped_submits = 0
         self._model_dir = model_dir
         self._dummy = dummy_weights
         context = multiprocessing.get_context("spawn")
@@ -205,6 +224,8 @@ class PipelineExecutor:
         states down the links in step order, so a batch queue may submit the next plan
         before collecting this one (up to one in flight per stage)."""
         self._check_alive()
+        if self._step_id > self._replied_step_id:
+            self.num_overlapped_submits += 1
         self._step_id += 1
         step_id = self._step_id
         stage_plan = to_stage_plan(plan, step_id)
@@ -214,23 +235,38 @@ class PipelineExecutor:
             except (BrokenPipeError, ConnectionResetError, EOFError) as error:
                 self._die(f"pipeline stage {stage} cannot be reached ({type(error).__name__})")
         try:
-            return StepInFlight(step_id, self.runner.execute_stage(plan, step_id), None)
+            return StepInFlight(self, step_id, self.runner.execute_stage(plan, step_id), None)
         except Exception as error:  # noqa: BLE001 - the other stages still answer this step
-            return StepInFlight(step_id, None, error)
+            return StepInFlight(self, step_id, None, error)
 
     def collect(self, step: StepInFlight) -> RunnerOutput:
         """Wait for every later stage's answer to `step` (submitted steps are collected in
         order): stage 0's output with the last stage's tokens and every stage's load
-        failures merged into one mask."""
+        failures merged into one mask. Earlier steps that were never collected (abandoned
+        after a failed step) have their replies dropped first. Idempotent."""
+        if step.collected:
+            if step.error is not None:
+                raise step.error
+            return step.output
+        if step.step_id <= self._replied_step_id:
+            raise RuntimeError(f"step {step.step_id} was given up: a later step was collected first")
+        for dropped_step_id in range(self._replied_step_id + 1, step.step_id):
+            for stage in range(1, len(self.layouts)):
+                self._reply(stage, dropped_step_id)
         replies: list[StageReply] = [
             self._reply(stage, step.step_id) for stage in range(1, len(self.layouts))
         ]
+        self._replied_step_id = step.step_id
+        step.collected = True
         if step.error is not None:
             raise step.error
         failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
             stage = replies.index(failed) + 1
-            raise PipelineStageError(f"pipeline stage {stage} failed step {step.step_id}: {failed.error}")
+            step.error = PipelineStageError(
+                f"pipeline stage {stage} failed step {step.step_id}: {failed.error}"
+            )
+            raise step.error
         output = step.output
         last = replies[-1]
         output.request_id_to_token = last.request_id_to_token

@@ -61,8 +61,6 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="cpu_offload_gb is not supported"):
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2, cpu_offload_gb=1)
-    with pytest.raises(ValueError, match="async_scheduling is not supported"):
-        LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2, async_scheduling=True)
     with pytest.raises(ValueError, match="deterministic is not supported"):
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=2, deterministic=True)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import validation
+from kernels import reference
 
 
 def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
@@ -70,22 +70,14 @@ def paged_attention_rows(
     A query's result is bit-identical whatever the batch, the chunk it is computed in or
     the step kind. Called by the CPU deterministic mode once per layer per step.
     """
-    validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
-    num_blocks, block_size, num_kv_heads = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3]
-    validation.check_attention_values(
-        query.shape[0], num_blocks, block_size, block_tables, seq_lens, query_start_loc
-    )
+    num_kv_heads = kv_layer.shape[3]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
-        start, end = starts[seq_idx], starts[seq_idx + 1]
-        if end == start:
-            continue
-        block_ids = block_tables[seq_idx, : (seq_len + block_size - 1) // block_size].long()
-        # [2, num_kv_heads, seq_len, head_dim]
-        kv = kv_layer[:, block_ids].flatten(1, 2)[:, :seq_len].float().transpose(1, 2)
+    for start, end, seq_len, seq_kv in reference.sequences_kv(
+        query, kv_layer, block_tables, seq_lens, query_start_loc
+    ):
+        kv = seq_kv.transpose(1, 2)  # [2, num_kv_heads, seq_len, head_dim]
         context_len = seq_len - (end - start)
         for token in range(start, end):
             num_keys = context_len + token - start + 1

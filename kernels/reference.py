@@ -8,6 +8,8 @@ Triton wrappers and raise ValueError on bad input.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,32 @@ def _unsqueeze_packed(name: str, packed: torch.Tensor) -> torch.Tensor:
     return packed.unsqueeze(0)
 
 
+def sequences_kv(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """Validate paged-attention inputs, then yield per sequence with new tokens
+    ``(start, end, seq_len, kv)``: its new tokens are query rows [start, end), ``kv`` its
+    first ``seq_len`` keys and values in float32, [2, seq_len, num_kv_heads, head_dim].
+    Shared by the torch references (this one and kernels.fixed_order's)."""
+    validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
+    num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+    validation.check_attention_values(
+        query.shape[0], num_blocks, block_size, block_tables, seq_lens, query_start_loc
+    )
+    starts = query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        if end == start:
+            continue
+        block_ids = block_tables[seq_idx, : (seq_len + block_size - 1) // block_size].long()
+        # [2, num_used_blocks * block_size, num_kv_heads, head_dim] -> keep the first seq_len tokens
+        yield start, end, seq_len, kv_layer[:, block_ids].flatten(1, 2)[:, :seq_len].float()
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_new_tokens_total, num_heads, head_dim]
     kv_layer: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -120,23 +148,12 @@ def paged_attention_ref(
     attends to keys at positions <= its own. One SDPA call per sequence, computed
     in float32; returns [num_new_tokens_total, num_heads, head_dim] in query's dtype.
     """
-    validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
-    num_blocks, block_size, num_kv_heads = kv_layer.shape[1], kv_layer.shape[2], kv_layer.shape[3]
-    validation.check_attention_values(
-        query.shape[0], num_blocks, block_size, block_tables, seq_lens, query_start_loc
-    )
+    num_kv_heads = kv_layer.shape[3]
     num_heads, head_dim = query.shape[1], query.shape[2]
     group_size = num_heads // num_kv_heads
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for seq_idx, seq_len in enumerate(seq_lens.tolist()):
-        start, end = starts[seq_idx], starts[seq_idx + 1]
+    for start, end, seq_len, kv in sequences_kv(query, kv_layer, block_tables, seq_lens, query_start_loc):
         num_new = end - start
-        if num_new == 0:
-            continue
-        block_ids = block_tables[seq_idx, : (seq_len + block_size - 1) // block_size].long()
-        # [2, num_used_blocks * block_size, num_kv_heads, head_dim] -> keep the first seq_len tokens
-        kv = kv_layer[:, block_ids].flatten(1, 2)[:, :seq_len].float()
         key = kv[0].transpose(0, 1)[:, None].expand(num_kv_heads, group_size, seq_len, head_dim)
         value = kv[1].transpose(0, 1)[:, None].expand(num_kv_heads, group_size, seq_len, head_dim)
         # query head h reads KV head h // group_size: [num_kv_heads, group_size, num_new, head_dim]

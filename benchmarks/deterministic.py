@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import llama_config  # noqa: E402
 from connector import OffloadConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec_decode import NgramProposer  # noqa: E402
@@ -56,21 +57,11 @@ CHUNK_SIZE = 256
 
 
 def model_config(tiny: bool):
-    from engine.bench_presets import llama31_config
-
-    if not tiny:
-        return llama31_config()
-    return llama31_config(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    """The 8B shape, or engine_throughput's tiny one with a 4k context (the runs' longest)."""
+    config = llama_config(tiny)
+    if tiny:
+        config.max_position_embeddings = 4096
+    return config
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -34,23 +34,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.engine_throughput import llama_config  # noqa: E402
-from benchmarks.ttft import kv_bytes_per_token, pinned_h2d_gbps, random_prompt  # noqa: E402
+from benchmarks.ttft import kv_bytes_per_token, pinned_h2d_gbps, random_prompt, ttft  # noqa: E402
 from connector import OffloadConfig  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-
-FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-def first_token_s(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    output = llm.generate([prompt], FIRST_TOKEN)[0]
-    return output.metrics.ttft_s, output.metrics.num_external_cached_tokens
+from engine import LLM  # noqa: E402
 
 
 def cpu_hit(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     llm.flush_kv_offload()
     if not llm.reset_prefix_cache():
         raise RuntimeError("the engine refused to drop its prefix cache")
-    return first_token_s(llm, prompt)
+    return ttft(llm, prompt)
 
 
 def top_ops(profile, key: str, limit: int) -> list[dict]:
@@ -75,7 +68,7 @@ def profiled_hit(llm: LLM, prompt: list[int], limit: int) -> dict:
     llm.flush_kv_offload()
     llm.reset_prefix_cache()
     with profile(activities=activities) as prof:
-        seconds, _ = first_token_s(llm, prompt)
+        seconds, _ = ttft(llm, prompt)
     device_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     return {
         "ttft_ms_under_profiler": seconds * 1e3,
@@ -130,8 +123,8 @@ def main() -> None:
                 prefix + random_prompt(suffix, config.vocab_size, seed=7 + 31 * suffix + 2 * repeat + k)
                 for k in range(2)
             )
-            first_token_s(llm, prefix)  # stores the prefix in the CPU tier
-            gpu, _ = first_token_s(llm, prompt)
+            ttft(llm, prefix)  # stores the prefix in the CPU tier
+            gpu, _ = ttft(llm, prompt)
             hit, num_loaded = cpu_hit(llm, other)
             if repeat:
                 gpu_hits.append(gpu)
@@ -151,7 +144,7 @@ def main() -> None:
         )
         if args.profile:
             prefix = random_prompt(prefix_len, config.vocab_size, seed=99_991 + suffix)
-            first_token_s(llm, prefix)
+            ttft(llm, prefix)
             tail = random_prompt(suffix, config.vocab_size, seed=99_989 + suffix)
             profiles[suffix] = profiled_hit(llm, prefix + tail, args.top)
 

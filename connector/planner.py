@@ -96,26 +96,19 @@ class PrefillRates:
         self._length_class_to_rate: dict[int, MovingRate] = {}
         #: (length class, rate) of the latest observed step
         self._latest: tuple[int, float] | None = None
-        #: seconds of a step without prompt tokens (moving average; 0 until measured)
-        self._fixed_step_s = 0.0
-        self._num_fixed_samples = 0
+        #: seconds per step without prompt tokens (0 until measured)
+        self._fixed_step = MovingRate(0.0, alpha)
 
     def observe_step_without_prefill(self, seconds: float) -> None:
         """A step that computed no prompt tokens (decodes only) took ``seconds``."""
-        if seconds <= 0:
-            return
         with self._lock:
-            if self._num_fixed_samples == 0:
-                self._fixed_step_s = seconds
-            else:
-                self._fixed_step_s = (1 - self.alpha) * self._fixed_step_s + self.alpha * seconds
-            self._num_fixed_samples += 1
+            self._fixed_step.observe(seconds, 1.0)  # seconds per (one) step
 
     @property
     def fixed_step_s(self) -> float:
         """The measured cost of a step without prompt tokens (0 until measured)."""
         with self._lock:
-            return self._fixed_step_s
+            return self._fixed_step.value
 
     def observe(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """A step computed ``num_tokens`` prompt tokens, reaching prompt position
@@ -124,7 +117,7 @@ class PrefillRates:
         with self._lock:
             # The step's fixed cost is not the tokens' (at most 90% of the step, so a noisy
             # fixed-cost estimate cannot make a chunk look instantaneous).
-            seconds = max(seconds - self._fixed_step_s, MIN_PREFILL_SHARE_OF_STEP * seconds)
+            seconds = max(seconds - self._fixed_step.value, MIN_PREFILL_SHARE_OF_STEP * seconds)
             self._rate(num_prompt_tokens).observe(num_tokens, seconds)
             if num_tokens > 0 and seconds > 0:
                 self._latest = (_length_class(num_prompt_tokens), num_tokens / seconds)

@@ -12,7 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import triton
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+H100_SHARED_MEMORY_BYTES = 232_448
+
+#: the mark of a module of sm_90 compile tests: they need Triton's bundled tools
+requires_sm90_tools = pytest.mark.skipif(
+    not (NVIDIA_BIN / "ptxas").exists() or not (NVIDIA_BIN / "cuobjdump").exists(),
+    reason="Triton's bundled ptxas/cuobjdump are missing",
+)
 
 
 def sm90_compile_rows(module: str) -> list[dict]:

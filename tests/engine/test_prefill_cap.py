@@ -15,23 +15,9 @@ from connector.planner import PrefillRates
 from engine import LLM, EngineArgs, EngineCore, SamplingParams
 from engine.block_manager import BlockManager
 from engine.prefill_cap import CAP_PRIOR_TOKENS_PER_S, STEP_TARGET_FRACTION, PrefillCap
-from engine.request import Request
 from engine.scheduler import Scheduler
 from tests.engine.hf_reference import random_prompt
-
-BLOCK_SIZE = 4
-
-
-def make_request(
-    request_id: str, num_prompt_tokens: int, first_token: int = 10, max_tokens: int = 8
-) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(range(first_token, first_token + num_prompt_tokens)),
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        eos_token_ids=frozenset({0}),
-        max_model_len=2000,
-    )
+from tests.engine.test_scheduler import BLOCK_SIZE, make_request
 
 
 def make_scheduler(cap: PrefillCap, budget: int = 512) -> Scheduler:

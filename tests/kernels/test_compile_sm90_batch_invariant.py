@@ -5,20 +5,11 @@ within the H100's shared memory and without spills. Compiled in a subprocess
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import triton
 
-from tests.sm90_compile_runner import sm90_compile_rows
+from tests.sm90_compile_runner import H100_SHARED_MEMORY_BYTES, requires_sm90_tools, sm90_compile_rows
 
-NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-H100_SHARED_MEMORY_BYTES = 232_448
-
-pytestmark = pytest.mark.skipif(
-    not (NVIDIA_BIN / "ptxas").exists() or not (NVIDIA_BIN / "cuobjdump").exists(),
-    reason="Triton's bundled ptxas/cuobjdump are missing",
-)
+pytestmark = requires_sm90_tools
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,9 @@ with IEEE division (the CPU interpreter accepts code that real compilation rejec
 
 from __future__ import annotations
 
-from pathlib import Path
+from tests.sm90_compile_runner import requires_sm90_tools, sm90_compile_rows
 
-import pytest
-import triton
-
-from tests.sm90_compile_runner import sm90_compile_rows
-
-NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
-pytestmark = pytest.mark.skipif(
-    not (NVIDIA_BIN / "ptxas").exists() or not (NVIDIA_BIN / "cuobjdump").exists(),
-    reason="Triton's bundled ptxas/cuobjdump are missing",
-)
+pytestmark = requires_sm90_tools
 
 
 def test_rejection_sampler_compiles_for_h100_without_spills():

@@ -14,14 +14,15 @@ from connector.cache_engine import CacheEngine
 from connector.config import OffloadConfig
 from connector.fetcher import ChunkFetcher
 from connector.lookup import TierLookups
-from connector.planner import LoadPlanner, PrefillRates
+from connector.planner import LoadPlanner
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
+from connector.step_time import StepTimeModel
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
 from connector.worker_side import OffloadWorker
 
-__all__ = ["CacheEngine", "OffloadConfig", "PrefillRates", "create_cache_engine", "create_kv_connector"]
+__all__ = ["CacheEngine", "OffloadConfig", "StepTimeModel", "create_cache_engine", "create_kv_connector"]
 
 
 def create_cache_engine(
@@ -78,11 +79,11 @@ def create_kv_connector(
     head_dim: int,
     block_size: int,
     device: torch.device,
-    prefill_rates: PrefillRates | None = None,
+    step_times: StepTimeModel | None = None,
     layer_range: tuple[int, int, int] | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
-    ``prefill_rates`` is the engine's measured prefill rate (its planner reads it). A
+    ``step_times`` is the engine's step-time model (its planner reads it). A
     pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
         config,
@@ -109,7 +110,7 @@ def create_kv_connector(
             bytes_per_token=cache_engine.bytes_per_token,
             deadline_fraction=config.fetch_deadline_fraction,
             always_load=config.load_policy == "always",
-            prefill_rates=prefill_rates,
+            step_times=step_times,
             probe_interval_s=config.tier_probe_interval_s,
         )
         fetcher = ChunkFetcher(

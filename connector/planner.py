@@ -1,10 +1,10 @@
 """The load-or-recompute planner (DESIGN §5): per request, which chunks to load from
 which tier and which tokens to recompute, from measured rates.
 
-Rates are moving averages of the engine's own transfers (bytes per second per tier,
-measured by the fetcher from each finished fetch) and of its prefill steps (tokens
-per second, per prompt-length class: attention makes long prompts slower per
-token). Until a tier has been measured its prior is conservative (slow).
+Tier rates are moving averages of the engine's own transfers (bytes per second per
+tier, measured by the fetcher from each finished fetch); until a tier has been measured
+its prior is conservative (slow). Recompute times come from the engine's step-time
+model (:class:`connector.step_time.StepTimeModel`, fitted from its own steps).
 
 The plan for a prompt whose hit prefix is ``chunk_tiers`` (tier per chunk):
 the leading chunks already in the CPU tier are loaded in the admitting step
@@ -35,15 +35,12 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from connector.step_time import StepTimeModel
+
 #: bytes per second assumed for a tier before its first measured read
 TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
 ALWAYS_LOAD_DEADLINE_S = 600.0
-#: the least share of a prefill step's time counted as its tokens' (the rest may be the
-#: step's fixed cost, see PrefillRates)
-MIN_PREFILL_SHARE_OF_STEP = 0.1
-#: prefill tokens per second assumed before the first measured prefill step
-PREFILL_PRIOR_TOKENS_PER_S = 20_000.0
 #: a tier the plans skip is probed (one chunk read in the background) at most this often
 TIER_PROBE_INTERVAL_S = 30.0
 #: how long a probe's read may take before it counts as what the tier delivered by then
@@ -67,106 +64,6 @@ class MovingRate:
         self.value = sample if self.num_samples == 0 else (1 - self.alpha) * self.value + self.alpha * sample
         self.last = sample
         self.num_samples += 1
-
-
-class PrefillRates:
-    """The engine's measured prefill rate, in tokens per second by the prompt position a
-    prefill reaches (classes of powers of two): attention makes a token deep in a prompt
-    slower than one near its start, so a whole prompt of n tokens and a chunk of a longer
-    prompt ending at n land in the same class.
-
-    One per engine, shared by the load planner (load or recompute?) and the scheduler's
-    prefill cap (how many prompt tokens fit a step while others decode). The engine core
-    reports every step that computed prompt tokens (:meth:`observe`, step thread); the
-    planner may read from its fetch threads, hence the lock. An unmeasured class starts
-    from its nearest measured neighbour, else from ``prior``.
-
-    A step has a fixed cost whatever its prompt tokens (the weights are read once per
-    forward pass: ~7 ms for an 8B model on an H100). The engine core reports steps
-    without prompt tokens (:meth:`observe_step_without_prefill`); that cost, a moving
-    average, is taken off a prefill step's time before its tokens are divided by it.
-    Without it a chunk of a few tokens measured as a few hundred tokens per second and
-    the prefill cap, planning from that, kept the chunks that short (a 16k prompt took
-    26 s on an H100 while another request decoded)."""
-
-    def __init__(self, prior: float = PREFILL_PRIOR_TOKENS_PER_S, alpha: float = 0.3) -> None:
-        self.prior = prior
-        self.alpha = alpha
-        self._lock = threading.Lock()
-        self._length_class_to_rate: dict[int, MovingRate] = {}
-        #: (length class, rate) of the latest observed step
-        self._latest: tuple[int, float] | None = None
-        #: seconds per step without prompt tokens (0 until measured)
-        self._fixed_step = MovingRate(0.0, alpha)
-
-    def observe_step_without_prefill(self, seconds: float) -> None:
-        """A step that computed no prompt tokens (decodes only) took ``seconds``."""
-        with self._lock:
-            self._fixed_step.observe(seconds, 1.0)  # seconds per (one) step
-
-    @property
-    def fixed_step_s(self) -> float:
-        """The measured cost of a step without prompt tokens (0 until measured)."""
-        with self._lock:
-            return self._fixed_step.value
-
-    def observe(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
-        """A step computed ``num_tokens`` prompt tokens, reaching prompt position
-        ``num_prompt_tokens`` at the deepest, in ``seconds`` (the whole step: other
-        requests' decode tokens included)."""
-        with self._lock:
-            # The step's fixed cost is not the tokens' (at most 90% of the step, so a noisy
-            # fixed-cost estimate cannot make a chunk look instantaneous).
-            seconds = max(seconds - self._fixed_step.value, MIN_PREFILL_SHARE_OF_STEP * seconds)
-            self._rate(num_prompt_tokens).observe(num_tokens, seconds)
-            if num_tokens > 0 and seconds > 0:
-                self._latest = (_length_class(num_prompt_tokens), num_tokens / seconds)
-
-    def rate(self, num_prompt_tokens: int) -> float:
-        """The moving average for this prompt length (the planner's estimate)."""
-        with self._lock:
-            return self._rate(num_prompt_tokens).value
-
-    def cautious_rate(self, num_prompt_tokens: int) -> float | None:
-        """A low estimate for a step reaching this prompt position, or None when nothing
-        has been measured yet: the lowest of the class's moving average, its latest sample
-        (a slowdown counts at once) and the latest step's rate when that step reached a
-        class no deeper (tokens deeper in a prompt cost more: the next chunk of a prompt is
-        at most as fast as the one before, whatever big, efficient steps measured in its
-        class earlier)."""
-        with self._lock:
-            if not any(r.num_samples for r in self._length_class_to_rate.values()):
-                return None
-            rate = self._rate(num_prompt_tokens)
-            value = min(rate.value, rate.last)
-            if self._latest is not None and self._latest[0] <= _length_class(num_prompt_tokens):
-                value = min(value, self._latest[1])
-            return value
-
-    def snapshot(self) -> dict[int, float]:
-        """Moving averages by the shortest prompt length of each class (``2^k``)."""
-        with self._lock:
-            return {1 << (c - 1): rate.value for c, rate in self._length_class_to_rate.items()}
-
-    def _rate(self, num_prompt_tokens: int) -> MovingRate:
-        length_class = _length_class(num_prompt_tokens)
-        rate = self._length_class_to_rate.get(length_class)
-        if rate is None:
-            rate = MovingRate(self.prior, self.alpha)
-            self._length_class_to_rate[length_class] = rate
-        if not rate.num_samples:
-            # An unmeasured length class follows its nearest measured neighbour.
-            measured = [c for c, r in self._length_class_to_rate.items() if r.num_samples]
-            nearest = min(measured, key=lambda c: abs(c - length_class), default=None)
-            if nearest is not None:
-                rate.value = self._length_class_to_rate[nearest].value
-                rate.last = self._length_class_to_rate[nearest].last
-        return rate
-
-
-def _length_class(num_prompt_tokens: int) -> int:
-    """Prompt positions [2^(k-1), 2^k) are class k."""
-    return max(1, num_prompt_tokens).bit_length()
 
 
 @dataclass
@@ -212,7 +109,7 @@ class LoadPlanner:
         always_load: bool = False,
         alpha: float = 0.3,
         tier_priors: dict[str, float] | None = None,
-        prefill_rates: PrefillRates | None = None,
+        step_times: StepTimeModel | None = None,
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
         clock=time.monotonic,
     ) -> None:
@@ -229,7 +126,7 @@ class LoadPlanner:
         self._tier_to_observed_at: dict[str, float] = {}
         self._tier_to_next_probe_at: dict[str, float] = {}
         #: the engine's (shared with its scheduler), or the planner's own
-        self.prefill_rates = prefill_rates if prefill_rates is not None else PrefillRates()
+        self.step_times = step_times if step_times is not None else StepTimeModel()
         self._lock = threading.Lock()
         self._tier_to_rate: dict[str, MovingRate] = {}
         #: decisions so far, for /metrics (kvstash_planner_*)
@@ -260,16 +157,9 @@ class LoadPlanner:
             if num_bytes > 0 and seconds > 0:
                 self._tier_to_observed_at[tier_name] = self._clock()
 
-    def observe_prefill(self, num_prompt_tokens: int, num_tokens: int, seconds: float) -> None:
-        """A step computed ``num_tokens`` prompt tokens of prompts up to ``num_prompt_tokens`` long."""
-        self.prefill_rates.observe(num_prompt_tokens, num_tokens, seconds)
-
     def tier_rate(self, tier_name: str) -> float:
         with self._lock:
             return self._tier_rate(tier_name).value
-
-    def prefill_rate(self, num_prompt_tokens: int) -> float:
-        return self.prefill_rates.rate(num_prompt_tokens)
 
     def _tier_rate(self, tier_name: str) -> MovingRate:
         rate = self._tier_to_rate.get(tier_name)
@@ -279,11 +169,12 @@ class LoadPlanner:
         return rate
 
     def snapshot(self) -> dict[str, float]:
-        """Current rates: ``tier:<name>`` bytes/s and ``prefill:<2^k>`` tokens/s."""
+        """Current rates: ``tier:<name>`` bytes/s, and ``prefill:<n>`` tokens/s of a whole
+        prompt of n tokens recomputed alone (n = 1,024 ... 32,768), from the step-time model."""
         with self._lock:
             rates = {f"tier:{name}": rate.value for name, rate in self._tier_to_rate.items()}
-        for num_tokens, value in self.prefill_rates.snapshot().items():
-            rates[f"prefill:{num_tokens}"] = value
+        for exponent in range(10, 16):
+            rates[f"prefill:{1 << exponent}"] = self.step_times.rate(1 << exponent)
         return rates
 
     # ---- the plan ----------------------------------------------------------------
@@ -306,25 +197,33 @@ class LoadPlanner:
             num_cpu_end = max(num_cpu_end, min(chunk_ends[index], num_loadable_end))
             index += 1
         first_fetch = index
-        prefill = self.prefill_rate(num_prompt_tokens)
-        rates = {"prefill": prefill}
+        step_times = self.step_times
+        rates = {"prefill": step_times.rate(num_prompt_tokens)}
         for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
             rates[tier] = self.tier_rate(tier)
 
         def chunk_start(chunk: int) -> int:
             return chunk_ends[chunk - 1] if chunk > 0 else 0
 
+        # Recompute times from each chunk's end to the prompt's end, once per plan.
+        end_to_rest_s: dict[int, float] = {}
+
+        def rest_s(end: int) -> float:
+            if end not in end_to_rest_s:
+                end_to_rest_s[end] = step_times.prefill_seconds(end, num_prompt_tokens)
+            return end_to_rest_s[end]
+
         # Recompute the head [num_cpu_end, m) on the GPU while chunks [j, k) are fetched
         # (m = where chunk j starts), then load them and recompute the rest: minimise
         # max(head, fetch) + rest. j = first_fetch is "wait for the fetch"; k = j is
         # "recompute everything".
         best = (first_fetch, first_fetch)
-        best_time = (num_prompt_tokens - num_cpu_end) / prefill
+        best_time = rest_s(num_cpu_end)
         for j in range(first_fetch, len(chunk_tiers)):
             num_head_end = max(num_cpu_end, chunk_start(j))
             if num_head_end >= num_loadable_end:
                 break
-            head_s = (num_head_end - num_cpu_end) / prefill
+            head_s = step_times.prefill_seconds(num_cpu_end, num_head_end)
             tier_to_bytes: dict[str, int] = {}
             for k in range(j + 1, len(chunk_tiers) + 1):
                 tier = chunk_tiers[k - 1]
@@ -335,7 +234,7 @@ class LoadPlanner:
                 end = min(chunk_ends[k - 1], num_loadable_end)
                 # Tiers are read in parallel, several reads each: the slowest tier decides.
                 fetch_s = max((n / rates[t] for t, n in tier_to_bytes.items()), default=0.0)
-                total = max(head_s, fetch_s) + (num_prompt_tokens - end) / prefill
+                total = max(head_s, fetch_s) + rest_s(end)
                 if total < best_time:
                     best, best_time = (j, k), total
             if self.always_load:
@@ -353,8 +252,7 @@ class LoadPlanner:
             if end > start:
                 tier_to_tokens[chunk_tiers[chunk]] = tier_to_tokens.get(chunk_tiers[chunk], 0) + end - start
                 num_fetch_end = end
-        num_fetched = num_fetch_end - num_head_end
-        head_s = (num_head_end - num_cpu_end) / prefill
+        head_s = step_times.prefill_seconds(num_cpu_end, num_head_end)
         return LoadDecision(
             num_cpu_end=num_cpu_end,
             first_fetch_chunk=first_tail,
@@ -363,7 +261,7 @@ class LoadPlanner:
             fetch_deadline_s=(
                 ALWAYS_LOAD_DEADLINE_S
                 if self.always_load
-                else head_s + self.deadline_fraction * num_fetched / prefill
+                else head_s + self.deadline_fraction * step_times.prefill_seconds(num_head_end, num_fetch_end)
             ),
             tier_to_planned_tokens=tier_to_tokens,
             num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end + (num_head_end - num_cpu_end),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from connector.planner import PrefillRates
+from connector.step_time import StepTimeModel
 from connector.token_db import check_cache_salt
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
@@ -151,8 +151,9 @@ class EngineCore:
         self.block_size = args.block_size
         self.tokenizer = self._load_tokenizer()
 
-        #: measured prefill tokens/s; the connector's planner and the scheduler's prefill cap read it
-        self.prefill_rates = PrefillRates()
+        #: how long a step takes, fitted from this engine's steps; the connector's planner
+        #: and the scheduler's prefill cap plan with it
+        self.step_times = StepTimeModel(chunk_tokens=args.max_num_batched_tokens)
         scheduler_connector = worker_connector = model_id = None
         if args.kv_offload is not None:
             from connector import create_kv_connector
@@ -178,7 +179,7 @@ class EngineCore:
                     head_dim=config.head_dim,
                     block_size=args.block_size,
                     device=self.device,
-                    prefill_rates=self.prefill_rates,
+                    step_times=self.step_times,
                 )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -191,7 +192,7 @@ class EngineCore:
                 block_size=args.block_size,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_decode_gap_ms=args.max_decode_gap_ms,
-                rates=self.prefill_rates,
+                step_times=self.step_times,
             ),
         )
         if self.pipeline is not None:
@@ -594,16 +595,10 @@ class EngineCore:
             for request, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
             if request.num_computed_tokens < request.num_prompt_tokens
         ]
-        if prefill:
-            # keyed by the deepest prompt position the step computes (a chunk's tokens attend
-            # over everything before them: deep chunks are slower per token)
-            self.prefill_rates.observe(
-                max(request.num_computed_tokens + n for request, n in prefill),
-                sum(n for _, n in prefill),
-                time.perf_counter() - began,
+        if plan.requests:
+            self.step_times.observe_step(
+                [(request.num_computed_tokens, n) for request, n in prefill], time.perf_counter() - began
             )
-        elif plan.requests:
-            self.prefill_rates.observe_step_without_prefill(time.perf_counter() - began)
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,

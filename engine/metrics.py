@@ -210,6 +210,16 @@ def _planner_and_breaker_metrics(engine: EngineCore):
     """``kvstash_planner_*`` (decisions and the rates they used) and the lower tiers'
     circuit breakers (nothing without asynchronous loads)."""
     connector = engine.scheduler.connector
+    step_time = GaugeMetricFamily(
+        "kvstash_step_time_seconds",
+        "The engine's step-time model (the planner and the prefill cap plan with it): "
+        "step (every step), eager_step (a step with prompt tokens outside a CUDA graph, on top), "
+        "token (per prompt token), pair (per query-key pair of attention).",
+        labels=["term"],
+    )
+    for term, value in engine.step_times.parameters().items():
+        step_time.add_metric([term.removesuffix("_s")], value)
+    yield step_time
     yield GaugeMetricFamily(
         "kvstash_requests_waiting_for_remote_kv",
         "Requests waiting unadmitted while their KV is fetched into the CPU tier.",
@@ -233,7 +243,7 @@ def _planner_and_breaker_metrics(engine: EngineCore):
         )
         prefill_rate = GaugeMetricFamily(
             "kvstash_planner_prefill_tokens_per_second",
-            "Prefill rate the planner uses, per prompt-length class (lower bound of the class).",
+            "Prefill rate of a whole prompt of prompt_tokens recomputed alone, predicted by the step-time model.",
             labels=["prompt_tokens"],
         )
         for name, value in planner.snapshot().items():

@@ -6,13 +6,16 @@ Two limits, each below the scheduler's token budget:
 - ``long_prefill_token_threshold`` (vLLM's semantics): a prompt gets at most that many
   tokens per step, whatever else runs (0: off).
 - ``max_decode_gap_ms``: while at least one other request is decoding, a step's prompt
-  tokens are sized so that the step lasts about ``STEP_TARGET_FRACTION`` of it, from the
-  engine's measured prefill rate (:class:`connector.planner.PrefillRates`: tokens per
-  second by the prompt position a step's prefill reaches, since attention makes tokens
-  deep in a prompt slower; measured over whole steps with their decode tokens, so the
-  estimate settles where a capped step lasts the time aimed at). A lone prompt keeps
-  its full chunk (and its TTFT). Before any step was measured the rate is a low prior,
-  so a first capped step is short rather than long (0: off).
+  tokens are sized so that the step is predicted to last about ``STEP_TARGET_FRACTION``
+  of it, by the engine's step-time model (:class:`connector.step_time.StepTimeModel`:
+  a step's fixed cost, an eager pass's extra cost, a cost per token and per query-key
+  pair of attention, fitted from the engine's own steps). When no chunk fits (a step
+  that runs eagerly costs more than the budget by itself), the chunk is the smallest
+  whose tokens cost at least the step's fixed costs: the budget is missed, but the
+  prompt advances at half the engine's speed or better, never a few tokens per step.
+  A lone prompt keeps its full chunk (and its TTFT). Until the engine measured a step
+  with prompt tokens, the cap plans at a low prior rate, so a first capped step is
+  short rather than long (0: off).
 
 The scheduler calls :meth:`PrefillCap.for_step` once per ``schedule`` and, for each
 request that computes prompt tokens in it, :meth:`StepPrefillCap.limit` then (once the
@@ -23,13 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connector.planner import PrefillRates
+from connector.step_time import StepTimeModel
 
 #: the share of ``max_decode_gap_ms`` a capped step aims at. The rest is for what the
 #: estimate misses: the host's work between two steps (scheduling, sampling, outputs), a
 #: chunk slower than the one measured before it (its attention reads a longer prefix), a
 #: first capped step whose rate was measured on steps without decodes.
 STEP_TARGET_FRACTION = 0.75
+#: the least share of a capped step that its prompt tokens get: below it a chunk costs
+#: more in fixed step costs than in work (an eager pass dearer than the budget by itself),
+#: and the prompt would crawl; the cap then overruns the budget instead
+MIN_TOKEN_SHARE_OF_STEP = 1 / 3
 #: prefill tokens per second assumed by the cap before the engine measured any step: low,
 #: so that an unmeasured engine's first capped step is short (it is measured right away)
 CAP_PRIOR_TOKENS_PER_S = 2_000.0
@@ -37,28 +44,27 @@ CAP_PRIOR_TOKENS_PER_S = 2_000.0
 
 @dataclass(frozen=True)
 class PrefillCap:
-    """The engine's prefill limits (from `EngineArgs`) and its measured prefill rate."""
+    """The engine's prefill limits (from `EngineArgs`) and its step-time model."""
 
     block_size: int
     long_prefill_token_threshold: int = 0
     max_decode_gap_ms: float = 0.0
-    rates: PrefillRates | None = None
+    step_times: StepTimeModel | None = None
 
     def for_step(self, any_decoding: bool) -> StepPrefillCap:
         """The limits of one step; ``any_decoding``: a request in the step is decoding."""
         time_budget_s = None
         if any_decoding and self.max_decode_gap_ms > 0:
             time_budget_s = self.max_decode_gap_ms * 1e-3 * STEP_TARGET_FRACTION
-            if self.rates is not None:
-                # The step's fixed cost (its decodes' forward pass) comes first.
-                time_budget_s = max(0.0, time_budget_s - self.rates.fixed_step_s)
         return StepPrefillCap(self, time_budget_s)
 
-    def rate(self, num_end: int) -> float:
-        """Prefill tokens per second the cap plans with for a chunk ending at prompt
-        position ``num_end``."""
-        rate = self.rates.cautious_rate(num_end) if self.rates is not None else None
-        return rate if rate is not None and rate > 0 else CAP_PRIOR_TOKENS_PER_S
+    def model(self) -> StepTimeModel:
+        """The model the cap plans with: the engine's once it measured a step with prompt
+        tokens, before that one at the low prior rate."""
+        model = self.step_times
+        if model is None or model.num_prefill_steps == 0:
+            return StepTimeModel(prior_tokens_per_s=CAP_PRIOR_TOKENS_PER_S)
+        return model
 
 
 class StepPrefillCap:
@@ -66,44 +72,102 @@ class StepPrefillCap:
 
     def __init__(self, cap: PrefillCap, time_budget_s: float | None) -> None:
         self.cap = cap
-        #: seconds of prompt computation this step may still schedule (None: no time cap)
-        self.time_left_s = time_budget_s
-        self.num_prefills = 0
+        #: the predicted length the step may reach (None: no time cap)
+        self.time_budget_s = time_budget_s
+        #: the step's other time (loads from the CPU tier in it), seconds
+        self.other_s = 0.0
+        #: prompt chunks scheduled in the step so far: (first position, tokens)
+        self.chunks: list[tuple[int, int]] = []
+        self._model = cap.model() if time_budget_s is not None else None
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def time_left_s(self) -> float | None:
+        """Seconds the step may still grow by (None: no time cap)."""
+        if self._model is None:
+            return None
+        return max(0.0, self.time_budget_s - self.other_s - self._model.step_seconds(self.chunks))
 
     def limit(self, num_computed: int, num_new: int) -> int:
         """How many of ``num_new`` prompt tokens from prompt position ``num_computed`` this
         step may compute; 0 means "not in this step". Side-effect free. The step's first
-        prompt always gets at least a block (or all it has left), so it progresses however
-        slow the estimate says the engine is; a capped chunk ends on a block boundary
+        prompt always gets at least a block (or all it has left), and never fewer tokens
+        than make the step worth its fixed cost; a capped chunk ends on a block boundary
         where it can."""
         threshold = self.cap.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
-        if self.time_left_s is None:
+        model = self._model
+        if model is None or num_new <= 0:
             return num_new
         block_size = self.cap.block_size
-        # The rate depends on where the chunk ends, which depends on the rate: estimate the
-        # chunk at the rate of a short one, then again at the rate where that one would end.
-        num_fit = int(self.time_left_s * self.cap.rate(num_computed + min(num_new, block_size)))
-        num_fit = min(num_fit, int(self.time_left_s * self.cap.rate(num_computed + min(num_new, num_fit))))
+        budget_s = self.time_budget_s - self.other_s
+
+        def step_s(num_tokens: int) -> float:
+            return model.step_seconds([*self.chunks, (num_computed, num_tokens)])
+
+        num_fit = _largest(lambda n: step_s(n) <= budget_s, num_new)
         if num_fit >= num_new:
             return num_new
         aligned = (num_computed + num_fit) // block_size * block_size - num_computed
         if aligned > 0:
             num_fit = aligned
         if self.num_prefills == 0:
-            num_fit = max(num_fit, min(num_new, block_size))
+            # The step's only prompt: at least a block, and enough tokens to be worth the
+            # step's fixed costs (rounded up to a block boundary).
+            num_worthwhile = _smallest_worthwhile(model, num_computed, num_new)
+            num_worthwhile = -(-(num_computed + num_worthwhile) // block_size) * block_size - num_computed
+            num_fit = max(num_fit, min(num_new, max(block_size, num_worthwhile)))
         return max(0, num_fit)
 
     def spend_seconds(self, seconds: float) -> None:
         """Something else in the step (a load from the CPU tier) takes ``seconds``."""
-        if self.time_left_s is not None and seconds > 0:
-            self.time_left_s = max(0.0, self.time_left_s - seconds)
+        if seconds > 0:
+            self.other_s += seconds
 
     def spend(self, num_computed: int, num_tokens: int) -> None:
         """A request was scheduled with ``num_tokens`` prompt tokens from position
         ``num_computed`` in this step."""
-        self.num_prefills += 1
-        if self.time_left_s is not None:
-            spent_s = num_tokens / self.cap.rate(num_computed + num_tokens)
-            self.time_left_s = max(0.0, self.time_left_s - spent_s)
+        self.chunks.append((num_computed, num_tokens))
+
+
+def _smallest_worthwhile(model: StepTimeModel, num_computed: int, upper: int) -> int:
+    """The fewest tokens (<= ``upper``) from position ``num_computed`` that make at least
+    ``MIN_TOKEN_SHARE_OF_STEP`` of their step (``upper`` when none). The step's fixed cost
+    jumps where it no longer fits a CUDA graph, so each side of that limit is searched on
+    its own."""
+    limit = model.graph_token_limit
+    ranges = [(1, min(limit, upper)), (limit + 1, upper)] if limit > 0 else [(1, upper)]
+    for low, high in ranges:
+        if low > high:
+            continue
+
+        def worthwhile(num_tokens: int) -> bool:
+            fixed_s, tokens_s = model.split_seconds([(num_computed, num_tokens)])
+            return tokens_s >= MIN_TOKEN_SHARE_OF_STEP * (fixed_s + tokens_s)
+
+        if worthwhile(high):
+            while low < high:  # the smallest worthwhile count in [low, high]
+                middle = (low + high) // 2
+                if worthwhile(middle):
+                    high = middle
+                else:
+                    low = middle + 1
+            return low
+    return upper
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest n in [0, upper] with ``fits(n)`` (0 when none), ``fits`` monotone
+    (true up to some n, false after)."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low

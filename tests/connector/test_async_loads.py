@@ -12,6 +12,7 @@ import random
 import pytest
 
 from connector import OffloadConfig
+from connector.step_time import StepTimeModel
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
 from storage_backends.disk_backend import key_to_filename
@@ -262,7 +263,7 @@ def test_head_recomputed_while_the_tail_is_fetched_gives_identical_tokens(model_
     bytes_per_chunk = connector_of(llm).cache_engine.bytes_per_token * CHUNK_SIZE
     # Estimates, not measurements: a chunk recomputed in 0.32 s and read in 0.32 s (the
     # fetch deadline, a second or two, leaves the local disk all the time it needs).
-    planner.observe_prefill(256, 100, 1.0)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
     planner.observe_read("disk", bytes_per_chunk, 0.32)
     engine = llm.engine
     engine.add_request("split", prompt, PARAMS)

@@ -9,7 +9,8 @@ import pytest
 
 from connector import OffloadConfig
 from connector.breaker import CircuitBreaker
-from connector.planner import LoadPlanner, PrefillRates
+from connector.planner import LoadPlanner
+from connector.step_time import StepTimeModel
 from engine import SamplingParams
 from tests.connector.test_async_loads import make_prompt, new_llm
 
@@ -42,7 +43,7 @@ def plan(planner, tiers, *, chunk=256, computed=0, prompt=None):
 
 def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
     planner = LoadPlanner(bytes_per_token=MIB)  # 256 MiB per chunk
-    planner.observe_prefill(1025, 1000, 1.0)  # 1,000 tokens/s: 0.256 s per chunk
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)  # 0.256 s per chunk
     planner.observe_read("disk", 1 << 30, 1.0)  # 1 GiB/s: 0.25 s per chunk, a bit faster
     planner.observe_read("redis", 1 << 30, 100.0)  # far slower than recompute
     decision = plan(planner, ["cpu", "disk", "disk", "redis"])
@@ -66,7 +67,7 @@ def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
 
 def test_planner_waits_for_a_tier_much_faster_than_prefill():
     planner = LoadPlanner(bytes_per_token=MIB)
-    planner.observe_prefill(1025, 1000, 1.0)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)
     planner.observe_read("disk", 100 << 30, 1.0)  # 0.0025 s per chunk
     decision = plan(planner, ["disk", "disk", "disk", "disk"])
     assert decision.num_head_end == decision.num_cpu_end == 0  # wait unadmitted, load it all
@@ -137,28 +138,66 @@ def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, bla
     engine.abort_request("decode")
 
 
-def test_prefill_rates_by_prompt_position_and_the_cautious_estimate():
-    rates = PrefillRates(prior=20_000.0)
-    assert rates.cautious_rate(100) is None and rates.rate(100) == 20_000.0  # nothing measured
-    rates.observe(16384, 8192, 0.25)  # one big step reaching position 16,384: 32,768 tokens/s
-    assert rates.rate(100) == rates.rate(20_000) == 32_768.0  # unmeasured classes follow it
-    rates.observe(4096, 1024, 0.04)  # a capped chunk reaching 4,096: 25,600 tokens/s
-    # The planner's moving average for deep prompts keeps the big step's rate; the cap's
-    # estimate for a deeper chunk is bounded by the latest, shallower step.
-    assert rates.rate(16384) == 32_768.0
-    assert rates.cautious_rate(16384) == 25_600.0
-    assert rates.cautious_rate(5000) == 25_600.0  # its own class is measured now
-    assert rates.cautious_rate(2048) == 25_600.0  # nearest neighbour: the 4,096 class
-    rates.observe(16384, 512, 0.05)  # the deep class slows down: its latest sample counts
-    assert rates.cautious_rate(16384) == 10_240.0
-    assert rates.cautious_rate(5000) == 25_600.0  # a deeper latest step does not bound a shallower class
-    assert set(rates.snapshot()) == {64, 2048, 4096, 16384}  # classes by their first position
+def synthetic_step_s(chunks, *, step_s=0.007, eager_s=0.045, tokens_per_s=90_000.0, pair_s=2e-10, limit=0):
+    """A machine whose steps follow the model exactly: an eager prefill pass pays
+    ``eager_s`` on top, attention costs ``pair_s`` per query-key pair."""
+    num_tokens = sum(n for _, n in chunks)
+    num_pairs = sum(n * start + n * (n + 1) / 2 for start, n in chunks)
+    eager = eager_s if num_tokens > limit else 0.0
+    return step_s + eager + num_tokens / tokens_per_s + pair_s * num_pairs
+
+
+def observed_mix(model, *, num_rounds=40, **machine):
+    """Decode-only steps, capped chunks at several depths and whole prompts, as an engine
+    serving a long prompt beside a decode sees them."""
+    shapes = [[], [(0, 8192)], [(4096, 256)], [], [(12_000, 1024)], [(512, 32)], [(8192, 4096)]]
+    for _ in range(num_rounds):
+        for chunks in shapes:
+            model.observe_step(chunks, synthetic_step_s(chunks, **machine))
+
+
+def test_step_time_model_learns_fixed_eager_token_and_attention_costs():
+    model = StepTimeModel()
+    assert model.num_prefill_steps == 0 and model.rate(1000) == pytest.approx(1000 / (0.005 + 0.05), rel=0.01)
+    observed_mix(model)
+    params = model.parameters()
+    assert params["step_s"] == pytest.approx(0.007, rel=0.05)
+    assert params["eager_step_s"] == pytest.approx(0.045, rel=0.05)
+    assert params["token_s"] == pytest.approx(1 / 90_000, rel=0.05)
+    assert params["pair_s"] == pytest.approx(2e-10, rel=0.05)
+    for chunks in ([(0, 16384)], [(15_000, 64)], [(100, 100)], []):
+        assert model.step_seconds(chunks) == pytest.approx(synthetic_step_s(chunks), rel=0.03)
+    # a 16k prompt alone goes in two 8,192-token steps
+    expected = synthetic_step_s([(0, 8192)]) + synthetic_step_s([(8192, 8192)])
+    assert model.prefill_seconds(0, 16384) == pytest.approx(expected, rel=0.03)
+    assert model.rate(16384) == pytest.approx(16384 / expected, rel=0.03)
+
+
+def test_step_time_model_knows_which_steps_fit_a_graph_and_follows_a_slower_machine():
+    model = StepTimeModel(graph_token_limit=512)
+    observed_mix(model, limit=512)
+    # a 256-token chunk replays a graph: no eager cost; a 1,024-token one pays it
+    assert model.split_seconds([(4096, 256)])[0] == pytest.approx(0.007, rel=0.05)
+    assert model.split_seconds([(4096, 1024)])[0] == pytest.approx(0.052, rel=0.05)
+    observed_mix(model, num_rounds=20, limit=512, tokens_per_s=30_000.0)  # 3x slower tokens
+    for chunks in ([(4096, 256)], [(0, 8192)], [(12_000, 1024)]):
+        slower = synthetic_step_s(chunks, limit=512, tokens_per_s=30_000.0)
+        assert model.step_seconds(chunks) == pytest.approx(slower, rel=0.1)
+
+
+def test_step_time_model_ignores_empty_measurements_and_rejects_a_bad_prior():
+    model = StepTimeModel()
+    model.observe_step([(0, 100)], 0.0)
+    model.observe_step([(0, 100)], -1.0)
+    assert model.num_steps == 0
+    with pytest.raises(ValueError, match="prior_tokens_per_s must be > 0"):
+        StepTimeModel(prior_tokens_per_s=0)
 
 
 def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
     clock = [0.0]
     planner = LoadPlanner(bytes_per_token=MIB, probe_interval_s=30.0, clock=lambda: clock[0])
-    planner.observe_prefill(1025, 1000, 1.0)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)
     planner.tier_priors["redis"] = 1e3  # its prior: far slower than recompute
     tiers = ["cpu", "disk", "redis", "redis"]
     planner.observe_read("disk", 100 << 30, 1.0)  # measured fast: fetched, never probed
@@ -236,7 +275,7 @@ def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_
     # busy machine may beat a one-chunk disk read): with the disk at its 1 kB/s prior the
     # planner would still recompute (100 KB of KV: 100 s against 2 s), so only the probe's
     # measurement can make it load.
-    planner.prefill_rates = PrefillRates(prior=100.0)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
     engine.add_request("second", prompt, PARAMS)
     second = run_until_done(engine, ["second"])["second"]
     assert second.token_ids == expected.token_ids

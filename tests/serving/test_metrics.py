@@ -46,12 +46,15 @@ def test_metrics_parse_and_name_conventions(server) -> None:
         "kvstash_spec_decode_accepted_tokens": "counter",
         "kvstash_spec_decode_acceptance_ratio": "gauge",
         "kvstash_tier_hit_chunks": "counter",
+        "kvstash_step_time_seconds": "gauge",
     }
     for name, metric_type in expected_types.items():
         assert name in families, f"{name} missing from /metrics"
         assert families[name].type == metric_type, name
     assert metric_value(text, "kvstash_kv_blocks_total") == NUM_GPU_BLOCKS
     assert 0.0 <= metric_value(text, "kvstash_kv_cache_usage_ratio") <= 1.0
+    terms = {sample.labels["term"] for sample in families["kvstash_step_time_seconds"].samples}
+    assert terms == {"step", "eager_step", "token", "pair"}
 
 
 def test_counters_move_as_requests_run(server, client) -> None:

@@ -1,0 +1,179 @@
+"""How long an engine step takes, learned from the engine's own steps: the model the
+load planner (load or recompute?) and the scheduler's prefill cap (how many prompt
+tokens fit a step while others decode) plan with. One per engine.
+
+A step costs
+
+    a + e * [eager prefill step] + b * prompt_tokens + h * query_key_pairs
+
+- ``a``: what every step pays whatever its prompt tokens (the weights are read once per
+  forward pass; the host's work): ~7 ms for an 8B model on an H100 with a CUDA graph;
+- ``e``: what a step with prompt tokens pays on top when it runs eagerly (no CUDA graph
+  holds it: more tokens than ``graph_token_limit``): on an H100 an eager 8B pass is
+  host-bound, tens of milliseconds whatever its tokens;
+- ``b``: the cost of one prompt token (its GEMMs);
+- ``h``: the cost of one query-key pair of attention (a chunk's tokens attend over every
+  position before them, so a chunk deep in a prompt costs more per token).
+
+The parameters are fitted online by recursive least squares (a Kalman filter with a
+relative noise, so long steps do not drown short ones, and a forgetting factor, so the
+model follows a machine that changes), from a conservative prior. An older model kept
+one rate per prompt-length class and took the decode-only step's cost off every prefill
+step; an eager prefill step's own fixed cost (~45 ms on the H100) then read as slow
+tokens, and the cap, planning chunks of a few tokens that each cost a whole eager pass,
+took 14-40 s to prefill a 16k prompt while another request decoded.
+
+The engine core reports every step (:meth:`StepTimeModel.observe_step`, step thread);
+the planner may read from fetch threads, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+#: prefill tokens per second assumed before the first measured step (the prior of ``b``)
+PREFILL_PRIOR_TOKENS_PER_S = 20_000.0
+#: the prior of ``a``, seconds
+STEP_PRIOR_S = 0.005
+#: prior standard deviations of (a, e, b per 1e3 tokens, h per 1e6 pairs), seconds
+_PRIOR_STD = np.array([0.02, 0.05, 0.1, 0.005])
+#: a step's time is known to within this share (plus _NOISE_FLOOR_S)
+_NOISE_SHARE = 0.05
+_NOISE_FLOOR_S = 0.0005
+#: how far each parameter may drift per observed step, as a share of its prior standard
+#: deviation (a random walk: the model follows a machine that changes; unlike a forgetting
+#: factor it does not inflate the directions the steps never excite, e.g. the split of a
+#: prefill step's fixed cost into ``a`` and ``e`` when no decode-only step was seen)
+_DRIFT_SHARE = 0.1
+#: scale of the features, so that the parameters are of similar size
+_TOKENS_UNIT = 1e3
+_PAIRS_UNIT = 1e6
+
+PromptChunk = tuple[int, int]  # (first prompt position computed, tokens computed)
+
+
+class StepTimeModel:
+    """Step time = a + e * eager + b * tokens + h * pairs, fitted from observed steps."""
+
+    def __init__(
+        self,
+        *,
+        prior_tokens_per_s: float = PREFILL_PRIOR_TOKENS_PER_S,
+        graph_token_limit: int = 0,
+        chunk_tokens: int = 8192,
+    ) -> None:
+        if prior_tokens_per_s <= 0:
+            raise ValueError(f"prior_tokens_per_s must be > 0, got {prior_tokens_per_s}")
+        #: steps with at most this many prompt tokens may replay a CUDA graph (the engine
+        #: sets it; 0: every step with prompt tokens runs eagerly)
+        self.graph_token_limit = graph_token_limit
+        #: the engine's token budget per step: a recomputed prompt goes in chunks of it
+        self.chunk_tokens = chunk_tokens
+        self._lock = threading.Lock()
+        self._theta = np.array([STEP_PRIOR_S, 0.0, _TOKENS_UNIT / prior_tokens_per_s, 0.0])
+        self._covariance = np.diag(_PRIOR_STD**2)
+        self.num_prefill_steps = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_parameters(
+        cls,
+        *,
+        step_s: float,
+        tokens_per_s: float,
+        eager_step_s: float = 0.0,
+        seconds_per_pair: float = 0.0,
+        **kwargs,
+    ) -> StepTimeModel:
+        """A model that already knows its parameters (tests, benchmarks): as confident as
+        after many steps, so that one observation moves it little."""
+        model = cls(**kwargs)
+        model._theta = np.array(
+            [step_s, eager_step_s, _TOKENS_UNIT / tokens_per_s, seconds_per_pair * _PAIRS_UNIT]
+        )
+        model._covariance = np.diag((_PRIOR_STD * 0.01) ** 2)
+        model.num_prefill_steps = model.num_steps = 1
+        return model
+
+    # ---- the features of a step ------------------------------------------------------
+    def _features(self, chunks: Sequence[PromptChunk]) -> np.ndarray:
+        num_tokens = sum(n for _, n in chunks)
+        # a chunk of n tokens from position s: its token i attends over s + i + 1 keys
+        num_pairs = sum(n * start + n * (n + 1) / 2 for start, n in chunks)
+        eager = 1.0 if num_tokens > self.graph_token_limit and num_tokens > 0 else 0.0
+        return np.array([1.0, eager, num_tokens / _TOKENS_UNIT, num_pairs / _PAIRS_UNIT])
+
+    # ---- measurements ---------------------------------------------------------------
+    def observe_step(self, chunks: Sequence[PromptChunk], seconds: float) -> None:
+        """A step computed the prompt ``chunks`` (none: decodes only) in ``seconds``
+        (the whole step, from submission to its outputs)."""
+        if not seconds > 0:
+            return
+        x = self._features(chunks)
+        with self._lock:
+            noise = (_NOISE_FLOOR_S + _NOISE_SHARE * seconds) ** 2
+            px = self._covariance @ x
+            gain = px / (noise + x @ px)
+            # unconstrained (projecting it would break the filter); predictions clamp
+            self._theta = self._theta + gain * (seconds - x @ self._theta)
+            covariance = self._covariance - np.outer(gain, px) + np.diag((_DRIFT_SHARE * _PRIOR_STD) ** 2)
+            # never more uncertain than the prior
+            prior = _PRIOR_STD**2
+            scale = np.sqrt(np.minimum(1.0, prior / np.maximum(np.diag(covariance), 1e-30)))
+            self._covariance = covariance * np.outer(scale, scale)
+            self.num_steps += 1
+            if x[2] > 0:
+                self.num_prefill_steps += 1
+
+    # ---- predictions ----------------------------------------------------------------
+
+    def step_seconds(self, chunks: Sequence[PromptChunk]) -> float:
+        """The predicted time of a step computing the prompt ``chunks`` (besides decodes)."""
+        fixed_s, tokens_s = self.split_seconds(chunks)
+        return fixed_s + tokens_s
+
+    def split_seconds(self, chunks: Sequence[PromptChunk]) -> tuple[float, float]:
+        """The predicted time of such a step as (its fixed costs ``a + e * eager``, what
+        its tokens cost ``b * tokens + h * pairs``)."""
+        x = self._features(chunks)
+        with self._lock:
+            terms = x * self._theta
+        # Each sum is what the steps measured; its terms alone may trade off against each
+        # other (a fit on few kinds of steps), so only the sums are kept non-negative.
+        return max(0.0, float(terms[0] + terms[1])), max(0.0, float(terms[2] + terms[3]))
+
+    def prefill_seconds(self, begin: int, end: int) -> float:
+        """The predicted time to recompute prompt positions [begin, end) alone, in steps of
+        ``chunk_tokens`` (0 when empty)."""
+        total = 0.0
+        position = begin
+        while position < end:
+            num_tokens = min(self.chunk_tokens, end - position)
+            total += self.step_seconds([(position, num_tokens)])
+            position += num_tokens
+        return total
+
+    def rate(self, num_prompt_tokens: int) -> float:
+        """Tokens per second of a whole prompt of this length recomputed alone."""
+        num_prompt_tokens = max(1, num_prompt_tokens)
+        return num_prompt_tokens / max(self.prefill_seconds(0, num_prompt_tokens), 1e-9)
+
+    @property
+    def fixed_step_s(self) -> float:
+        """``a``: what a step costs whatever its prompt tokens."""
+        return self.split_seconds(())[0]
+
+    def parameters(self) -> dict[str, float]:
+        """The fitted parameters, in seconds, for logs and /metrics (a term alone may be
+        negative where the steps seen cannot tell it from another)."""
+        with self._lock:
+            a, e, b, h = self._theta
+        return {
+            "step_s": float(a),
+            "eager_step_s": float(e),
+            "token_s": float(b) / _TOKENS_UNIT,
+            "pair_s": float(h) / _PAIRS_UNIT,
+        }

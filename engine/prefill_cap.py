@@ -51,12 +51,12 @@ class PrefillCap:
     max_decode_gap_ms: float = 0.0
     step_times: StepTimeModel | None = None
 
-    def for_step(self, any_decoding: bool) -> StepPrefillCap:
-        """The limits of one step; ``any_decoding``: a request in the step is decoding."""
+    def for_step(self, num_decoding: int) -> StepPrefillCap:
+        """The limits of one step; ``num_decoding``: requests in the step that decode."""
         time_budget_s = None
-        if any_decoding and self.max_decode_gap_ms > 0:
+        if num_decoding > 0 and self.max_decode_gap_ms > 0:
             time_budget_s = self.max_decode_gap_ms * 1e-3 * STEP_TARGET_FRACTION
-        return StepPrefillCap(self, time_budget_s)
+        return StepPrefillCap(self, time_budget_s, num_decoding)
 
     def model(self) -> StepTimeModel:
         """The model the cap plans with: the engine's once it measured a step with prompt
@@ -70,8 +70,10 @@ class PrefillCap:
 class StepPrefillCap:
     """What is left of one step's prefill limits (made by :meth:`PrefillCap.for_step`)."""
 
-    def __init__(self, cap: PrefillCap, time_budget_s: float | None) -> None:
+    def __init__(self, cap: PrefillCap, time_budget_s: float | None, num_decoding: int = 0) -> None:
         self.cap = cap
+        #: the step's decode tokens (they share a CUDA graph's tokens with the prompts)
+        self.num_decoding = num_decoding
         #: the predicted length the step may reach (None: no time cap)
         self.time_budget_s = time_budget_s
         #: the step's other time (loads from the CPU tier in it), seconds
@@ -110,6 +112,14 @@ class StepPrefillCap:
             return model.step_seconds([*self.chunks, (num_computed, num_tokens)])
 
         num_fit = _largest(lambda n: step_s(n) <= budget_s, num_new)
+        graph_room = model.graph_token_limit - self.num_decoding - sum(n for _, n in self.chunks)
+        if model.graph_token_limit > 0 and graph_room <= 0 and self.chunks:
+            return 0  # the step's prompts filled the graph
+        if model.graph_token_limit > 0 and 0 < graph_room < num_fit:
+            # A step beyond the CUDA graphs runs eagerly: a fixed cost the model learns only
+            # from such steps (the first one would overrun the budget), and a few times a
+            # graph step's. While others decode, a prompt advances in graph-sized steps.
+            num_fit = graph_room
         if num_fit >= num_new:
             return num_new
         aligned = (num_computed + num_fit) // block_size * block_size - num_computed

@@ -113,7 +113,7 @@ class Scheduler:
         step_cap = None
         if self.prefill_cap is not None:
             step_cap = self.prefill_cap.for_step(
-                any(_is_decoding(r) for r in self.running if only is None or r in only)
+                sum(_is_decoding(r) for r in self.running if only is None or r in only)
             )
 
         # 1. Running requests first, in arrival order; preempt from the back when blocks run out.

@@ -150,14 +150,16 @@ def test_an_eager_step_dearer_than_the_budget_still_gets_a_worthwhile_chunk():
     third of the step (26 ms of tokens on 52 ms of fixed costs: ~2,300 tokens near the
     start), and a lone prompt is not capped."""
     model = StepTimeModel.from_parameters(**H100_EAGER)
-    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(any_decoding=True)
+    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(num_decoding=1)
     num_tokens = step.limit(272, 16384)
     fixed_s, tokens_s = model.split_seconds([(272, num_tokens)])
     assert fixed_s == pytest.approx(0.052) and tokens_s >= fixed_s / 2
     assert model.split_seconds([(272, num_tokens - BLOCK_SIZE)])[1] < fixed_s / 2  # the fewest such
     assert 2000 < num_tokens < 2600 and (272 + num_tokens) % BLOCK_SIZE == 0
     assert (
-        PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(False).limit(272, 16384)
+        PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model)
+        .for_step(num_decoding=0)
+        .limit(272, 16384)
         == 16384
     )
 
@@ -166,10 +168,33 @@ def test_a_chunk_that_fits_a_cuda_graph_is_chosen_within_the_budget():
     """With graphs for steps of up to 512 tokens, a 512-token chunk costs 7 ms + its tokens
     (~13 ms): it fits the budget, a bigger (eager) one would not."""
     model = StepTimeModel.from_parameters(graph_token_limit=512, **H100_EAGER)
-    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(any_decoding=True)
-    assert step.limit(272, 16384) == 512 - (272 + 512) % BLOCK_SIZE
+    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(num_decoding=1)
+    # the decode's token shares the graph: 511 prompt tokens, 508 on a block boundary
+    assert step.limit(272, 16384) == 508
     deep = step.limit(16_000, 4000)  # deep in a prompt attention costs more: still a graph step
-    assert 0 < deep <= 512 and model.step_seconds([(16_000, deep)]) <= 0.0375
+    assert 0 < deep <= 511 and model.step_seconds([(16_000, deep)]) <= 0.0375
+
+
+def test_while_others_decode_a_prompt_stays_in_graph_sized_steps():
+    """Even where the model says an eager chunk fits the budget (a generous 400 ms here),
+    the cap keeps a prompt in graph-sized steps while others decode: an eager step's
+    fixed cost is learned only from eager steps, and the first would overrun the budget.
+    Two decoding requests and a chunk already in the step take their share of the graph."""
+    model = StepTimeModel.from_parameters(graph_token_limit=512, **H100_EAGER)
+    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=400.0, step_times=model).for_step(num_decoding=2)
+    assert model.step_seconds([(0, 8192)]) < 0.3  # an eager 8k chunk would fit
+    assert step.limit(0, 8192) == 508  # 510 on a block boundary
+    step.spend(0, 508)
+    assert step.limit(0, 100) == 2  # the room left in the graph
+    step.spend(0, 2)
+    assert step.limit(0, 100) == 0  # the graph is full: the next prompt waits
+    # nothing decoding: the full chunk
+    assert (
+        PrefillCap(BLOCK_SIZE, max_decode_gap_ms=400.0, step_times=model)
+        .for_step(num_decoding=0)
+        .limit(0, 8192)
+        == 8192
+    )
 
 
 def test_a_load_in_the_step_counts_against_the_prefill_time():

@@ -10,6 +10,7 @@ before the handler, and changes nothing for requests that parse.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
@@ -66,6 +67,16 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         return handler._replace(request_deserializer=deserializer, stream_unary=stream_unary)
     if handler.response_streaming:
         inner = handler.unary_stream
+        if inspect.iscoroutinefunction(inner):
+            # A handler that sends with ``context.write`` (e.g. to bound each write by a
+            # deadline): gRPC tells the two kinds apart by the function, so keep its kind.
+
+            async def unary_stream_writer(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                await inner(request, context)
+
+            return handler._replace(request_deserializer=deserializer, unary_stream=unary_stream_writer)
 
         async def unary_stream(request, context):
             if isinstance(request, _Malformed):

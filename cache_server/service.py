@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -84,17 +84,20 @@ def unary_handler(method: Callable) -> Callable:
 
 
 def streaming_handler(method: Callable) -> Callable:
-    """Turn exceptions of a response-streaming handler into statuses."""
+    """Turn exceptions of a response-streaming handler (one that sends with ``context.write``,
+    so that it can bound each write by a deadline) into statuses."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
-            async for response in method(self, request, context):
-                yield response
+            await method(self, request, context)
+            return
         except Exception as error:  # noqa: BLE001 - every error becomes a status, never a crash
             code, message = status_for(error)
-            self.counters.count_failure(code)
-            await context.abort(code, message)
+        # Outside the except block: the traceback (and the value it references) is dropped
+        # before abort, which may wait while a client that stopped reading holds the stream.
+        self.counters.count_failure(code)
+        await context.abort(code, message)
 
     return wrapper
 
@@ -292,18 +295,25 @@ class KVCacheService(kvstash_pb2_grpc.KVCacheServicer, _Checks):
         return total_size
 
     @streaming_handler
-    async def Get(self, request, context) -> AsyncIterator[bytes]:
-        """Streams serialized GetResponse messages (see ``kvcache_handler``) straight from the stored bytes."""
+    async def Get(self, request, context) -> None:
+        """Writes serialized GetResponse messages (see ``kvcache_handler``) straight from the stored bytes.
+
+        The whole stream must be sent within ``Limits.transfer_deadline_s(value size)`` of the
+        call's start: a client that stops reading stalls the writes (flow control), and at the
+        deadline the call ends with DEADLINE_EXCEEDED and its stream slot is freed."""
         key = self.check_access(self.tenant_of(context), self.check_key(request.key), "get")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         with self.stream_slot():
             self.counters.add(num_gets=1)
             stored = await asyncio.to_thread(self.store.get, key)
             if stored is None:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"key not found: {short_key(key)}")
             total_size = len(stored.data)
+            deadline = started + self.limits.transfer_deadline_s(total_size)
             head = kvstash_pb2.GetResponse(total_size=total_size).SerializeToString()
             for message in piece_messages(head, GET_DATA_FIELD, stored.data):
-                yield message
+                await _before(context.write(message), deadline, loop)
             self.counters.count_get_hit("grpc", total_size)
 
     @unary_handler
@@ -501,9 +511,16 @@ async def _next_before(messages: AsyncIterator, deadline: float, loop: asyncio.A
     """The next message of a request stream, None at its end; DEADLINE_EXCEEDED when the
     stream has not delivered it by ``deadline`` (``loop.time()``), which ends the call."""
     try:
-        return await asyncio.wait_for(anext(messages), timeout=max(0.0, deadline - loop.time()))
+        return await _before(anext(messages), deadline, loop)
     except StopAsyncIteration:
         return None
+
+
+async def _before(step: Awaitable, deadline: float, loop: asyncio.AbstractEventLoop):
+    """``await step`` (a read from or a write to a stream); DEADLINE_EXCEEDED when it has not
+    finished by ``deadline`` (``loop.time()``), which ends the call."""
+    try:
+        return await asyncio.wait_for(step, timeout=max(0.0, deadline - loop.time()))
     except asyncio.TimeoutError:
         raise RequestError(
             grpc.StatusCode.DEADLINE_EXCEEDED,

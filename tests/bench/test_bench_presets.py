@@ -189,3 +189,42 @@ def test_bf16_mismatch_is_reported_not_fatal(capsys) -> None:
 def test_presets_are_named_consistently() -> None:
     assert set(PRESETS) == {"tiny", "bench", "8b"}
     assert all(name == preset.name for name, preset in PRESETS.items())
+
+
+def test_documented_model_sizes_are_their_parameter_counts() -> None:
+    """Issue #17: docs/bench.md called the bench model "~4M parameters"; it has ~25M. Every
+    "~N M parameters" in the docs and help texts must be the tiny or the bench model's count,
+    rounded as written."""
+    import re
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.tiny_model import TINY_VOCAB_SIZE, _arch_config
+
+    def num_parameters(size: str) -> int:
+        with torch.device("meta"):  # shapes only, no weight is made
+            model = AutoModelForCausalLM.from_config(
+                _arch_config("llama", TINY_VOCAB_SIZE, bos_id=1, eos_id=2, pad_id=0, size=size)
+            )
+        return sum(parameter.numel() for parameter in model.parameters())
+
+    counts = {size: num_parameters(size) for size in ("tiny", "bench")}
+    assert 20e6 < counts["bench"] < 30e6 and counts["tiny"] < 1e6
+    repo_root = Path(__file__).resolve().parents[2]
+    files = ["docs/bench.md", "README.md", "engine/bench.py", "engine/bench_presets.py", "engine/cli.py"]
+    files.append("engine/tiny_model.py")
+    claims = []
+    for name in files:
+        text = " ".join((repo_root / name).read_text().split())  # docs and help texts wrap lines
+        claims += [(name, m) for m in re.findall(r"~(\d+(?:\.\d+)?)M parameters", text)]
+    assert {name for name, _ in claims} >= {"docs/bench.md", "engine/bench_presets.py"}
+
+    def says(claim: str, count: int) -> bool:
+        """Whether "~{claim}M" is ``count`` rounded to the digits the claim shows."""
+        decimals = len(claim.partition(".")[2])
+        return round(count / 1e6, decimals) == float(claim)
+
+    wrong = [(name, claim) for name, claim in claims if not any(says(claim, n) for n in counts.values())]
+    assert not wrong, f"parameter counts that are neither model's ({counts}): {wrong}"

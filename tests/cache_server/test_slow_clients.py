@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.cli import main
-from protos import kvstash_pb2
+from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends import bulk_channel as wire
 from storage_backends import create_backend
 from tests.cache_server.helpers import Stubs, make_value
@@ -200,6 +200,32 @@ def test_a_grpc_put_that_goes_silent_is_cut_and_frees_its_stream_slot(server, st
         silence.set()
         for thread in threads:
             thread.join()
+
+
+def test_grpc_gets_that_are_never_read_are_cut_and_free_their_stream_slots(server, stubs) -> None:
+    """A gRPC Get stream whose client stops reading held its stream slot until the client went
+    away (a whole deadline applied to the bulk channel only). A client channel without BDP
+    probing keeps its stream windows at 64 KiB, so the server's writes stall at once."""
+    value = make_value(9, 16 * MIB, key="ns/unread")
+    stubs.put("ns/unread", value)
+    reader = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+    stub = kvstash_pb2_grpc.KVCacheStub(reader)
+    calls = []
+    try:
+        calls += [stub.Get(kvstash_pb2.GetRequest(key="ns/unread"), timeout=120) for _ in range(NUM_STREAMS)]
+        for call in calls:
+            assert next(call).total_size == len(value)  # started; never read again
+        assert wait_until(lambda: stats(stubs).num_active_streams == NUM_STREAMS, 10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stubs.get("ns/unread")  # every slot held
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Each Get's deadline is 2 s + 16 MiB at 1 MiB/s from its start.
+        assert wait_until(lambda: stats(stubs).num_active_streams == 0, 18 + 4 * REQUEST_TIMEOUT_S)
+        assert stubs.get("ns/unread") == value  # an honest reader gets the slot and the value
+    finally:
+        for call in calls:
+            call.cancel()
+        reader.close()
 
 
 def test_uploads_in_flight_count_against_the_memory_cap(server, stubs) -> None:

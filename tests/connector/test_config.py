@@ -47,6 +47,43 @@ def test_offload_config_and_the_backend_registry_accept_the_same_remote_schemes(
     assert offload_config_from_options(no_flags(kv_offload_remote=url), {}).remote_url == url
 
 
+def test_every_offload_variable_the_docs_name_is_one_the_engine_reads():
+    """Issue #17: docs/configuration.md named KVSTASH_KV_OFFLOAD_REMOTE (the variable is
+    KVSTASH_KV_OFFLOAD_REMOTE_URL; an unknown one stops the engine at start-up). Every
+    KVSTASH_* name in the docs is read by the code."""
+    import re
+    from pathlib import Path
+
+    repo_root = Path(__file__).resolve().parents[2]
+    documents = [
+        repo_root / "README.md",
+        repo_root / "docker-compose.yml",
+        *sorted((repo_root / "docs").glob("*.md")),
+    ]
+    names = {
+        (path.name, name)
+        for path in documents
+        for name in re.findall(r"\bKVSTASH_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())
+    }
+    assert any(doc == "configuration.md" and name.startswith("KVSTASH_KV_OFFLOAD_") for doc, name in names)
+    sources = "\n".join(
+        path.read_text()
+        for folder in ("engine", "connector", "cache_server", "storage_backends", "tests", "benchmarks")
+        for path in (repo_root / folder).rglob("*.py")
+    )
+    wrong = []
+    for document, name in sorted(names):
+        if name.startswith("KVSTASH_KV_OFFLOAD_") and name != "KVSTASH_KV_OFFLOAD_CONFIG":
+            try:
+                OffloadConfig.from_env({name: "0"})
+            except ValueError as error:
+                if "unknown offload setting" in str(error):
+                    wrong.append((document, name))
+        elif f'"{name}"' not in sources:  # read as a string constant somewhere in the code
+            wrong.append((document, name))
+    assert not wrong, f"variables the docs name but no code reads: {wrong}"
+
+
 def test_a_disk_size_without_a_disk_folder_is_an_error(tmp_path):
     """Issue #17: --kv-offload-disk-gb alone silently gave no disk tier."""
     with pytest.raises(ValueError, match="disk tier size .* no disk folder"):

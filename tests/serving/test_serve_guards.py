@@ -45,7 +45,8 @@ def auth(key: str = API_KEY) -> dict[str, str]:
     ("field", "value"),
     [
         ("top_p", 1e-300),  # 0 in float32: the sampler kept no token
-        ("top_k", 1e23),  # overflowed the sampler's int64 tensor
+        ("top_k", 10**23),  # a JSON integer: overflowed the sampler's int64 tensor
+        ("top_k", 1e23),  # a JSON float: not an integer
         ("temperature", 1e39),  # inf in float32
         ("seed", 2**64),
         ("max_tokens", 2**40),

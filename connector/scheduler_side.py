@@ -190,15 +190,17 @@ class OffloadScheduler(KVConnectorScheduler):
         spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
         return min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
 
-    def _fetch_origins(self, transfer: RequestTransfer, job: FetchJob, num_start: int) -> list:
-        """(start, end, tier) of the ready chunks of ``job`` from ``num_start`` on: where the
-        tokens loaded from them came from (the request's figures)."""
+    def _fetch_origins(self, transfer: RequestTransfer, job: FetchJob, num_start: int, num_end: int) -> list:
+        """(start, end, tier) of ``job``'s chunks within tokens [num_start, num_end) (a load
+        of them): where the tokens it loads came from (the request's figures). Loads of one
+        request never overlap, so neither do the origins recorded for them."""
         spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-        return [
-            (max(spans[job.first_chunk + i].start, num_start), spans[job.first_chunk + i].end, tier)
-            for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
-            if spans[job.first_chunk + i].end > num_start
-        ]
+        origins = []
+        for index, tier in enumerate(job.tier_names[: job.num_ready_chunks]):
+            span = spans[job.first_chunk + index]
+            if span.end > num_start and span.start < num_end:
+                origins.append((max(span.start, num_start), min(span.end, num_end), tier))
+        return origins
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -234,7 +236,9 @@ class OffloadScheduler(KVConnectorScheduler):
         # keeps its fetch for the rest, computing nothing until it ended.
         partial = transfer.phase is TransferPhase.FETCHING
         if transfer.phase is TransferPhase.FETCHED or partial:
-            transfer.token_origins = self._fetch_origins(transfer, transfer.fetch, num_gpu_hit)
+            transfer.token_origins = self._fetch_origins(
+                transfer, transfer.fetch, num_gpu_hit, num_gpu_hit + num_external_tokens
+            )
         chunk_tiers = transfer.chunk_tiers or []
         num_hit = spans[len(chunk_tiers) - 1].end if chunk_tiers else 0
         tail = None
@@ -322,7 +326,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if tail.num_tokens > 0:
             spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
             self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
-            transfer.token_origins += self._fetch_origins(transfer, job, num_start)
+            transfer.token_origins += self._fetch_origins(transfer, job, num_start, num_end)
             self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, tail.num_tokens)
             self._pending_loads.append(
                 LoadSpec(

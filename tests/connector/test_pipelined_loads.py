@@ -213,3 +213,53 @@ def test_preempted_while_partly_loaded_the_request_starts_over_with_identical_to
         close(llm)
     finally:
         remote.close()
+
+
+def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_prefix(redis_server):
+    """Item (a) of pipelined loads, with the real fetcher, CPU tier and Redis: a running
+    fetch whose first chunk is in the CPU tier is reported as received (its request may
+    load it) once, and not again until more arrives; with pipelined loads off only a fetch
+    that ended is."""
+    import torch
+
+    from connector import create_kv_connector
+    from connector.fetcher import FetchJob
+    from storage_backends.chunk import KVChunk
+
+    shape = (2, 2, 16, 2, 8)
+    with DelayProxy(redis_server.port) as proxy:
+        config = OffloadConfig(
+            chunk_size=16, cpu_bytes=8 << 20, remote_url=f"redis://127.0.0.1:{proxy.port}", reads_in_flight=1
+        )
+        scheduler, worker = create_kv_connector(
+            config,
+            model_id="partial-receives",
+            dtype=torch.float32,
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
+            block_size=4,
+            device=torch.device("cpu"),
+        )
+        fetcher, registry = scheduler.fetcher, scheduler.registry
+        scheduler.cache_engine.tiers.cpu.put("k0", KVChunk(torch.ones(shape)))
+        proxy.delay_s = 60.0  # the reads of k1 and k2 stay in flight
+        jobs = {}
+        for request_id, pipelined in (("on", True), ("off", False)):
+            worker.pipelined_loads = pipelined
+            transfer = registry.get_or_create(request_id, tuple(range(48)))
+            jobs[request_id] = FetchJob(
+                request_id, ["k0", "k1", "k2"], [shape] * 3, ["cpu", "redis", "redis"], 60.0
+            )
+            registry.fetch_started(transfer, jobs[request_id])
+            fetcher.start(jobs[request_id])
+            assert jobs[request_id].num_ready_chunks == 1 and not jobs[request_id].done
+            received = {"off": set(), "on": {"on"}}[request_id]
+            assert worker.get_finished(set()) == (set(), received)
+            assert worker.get_finished(set()) == (set(), set())  # nothing new arrived
+            assert transfer.phase is TransferPhase.FETCHING
+        for job in jobs.values():
+            fetcher.release(job)
+        assert scheduler.cache_engine.tiers.cpu.pin_counts() == {}
+        proxy.close()  # the reads in flight fail at once
+        worker.close()

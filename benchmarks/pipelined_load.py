@@ -5,7 +5,7 @@ once the whole fetch ended, the same prompts in the same engine and run.
 The model is a small Llama with a KV as wide as a real one per layer (8 layers x 8 KV heads
 x 64 dims, float32: 32 KiB per token), so that the load (the unpack into the paged cache,
 which is the host→device copy's place on CPU) costs what a fetch costs. Tiers, each real:
-- ``disk``: the disk tier, reads from the page cache (as fast as this machine reads memory);
+- ``disk``: the disk tier (O_DIRECT reads where the filesystem takes them);
 - ``redis``: a real redis-server behind a real TCP proxy capped at ``--proxy-rate-mb``
   MB/s per connection (tests/reliability/delay_proxy.py, in a process of its own),
   ``--reads-in-flight`` reads at once.

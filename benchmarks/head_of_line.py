@@ -93,6 +93,7 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
     engine.add_request(hit_id, prompt, FIRST_TOKEN)
     first_token_at = None
     hit_output = None
+    loaded_ends: list[int] = []  # the hit's KV length after each step that loaded part of it
     while first_token_at is None or len(decode_times) < 3 or decode_times[-1] <= first_token_at:
         for output in engine.step():
             if output.request_id == decode_id:
@@ -100,6 +101,12 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
             elif output.request_id == hit_id and output.finished:
                 first_token_at = time.perf_counter()
                 hit_output = output
+        hit_request = engine.requests.get(hit_id)
+        num_done = (
+            0 if hit_request is None or hit_request.output_token_ids else hit_request.num_computed_tokens
+        )
+        if num_done and num_done not in loaded_ends[-1:]:
+            loaded_ends.append(num_done)
     engine.abort_request(decode_id)
     while engine.has_unfinished_requests():
         engine.step()
@@ -112,6 +119,9 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
         "decode_max_gap_ms": max(window_gaps) * 1e3,
         "decode_median_gap_ms": statistics.median(steady_gaps) * 1e3,
         "decode_tokens_while_waiting": sum(1 for t in window if t < first_token_at),
+        # steps that advanced the prompt before its last one (pipelined loads: one per piece
+        # of the fetch loaded as it arrived; recomputed chunks count too)
+        "prompt_steps_before_last": len(loaded_ends),
         "ext_tokens": metrics.num_external_cached_tokens,
         "tier_to_loaded_tokens": metrics.tier_to_loaded_tokens,
         "planned_recompute_tokens": metrics.num_planned_recompute_tokens,
@@ -170,6 +180,7 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
                 "recompute_decode_max_gap_ms": median("recompute", "decode_max_gap_ms"),
                 "decode_median_gap_ms": median("hit", "decode_median_gap_ms"),
                 "decode_tokens_while_waiting": median("hit", "decode_tokens_while_waiting"),
+                "hit_prompt_steps_before_last": median("hit", "prompt_steps_before_last"),
                 "tier_to_loaded_tokens": last_hit["tier_to_loaded_tokens"],
                 "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
                 "page_cache_dropped": last_hit["page_cache_dropped"],
@@ -183,7 +194,8 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'tier':<7} {'cap ms':>6} {'TTFT hit':>9} {'TTFT rec':>9} {'hit/rec':>7} {'TTFT lone':>9} "
-        f"{'gap hit':>8} {'gap rec':>8} {'gap med':>8} {'dec toks':>8}  loaded per tier / recomputed"
+        f"{'gap hit':>8} {'gap rec':>8} {'gap med':>8} {'dec toks':>8} {'pieces':>6}  "
+        "loaded per tier / recomputed"
     )
     print(header)
     print("-" * len(header))
@@ -194,12 +206,14 @@ def print_table(rows: list[dict]) -> None:
             f"{row['tier']:<7} {cap:>6} {row['hit_ttft_ms']:>9.1f} {row['recompute_ttft_ms']:>9.1f} "
             f"{row['hit_ttft_ms'] / row['recompute_ttft_ms']:>7.2f} {row['lone_recompute_ttft_ms']:>9.1f} "
             f"{row['hit_decode_max_gap_ms']:>8.1f} {row['recompute_decode_max_gap_ms']:>8.1f} "
-            f"{row['decode_median_gap_ms']:>8.2f} {row['decode_tokens_while_waiting']:>8.0f}  "
+            f"{row['decode_median_gap_ms']:>8.2f} {row['decode_tokens_while_waiting']:>8.0f} "
+            f"{row['hit_prompt_steps_before_last']:>6.0f}  "
             f"{loaded} / {row['planned_recompute_tokens']}"
         )
     print(
         "(ms; gap = a co-running decode's longest gap between tokens while the long prompt waits;"
-        " TTFT lone = recompute with nothing decoding; cap = the engine's max_decode_gap_ms)"
+        " TTFT lone = recompute with nothing decoding; cap = the engine's max_decode_gap_ms;"
+        " pieces = the hit's steps before its last: loads of the chunks that had arrived, or head chunks)"
     )
 
 
@@ -224,6 +238,11 @@ def main() -> None:
         help="the prefill cap measured against no cap (0: only without)",
     )
     parser.add_argument("--load-policy", default="planned", choices=("planned", "always"))
+    parser.add_argument(
+        "--no-pipelined-loads",
+        action="store_true",
+        help="load a fetch only once it ended (OffloadConfig.pipelined_loads off), to compare",
+    )
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -255,7 +274,9 @@ def main() -> None:
     disk_root = Path(tempfile.mkdtemp(prefix="kvstash-hol-")) if args.disk_path is None else args.disk_path
     rows = []
     for tier in tiers:
-        fields = dict(cpu_bytes=2 * kv_bytes, load_policy=args.load_policy)
+        fields = dict(
+            cpu_bytes=2 * kv_bytes, load_policy=args.load_policy, pipelined_loads=not args.no_pipelined_loads
+        )
         if tier == "disk":
             rows += measure(
                 tier,
@@ -304,6 +325,7 @@ def main() -> None:
         "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random weights)",
         "prompt_tokens": length,
         "load_policy": args.load_policy,
+        "pipelined_loads": not args.no_pipelined_loads,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "torch_threads": torch.get_num_threads(),
         "rows": rows,

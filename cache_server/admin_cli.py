@@ -32,6 +32,7 @@ TIER_COLUMNS = (
     "evictions",
     "corrupt",
     "errors",
+    "verified",
 )
 TRANSPORT_COLUMNS = ("num_puts", "num_gets", "bytes_received", "bytes_sent")
 BYTE_FIELDS = ("bytes_used", "capacity_bytes", "bytes_received", "bytes_sent")

@@ -41,6 +41,13 @@ __all__ = ["admin", "cache_server"]
     "--disk-path", type=click.Path(file_okay=False), help="Folder of the disk tier (kept across restarts)."
 )
 @click.option("--disk-gb", type=float, help="Byte cap of the disk tier, GiB (required with --disk-path).")
+@click.option(
+    "--disk-direct-io/--no-disk-direct-io",
+    default=True,
+    show_default=True,
+    help="Read and write the disk tier with O_DIRECT where the filesystem accepts it; "
+    "--no-disk-direct-io: buffered I/O through the page cache (faster with RAM to spare).",
+)
 @click.option("--redis-url", help="Redis below the disk tier, e.g. redis://redis:6379/0.")
 @click.option(
     "--auth-token",
@@ -100,6 +107,7 @@ def cache_server(
     memory_gb: float,
     disk_path: str | None,
     disk_gb: float | None,
+    disk_direct_io: bool,
     redis_url: str | None,
     auth_token: str | None,
     tenants_path: str | None,
@@ -125,6 +133,7 @@ def cache_server(
             memory_bytes=int(memory_gb * GIB),
             disk_path=disk_path,
             disk_bytes=int(disk_gb * GIB) if disk_gb is not None else None,
+            disk_direct_io=disk_direct_io,
             redis_url=redis_url,
             auth_token=auth_token or None,
             tenants=tenants,

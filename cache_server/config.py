@@ -68,6 +68,9 @@ class ServerConfig:
     memory_bytes: int = 4 * GIB
     disk_path: str | None = None
     disk_bytes: int | None = None
+    #: read and write the disk tier with O_DIRECT where its filesystem accepts it; off:
+    #: buffered I/O through the page cache (faster on hosts with RAM to spare for it)
+    disk_direct_io: bool = True
     redis_url: str | None = None
     auth_token: str | None = None
     #: tenants (``--tenants FILE``, read by ``cache_server.tenants.load_tenants``); with

@@ -173,13 +173,20 @@ def _server_tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
+def _describe_tier(tier) -> str:
+    """A tier's name for the start-up log line; the disk tier's says how it does I/O."""
+    if tier.name != "disk":
+        return tier.name
+    return f"disk ({'direct' if tier.stats().get('direct_io') else 'buffered'} I/O)"
+
+
 async def serve(config: ServerConfig) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully."""
     server = await CacheServer.start(config)
     scheme = "grpcs" if config.tls_cert else "grpc"
     # Tests and scripts read this line to learn the port (the config may ask for port 0).
     print(f"kvstash cache server listening on {scheme}://{config.host}:{server.port}", flush=True)
-    tiers = ", ".join(tier.name for tier in server.store.tiers)
+    tiers = ", ".join(_describe_tier(tier) for tier in server.store.tiers)
     bulk = f"port {server.bulk_port}" if server.bulk_port else "off"
     if server.bulk_socket:
         bulk += f" and Unix socket {server.bulk_socket}"

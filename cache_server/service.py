@@ -485,6 +485,7 @@ TIER_STAT_FIELDS = (
     "evictions",
     "corrupt",
     "errors",
+    "verified",
 )
 
 

@@ -38,10 +38,11 @@ def _lower_tier_urls(config: ServerConfig) -> list[str]:
     """Backend URLs of the configured tiers below memory, highest first."""
     urls = []
     if config.disk_path is not None:
-        disk_url = f"file://{Path(config.disk_path).resolve()}"
+        params = [] if config.disk_direct_io else ["direct_io=0"]
         if config.disk_bytes is not None:
-            disk_url += f"?capacity={config.disk_bytes}"
-        urls.append(disk_url)
+            params.insert(0, f"capacity={config.disk_bytes}")
+        disk_url = f"file://{Path(config.disk_path).resolve()}"
+        urls.append(disk_url + ("?" + "&".join(params) if params else ""))
     if config.redis_url is not None:
         urls.append(config.redis_url)
     return urls

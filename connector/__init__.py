@@ -124,9 +124,20 @@ def create_kv_connector(
         weakref.finalize(cache_engine, lookups.close)
         weakref.finalize(cache_engine, fetcher.close)
     scheduler = OffloadScheduler(
-        cache_engine, registry, block_size=block_size, lookups=lookups, planner=planner, fetcher=fetcher
+        cache_engine,
+        registry,
+        block_size=block_size,
+        lookups=lookups,
+        planner=planner,
+        fetcher=fetcher,
+        pipelined_loads=config.pipelined_loads,
     )
     worker = OffloadWorker(
-        cache_engine, registry, layerwise=config.layerwise, fetcher=fetcher, planner=planner
+        cache_engine,
+        registry,
+        layerwise=config.layerwise,
+        fetcher=fetcher,
+        planner=planner,
+        pipelined_loads=config.pipelined_loads,
     )
     return scheduler, worker

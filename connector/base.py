@@ -78,6 +78,16 @@ class ConnectorMetadata:
     fetches: list = field(default_factory=list)
 
 
+class TailLoad(NamedTuple):
+    """What a request at its compute limit loads now (``get_num_tail_tokens``)."""
+
+    #: tokens loadable from the request's compute limit on (its fetch's ready chunks)
+    num_tokens: int
+    #: True: its fetch ended, it computes on after this load; False: more chunks are still
+    #: coming (pipelined loads), it loads these and computes nothing this step
+    final: bool
+
+
 class RequestTransferStats(NamedTuple):
     """Per-request figures the engine reports in ``RequestOutput.metrics`` and logs."""
 
@@ -144,9 +154,13 @@ class KVConnectorScheduler(abc.ABC):
         ``build_connector_meta`` sees its ``num_computed_tokens`` went back."""
 
     def get_compute_limit(self, request: ConnectorRequest) -> int | None:
-        """The prompt position a running request must not compute past yet: its head is
-        recomputed while the chunks from there on are fetched (None: no limit). Called
-        per step for running requests still in their prompt; side-effect free."""
+        """The prompt position a request must not compute past yet: its head is recomputed
+        while the chunks from there on are fetched, or (pipelined loads) the end of the part
+        of its fetch it has loaded (None: no limit). Called per step for running requests
+        still in their prompt, and at admission right after ``get_num_new_matched_tokens``:
+        a limit there equal to the GPU hit plus the external tokens means the request is
+        admitted to load those and compute nothing while the rest of its fetch comes in.
+        Side-effect free."""
         return None
 
     def estimate_load_seconds(self, num_tokens: int) -> float:
@@ -155,18 +169,20 @@ class KVConnectorScheduler(abc.ABC):
         time). Side-effect free; 0.0 when unknown."""
         return 0.0
 
-    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
-        """For a request at its compute limit: how many tokens from there can be loaded
-        now (0 when its fetch got nothing: it recomputes on), or None while the fetch
-        runs (the request skips the step; the others go on)."""
-        return 0
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> TailLoad | None:
+        """For a request at its compute limit: the tokens from there that can be loaded now
+        and whether its fetch ended (``final``; 0 tokens then: it got nothing more and
+        recomputes on). Not final (pipelined loads): the chunks that arrived so far, loaded
+        this step while the rest keeps coming; the request computes nothing. None while
+        nothing new arrived (the request skips the step; the others go on). Side-effect free."""
+        return TailLoad(0, True)
 
     def update_state_after_tail_alloc(  # noqa: B027
-        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+        self, request: ConnectorRequest, block_ids: Sequence[int], tail: TailLoad
     ) -> None:
-        """Blocks for the tail were allocated: records the load of ``num_tail_tokens``
+        """Blocks for the tail were allocated: records the load of ``tail.num_tokens``
         from the request's compute limit on (called once per non-None
-        ``get_num_tail_tokens`` answer that the scheduler acted on)."""
+        ``get_num_tail_tokens`` answer that the scheduler acted on, with that answer)."""
 
     def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
         """Called by an engine with nothing to schedule while requests wait for

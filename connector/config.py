@@ -61,6 +61,10 @@ class OffloadConfig:
     #: hits below the CPU tier are fetched into it in the background while the request
     #: waits (needs a CPU tier); off: they are read in the admitting step (blocks it)
     async_loads: bool = True
+    #: a waiting request loads its fetch's chunks as they arrive (the host->device copy of
+    #: chunk i overlaps fetching chunk i+1), computing nothing until the rest is in; off:
+    #: it waits until the whole fetch is in the CPU tier, then loads it in one step
+    pipelined_loads: bool = True
     #: background reads in flight per lower tier
     reads_in_flight: int = 4
     #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
@@ -101,7 +105,7 @@ class OffloadConfig:
                 )
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for name in ("save_partial_chunks", "layerwise", "async_loads", "cpu_async_moves"):
+        for name in ("save_partial_chunks", "layerwise", "async_loads", "pipelined_loads", "cpu_async_moves"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.save_queue_size, bool) or not isinstance(self.save_queue_size, int):

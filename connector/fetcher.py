@@ -11,7 +11,9 @@ missed or failed, or at its deadline (the planner's "never wait for a tier
 longer than recomputing"); its usable part is the leading run of chunks that
 arrived, and the pins on chunks after the first gap are dropped at once. The
 pins of the usable part belong to the job until the load that reads them (or an
-abort) calls :meth:`ChunkFetcher.release`.
+abort) calls :meth:`ChunkFetcher.release`. While a job runs, :meth:`ChunkFetcher.poll_progress`
+reports its ready prefix as it grows, so its request can load those chunks already
+(pipelined loads: the host→device copy of one chunk overlaps the reads of the next).
 
 Threads: one pool per lower tier (``reads_in_flight`` threads). The engine's step
 thread calls :meth:`start`, :meth:`poll` and :meth:`release`; everything shared
@@ -64,6 +66,8 @@ class FetchJob:
     #: a planner's probe (``LoadPlanner.claim_probe``): read only to measure its tier, no
     #: request waits for it; ``request_id`` is then the probe's own
     probe: bool = False
+    #: ``num_ready_chunks`` when :meth:`ChunkFetcher.poll_progress` last reported the job
+    num_reported_ready: int = 0
 
     @property
     def num_ready_chunks(self) -> int:
@@ -164,6 +168,19 @@ class ChunkFetcher:
                     self._finish(job)
             finished, self._finished_jobs = self._finished_jobs, []
         return finished
+
+    def poll_progress(self) -> list[FetchJob]:
+        """Running jobs (probes aside) whose ready prefix grew since they were last
+        reported: their request may load those chunks while the rest is read (pipelined
+        loads). Called once per step; a job that ended is reported by :meth:`poll` instead."""
+        progressed = []
+        with self._lock:
+            for job in self._running_jobs:
+                num_ready = job.num_ready_chunks
+                if not job.done and not job.probe and num_ready > job.num_reported_ready:
+                    job.num_reported_ready = num_ready
+                    progressed.append(job)
+        return progressed
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Sleep until some read finished or ``timeout_s`` passed (an idle step loop)."""

@@ -7,9 +7,16 @@ here; each change of phase is a method of :class:`TransferRegistry`.
 Phases::
 
     NEW ──(lower-tier hit worth fetching)──> FETCHING ──(fetch done)──> FETCHED
-     │                                                                     │
+     │                                          │                          │
+     │                            (part of it arrived: pipelined loads)    │
+     │                                          │                          │
      └───────────────────────(admitted: blocks allocated)──────────────────┴──> ADMITTED
     ADMITTED ──(preempted: asked again)──> NEW
+
+An ADMITTED request with ``tail_pending`` still owns its fetch: it computes up to
+``compute_limit`` (a head recomputed while the tail is fetched), or nothing (admitted
+from FETCHING: it loads its fetch's chunks as they arrive, and computes once the fetch
+ended).
     any ──(finished or aborted)──> SENDING (saves still read its blocks) ──> gone
 
 The scheduler side never touches tensors: a fetch is described here (keys,
@@ -98,8 +105,12 @@ class RequestTransfer:
     num_pending_saves: int = 0
     #: this step's load stopped early: leading tokens truly in the paged cache
     num_valid_after_load: int | None = None
-    #: admitted with its head recomputing while ``fetch`` brings the tail (see decision.num_head_end)
+    #: admitted while ``fetch`` still brings chunks: a head recomputing up to decision.num_head_end,
+    #: or chunks loaded as they arrive (pipelined loads)
     tail_pending: bool = False
+    #: the prompt position the request computes no further than while ``tail_pending`` (or
+    #: while it is admitted from FETCHING): the head's end, or the end of what it loaded
+    compute_limit: int | None = None
     finished: bool = False
 
 
@@ -152,6 +163,22 @@ class TransferRegistry:
             self._finished_recving_ids.add(job.request_id)
             return transfer
 
+    def fetch_progressed(self, job: FetchJob) -> RequestTransfer | None:
+        """More of a running ``job`` arrived (pipelined loads): a request still waiting for
+        it unadmitted is reported by :meth:`take_finished_recving`, to load what arrived;
+        one admitted already takes the new chunks at its compute limit."""
+        with self._lock:
+            transfer = self._request_id_to_transfer.get(job.request_id)
+            if (
+                transfer is None
+                or transfer.fetch is not job
+                or transfer.finished
+                or transfer.phase is not TransferPhase.FETCHING
+            ):
+                return None
+            self._finished_recving_ids.add(job.request_id)
+            return transfer
+
     def admitted(self, transfer: RequestTransfer, num_gpu_hit: int, num_external: int) -> None:
         """Blocks were allocated (again after a preemption): the GPU hit of the first
         admission is kept, external hits add up like the loads that follow them."""
@@ -173,6 +200,7 @@ class TransferRegistry:
             transfer.decision = None
             transfer.fetch = None
             transfer.tail_pending = False
+            transfer.compute_limit = None
 
     def finish(self, request_id: str) -> tuple[RequestTransfer | None, bool]:
         """A request finished or was aborted: returns its state (the caller releases
@@ -219,7 +247,8 @@ class TransferRegistry:
             return done
 
     def take_finished_recving(self) -> set[str]:
-        """Requests whose fetch ended since the last call (they may be admitted now)."""
+        """Requests whose fetch ended, or (pipelined loads) whose fetch brought more chunks,
+        since the last call (they may be admitted now)."""
         with self._lock:
             done, self._finished_recving_ids = self._finished_recving_ids, set()
             return done

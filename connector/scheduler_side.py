@@ -22,6 +22,7 @@ from connector.base import (
     RequestTransferStats,
     SaveSpec,
     ScheduledRequest,
+    TailLoad,
 )
 from connector.cache_engine import CacheEngine
 from connector.fetcher import ChunkFetcher, FetchJob
@@ -62,6 +63,7 @@ class OffloadScheduler(KVConnectorScheduler):
         lookups: TierLookups | None = None,
         planner: LoadPlanner | None = None,
         fetcher: ChunkFetcher | None = None,
+        pipelined_loads: bool = True,
     ) -> None:
         self.cache_engine = cache_engine
         self.registry = registry
@@ -72,6 +74,8 @@ class OffloadScheduler(KVConnectorScheduler):
         self.planner = planner
         #: None without a CPU tier: lower-tier chunks are then read in the step (no fetch)
         self.fetcher = fetcher
+        #: load a fetch's chunks as they arrive (see ``get_num_tail_tokens``); off: once it ended
+        self.pipelined_loads = pipelined_loads
         self._pending_loads: list[LoadSpec] = []
         self._pending_fetches: list[FetchJob] = []
         self._num_probes = 0
@@ -94,6 +98,16 @@ class OffloadScheduler(KVConnectorScheduler):
         if transfer.phase is TransferPhase.FETCHED:
             transfer.num_computed_at_plan = num_computed_tokens  # the GPU hit may have changed
             return self._fetched_tokens(transfer, num_computed_tokens), False
+        if transfer.phase is TransferPhase.FETCHING:
+            # Readmitted because part of its fetch arrived (pipelined loads): it is admitted
+            # to load that part and compute nothing (its compute limit) while the rest comes.
+            transfer.num_computed_at_plan = num_computed_tokens
+            num_ready_end = self._ready_end(transfer, transfer.fetch)  # read once: it grows meanwhile
+            if num_ready_end <= num_computed_tokens:
+                transfer.compute_limit = None
+                return num_loadable_end - num_computed_tokens, True  # nothing new: it waits on
+            transfer.compute_limit = num_ready_end
+            return num_ready_end - num_computed_tokens, False
         spans = self.cache_engine.token_db.chunk_spans(prompt, transfer.cache_salt)
         chunk_tiers = self._chunk_tiers(transfer, [span.key for span in spans], num_computed_tokens)
         if chunk_tiers is None:
@@ -165,13 +179,28 @@ class OffloadScheduler(KVConnectorScheduler):
     def _fetched_tokens(self, transfer: RequestTransfer, num_computed_tokens: int) -> int:
         """Tokens now loadable from the CPU tier after the request's fetch ended: the
         leading run of its chunks that arrived (the rest is recomputed)."""
-        job = transfer.fetch
+        return max(0, self._ready_end(transfer, transfer.fetch) - num_computed_tokens)
+
+    def _ready_end(self, transfer: RequestTransfer, job: FetchJob) -> int:
+        """The prompt position up to which ``job``'s chunks are in the CPU tier (pinned for
+        it), at most the prompt's last token (which is always computed); 0 when none are."""
         num_ready = job.num_ready_chunks
         if not num_ready:
             return 0
         spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-        num_end = min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
-        return max(0, num_end - num_computed_tokens)
+        return min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
+
+    def _fetch_origins(self, transfer: RequestTransfer, job: FetchJob, num_start: int, num_end: int) -> list:
+        """(start, end, tier) of ``job``'s chunks within tokens [num_start, num_end) (a load
+        of them): where the tokens it loads came from (the request's figures). Loads of one
+        request never overlap, so neither do the origins recorded for them."""
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        origins = []
+        for index, tier in enumerate(job.tier_names[: job.num_ready_chunks]):
+            span = spans[job.first_chunk + index]
+            if span.end > num_start and span.start < num_end:
+                origins.append((max(span.start, num_start), min(span.end, num_end), tier))
+        return origins
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
@@ -180,6 +209,8 @@ class OffloadScheduler(KVConnectorScheduler):
         transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
         num_gpu_hit = transfer.num_computed_at_plan
         decision = transfer.decision
+        if transfer.phase is TransferPhase.FETCHING and not block_ids:
+            return  # nothing new arrived beyond its GPU hit: back to waiting for its fetch
         if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
             self.planner.record(decision, transfer.num_computed_at_plan)
             probe_chunk = self.planner.claim_probe(decision, transfer.chunk_tiers or [])
@@ -201,12 +232,13 @@ class OffloadScheduler(KVConnectorScheduler):
             self._start_fetch(transfer)
             return
         spans = self.cache_engine.token_db.chunk_spans(prompt, transfer.cache_salt)
-        if transfer.phase is TransferPhase.FETCHED:
-            job = transfer.fetch
-            transfer.token_origins = [
-                (max(spans[job.first_chunk + i].start, num_gpu_hit), spans[job.first_chunk + i].end, tier)
-                for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
-            ]
+        # Admitted with part of its fetch in (pipelined loads): it loads that part now and
+        # keeps its fetch for the rest, computing nothing until it ended.
+        partial = transfer.phase is TransferPhase.FETCHING
+        if transfer.phase is TransferPhase.FETCHED or partial:
+            transfer.token_origins = self._fetch_origins(
+                transfer, transfer.fetch, num_gpu_hit, num_gpu_hit + num_external_tokens
+            )
         chunk_tiers = transfer.chunk_tiers or []
         num_hit = spans[len(chunk_tiers) - 1].end if chunk_tiers else 0
         tail = None
@@ -217,6 +249,9 @@ class OffloadScheduler(KVConnectorScheduler):
         if tail is not None:
             transfer.fetch = tail
             transfer.tail_pending = True
+            transfer.compute_limit = decision.num_head_end
+        elif partial:
+            transfer.tail_pending = True  # compute_limit: the end of what arrived
         if transfer.num_expected_computed is None:
             # Chunks wholly present need no save; a present trailing partial chunk counts
             # only when the whole prompt is present.
@@ -251,47 +286,48 @@ class OffloadScheduler(KVConnectorScheduler):
             and decision.num_fetch_chunks
             and decision.num_head_end > decision.num_cpu_end
         )
-        if not (transfer.tail_pending or admitting_split):
-            return None
-        return decision.num_head_end
+        if transfer.tail_pending or transfer.phase is TransferPhase.FETCHING:
+            return transfer.compute_limit
+        return decision.num_head_end if admitting_split else None
 
     def estimate_load_seconds(self, num_tokens: int) -> float:
         if self.planner is None or num_tokens <= 0:
             return 0.0
         return num_tokens * self.cache_engine.bytes_per_token / self.planner.tier_rate("cpu")
 
-    def get_num_tail_tokens(self, request: ConnectorRequest) -> int | None:
+    def get_num_tail_tokens(self, request: ConnectorRequest) -> TailLoad | None:
         transfer = self.registry.get(request.request_id)
         if transfer is None or not transfer.tail_pending:
-            return 0
+            return TailLoad(0, True)
         job = transfer.fetch
-        if not job.done:
+        done = job.done  # read before the ready chunks: a job that ended grows no more
+        num_tail = max(0, self._ready_end(transfer, job) - request.num_computed_tokens)
+        if done:
+            return TailLoad(num_tail, True)
+        if not self.pipelined_loads or num_tail == 0:
             return None
-        num_ready = job.num_ready_chunks
-        if not num_ready:
-            return 0
-        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-        num_end = min(spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
-        return max(0, num_end - request.num_computed_tokens)
+        return TailLoad(num_tail, False)
 
     def update_state_after_tail_alloc(
-        self, request: ConnectorRequest, block_ids: Sequence[int], num_tail_tokens: int
+        self, request: ConnectorRequest, block_ids: Sequence[int], tail: TailLoad
     ) -> None:
         transfer = self.registry.get(request.request_id)
         if transfer is None or not transfer.tail_pending:
             return
-        transfer.tail_pending = False
-        job, transfer.fetch = transfer.fetch, None
+        job = transfer.fetch
         num_start = request.num_computed_tokens
-        num_end = num_start + num_tail_tokens
-        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-        if num_tail_tokens > 0:
+        num_end = num_start + tail.num_tokens
+        if tail.final:
+            transfer.tail_pending = False
+            transfer.fetch = None
+            transfer.compute_limit = None
+        else:
+            transfer.compute_limit = num_end  # it computes nothing until the rest is in
+        if tail.num_tokens > 0:
+            spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
             self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
-            transfer.token_origins = [
-                (max(spans[job.first_chunk + i].start, num_start), spans[job.first_chunk + i].end, tier)
-                for i, tier in enumerate(job.tier_names[: job.num_ready_chunks])
-            ]
-            self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, num_tail_tokens)
+            transfer.token_origins += self._fetch_origins(transfer, job, num_start, num_end)
+            self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, tail.num_tokens)
             self._pending_loads.append(
                 LoadSpec(
                     request.request_id,
@@ -302,8 +338,8 @@ class OffloadScheduler(KVConnectorScheduler):
                     transfer.cache_salt,
                 )
             )
-        if self.fetcher is not None:
-            self.fetcher.release(job)
+        if tail.final and self.fetcher is not None:
+            self.fetcher.release(job)  # the lookup pins above hold the chunks it loads
 
     def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchJob:
         """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the

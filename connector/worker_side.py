@@ -53,12 +53,15 @@ class OffloadWorker(KVConnectorWorker):
         layerwise: bool,
         fetcher: ChunkFetcher | None = None,
         planner: LoadPlanner | None = None,
+        pipelined_loads: bool = True,
     ) -> None:
         self.cache_engine = cache_engine
         self.registry = registry
         #: runs the metadata's background fetches; with it a step loads from the CPU tier only
         self.fetcher = fetcher
         self.planner = planner
+        #: report fetches whose ready prefix grew, so their requests load it already
+        self.pipelined_loads = pipelined_loads
         self.layerwise = layerwise
         self.kv_cache: torch.Tensor | None = None
         self._metadata = ConnectorMetadata()
@@ -256,7 +259,9 @@ class OffloadWorker(KVConnectorWorker):
     def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
         """Finished saves, and finished receives: requests whose background fetch ended
         (their chunks that arrived are in the CPU tier; the step that admits them
-        copies those to the GPU)."""
+        copies those to the GPU), and with ``pipelined_loads`` unadmitted requests whose
+        fetch brought its first chunks or more of them (admitted to load those while the
+        rest is read: partial receives)."""
         self.cache_engine.publish_finished_stores()
         if self.fetcher is not None:
             for job in self.fetcher.poll():
@@ -278,6 +283,9 @@ class OffloadWorker(KVConnectorWorker):
                             )
                 if self.registry.fetch_finished(job) is None:
                     self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
+            if self.pipelined_loads:
+                for job in self.fetcher.poll_progress():
+                    self.registry.fetch_progressed(job)
         return self.registry.take_finished_sending(), self.registry.take_finished_recving()
 
     # ---- pipeline stages after the first (their scheduler side runs in another process) ----

@@ -130,10 +130,9 @@ class BatchQueue:
         self._forget_preempted(plan.preempted_request_ids)
         if not plan.requests:
             outputs = self.drain(finish)
-            connector = self.scheduler.connector
-            if connector is not None and self.scheduler.request_id_to_remote_wait:
+            if self.scheduler.waits_only_for_transfers(plan):
                 # Only background fetches are under way: sleep until one progresses, not spin.
-                connector.wait_for_transfers(0.005)
+                self.scheduler.connector.wait_for_transfers(0.005)
             began = time.perf_counter()
             self.num_sync_steps += 1
             return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))
@@ -166,9 +165,8 @@ class BatchQueue:
         if not plan.requests:
             # its connector bookkeeping runs after every step in flight
             outputs += self.drain(finish)
-            connector = scheduler.connector
-            if connector is not None and scheduler.request_id_to_remote_wait:
-                connector.wait_for_transfers(0.005)
+            if scheduler.waits_only_for_transfers(plan):
+                scheduler.connector.wait_for_transfers(0.005)
             began = time.perf_counter()
             self.num_sync_steps += 1
             return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))

@@ -577,10 +577,9 @@ class EngineCore:
         # (a retried group runs synchronously, after the steps in flight)
         drained = self._batch_queue.drain(self._finish_step) if self._batch_queue is not None else []
         plan = self.scheduler.schedule(only)
-        connector = self.scheduler.connector
-        if connector is not None and not plan.requests and self.scheduler.request_id_to_remote_wait:
+        if self.scheduler.waits_only_for_transfers(plan):
             # Only background fetches are under way: sleep until one progresses, not spin.
-            connector.wait_for_transfers(0.005)
+            self.scheduler.connector.wait_for_transfers(0.005)
         snapshot.take(plan.requests)
         began = time.perf_counter()
         outputs = self._finish_step(plan, self.runner.execute(plan), began)

@@ -10,7 +10,10 @@ admission (`get_num_new_matched_tokens`, `update_state_after_alloc`), once per
 step (`build_connector_meta`) and when a request finishes (`request_finished`).
 A request whose KV the connector must first fetch from a lower tier waits aside in
 WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`, no blocks held) and is put back
-at the front of the waiting queue when the worker reports the fetch finished; one
+at the front of the waiting queue when the worker reports the fetch finished, or (pipelined
+loads) when part of it arrived: it is then admitted with zero tokens to compute, loads
+that part (a load-only request of the step, `load_only_requests`) and stays running at its
+compute limit, loading the rest as it arrives, until the fetch ended and it computes; one
 whose lookup is not answered yet is skipped for the step. Neither holds up the
 requests behind it. While a request decodes, the prompt tokens of a step are capped
 (`prefill_cap`, engine.prefill_cap) so that the decode's next token is not held up by
@@ -47,6 +50,9 @@ class SchedulerOutput:
     connector_meta: ConnectorMetadata | None = None
     #: speculative drafts to verify this step (requests without drafts are absent)
     request_id_to_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: running requests that only load this step (pipelined loads: a part of their fetch
+    #: that arrived) and compute nothing; not in `requests`
+    load_only_requests: list[Request] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -82,6 +88,8 @@ class Scheduler:
     #: working on. A step that raises ends these (`EngineCore.step`).
     step_requests: list[Request] = field(default_factory=list)
     _finished_request_ids: set[str] = field(default_factory=set)
+    #: running requests the latest `schedule` skipped because their tail is being fetched
+    _num_tail_waits: int = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,6 +98,16 @@ class Scheduler:
         return bool(
             self.waiting or self.running or self.request_id_to_sending or self.request_id_to_remote_wait
         )
+
+    def waits_only_for_transfers(self, plan: SchedulerOutput) -> bool:
+        """Whether `plan` runs nothing (no request, no load) while requests wait for the
+        connector's background fetches: the engine then sleeps until one progresses
+        instead of spinning through empty steps."""
+        if plan.requests or self.connector is None:
+            return False
+        if plan.connector_meta is not None and plan.connector_meta.loads:
+            return False
+        return bool(self.request_id_to_remote_wait) or self._num_tail_waits > 0
 
     def schedule(
         self,
@@ -107,6 +125,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled: list[int] = []
+        load_only: list[Request] = []  # requests that load a part of their fetch, computing nothing
+        self._num_tail_waits = 0
         preempted: list[Request] = []
         request_id_to_spec_token_ids: dict[str, list[int]] = {}
         self.step_requests = []
@@ -131,15 +151,21 @@ class Scheduler:
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
             )
             num_tail = None  # tokens loaded at the connector's compute limit (its tail fetch)
+            tail = None
+            loads_only = False  # it loads a part of its fetch that arrived and computes nothing
             if self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 limit = self.connector.get_compute_limit(request)
                 if limit is not None and request.num_computed_tokens >= limit:
-                    num_tail = self.connector.get_num_tail_tokens(request)
-                    if num_tail is None:
+                    tail = self.connector.get_num_tail_tokens(request)
+                    num_tail = 0 if tail is None else tail.num_tokens
+                    num_tail = max(0, min(num_tail, request.num_tokens - 1 - request.num_computed_tokens))
+                    if tail is None or (not tail.final and num_tail == 0):
+                        self._num_tail_waits += 1
                         index += 1  # its tail is still being fetched: the others go on
                         continue
-                    num_tail = max(0, min(num_tail, request.num_tokens - 1 - request.num_computed_tokens))
+                    loads_only = not tail.final  # more is coming (pipelined loads)
                     num_new = min(request.num_tokens - request.num_computed_tokens - num_tail, budget)
+                    num_new = 0 if loads_only else num_new
                 elif limit is not None:
                     num_new = min(num_new, limit - request.num_computed_tokens)
             num_loaded = num_tail or 0
@@ -147,11 +173,14 @@ class Scheduler:
             if prefilling:
                 if num_loaded:  # the tail's copy runs in this step too
                     step_cap.spend_seconds(self.connector.estimate_load_seconds(num_loaded))
-                num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
-                if num_new == 0:
-                    index += 1  # the step's prefill time is spent: it goes on next step
-                    continue
-            spec_token_ids = [] if self.proposer is None else propose_drafts(self.proposer, request, budget)
+                if not loads_only:
+                    num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
+                    if num_new == 0:
+                        index += 1  # the step's prefill time is spent: it goes on next step
+                        continue
+            spec_token_ids = (
+                [] if self.proposer is None or loads_only else propose_drafts(self.proposer, request, budget)
+            )
             num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
             # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
             if (
@@ -172,11 +201,17 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                if num_tail is not None:
-                    self.connector.update_state_after_tail_alloc(request, list(request.block_ids), num_tail)
+                if tail is not None:
+                    self.connector.update_state_after_tail_alloc(
+                        request, list(request.block_ids), tail._replace(num_tokens=num_tail)
+                    )
                     request.num_computed_tokens += num_tail
                     request.metrics.num_external_cached_tokens += num_tail
                     self.stats.num_external_hit_tokens += num_tail
+                    if loads_only:
+                        load_only.append(request)
+                        index += 1
+                        continue
                 if prefilling:
                     step_cap.spend(request.num_computed_tokens, num_new)
                 scheduled.append(request)
@@ -222,17 +257,23 @@ class Scheduler:
                 num_external = max(0, min(num_matched, request.num_tokens - 1 - num_gpu_hit))
             num_computed = num_gpu_hit + num_external
             num_new = min(request.num_tokens - num_computed, budget)
+            only_loads = False
             if self.connector is not None:
                 # A head recomputed while the connector fetches the tail stops where the tail starts.
                 limit = self.connector.get_compute_limit(request)
                 if limit is not None and limit > num_computed:
                     num_new = min(num_new, limit - num_computed)
+                elif limit is not None and limit == num_computed and num_external:
+                    # Part of its fetch arrived: it loads that and computes nothing until the
+                    # rest is in (pipelined loads); it runs from now on, at its compute limit.
+                    num_new, only_loads = 0, True
             if step_cap is not None:
                 if num_external:  # its load from the CPU tier runs in this step too
                     step_cap.spend_seconds(self.connector.estimate_load_seconds(num_external))
-                num_new = step_cap.limit(num_computed, num_new)
-                if num_new == 0:
-                    break  # the step's prefill time is spent: admitted next step
+                if not only_loads:
+                    num_new = step_cap.limit(num_computed, num_new)
+                    if num_new == 0:
+                        break  # the step's prefill time is spent: admitted next step
             if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
                 break
             self._take_waiting(request, candidates, only)
@@ -247,6 +288,9 @@ class Scheduler:
             self.stats.num_prefix_hit_tokens += num_gpu_hit
             self.stats.num_external_hit_tokens += num_external
             self.running.append(request)
+            if only_loads:
+                load_only.append(request)
+                continue
             if step_cap is not None:
                 step_cap.spend(request.num_computed_tokens, num_new)
             scheduled.append(request)
@@ -260,9 +304,11 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=self._finished_request_ids,
             request_id_to_spec_token_ids=request_id_to_spec_token_ids,
+            load_only_requests=load_only,
         )
         self._finished_request_ids = set()
-        self.step_requests = scheduled
+        # a step that raises ends (or rolls back) the requests whose loads it held, too
+        self.step_requests = scheduled + load_only
         if self.connector is not None:
             output.connector_meta = self.connector.build_connector_meta(
                 [
@@ -363,6 +409,19 @@ class Scheduler:
             updated.append(request)
             if reason is not None:
                 self.finish_request(request, reason)
+        for request in output.load_only_requests:
+            if request.is_finished:
+                continue
+            if request.request_id in load_failures:
+                # Its KV from the valid length on is not in the paged cache: recomputed from there.
+                valid = load_failures[request.request_id]
+                lost = max(0, request.num_computed_tokens - valid)
+                request.num_computed_tokens = min(request.num_computed_tokens, valid)
+                request.metrics.num_external_cached_tokens = max(
+                    0, request.metrics.num_external_cached_tokens - lost
+                )
+                self.stats.num_load_failures += 1
+            self.block_manager.cache_computed_blocks(request)
         self.free_sent(finished_sending_ids)
         self.readmit_received(finished_recving_ids)
         return updated

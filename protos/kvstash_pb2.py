@@ -23,7 +23,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstash.proto\x12\nkvstash.v1\";\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\" \n\x0bPutResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"/\n\x0bGetResponse\x12\x12\n\ntotal_size\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1f\n\x0f\x43ontainsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"$\n\x10\x43ontainsResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse\"\x15\n\x13\x42ulkEndpointRequest\"\x84\x01\n\x14\x42ulkEndpointResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0b\n\x03tls\x18\x02 \x01(\x08\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tunix_path\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_keys\x18\x02 \x01(\x04\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x0c\n\x04puts\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\"\xa0\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstash.v1.TierStats\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x1a\n\x12num_active_streams\x18\x03 \x01(\x04\x12\x10\n\x08num_puts\x18\x04 \x01(\x04\x12\x10\n\x08num_gets\x18\x05 \x01(\x04\x12\x14\n\x0cnum_get_hits\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\t \x01(\x04\x12\x0f\n\x07version\x18\n \x01(\t\x12.\n\ntransports\x18\x0b \x03(\x0b\x32\x1a.kvstash.v1.TransportStats\"n\n\x0eTransportStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_puts\x18\x02 \x01(\x04\x12\x10\n\x08num_gets\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\"H\n\x0fListKeysRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"%\n\x08KeyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\"R\n\x10ListKeysResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.kvstash.v1.KeyEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1a\n\x0bInfoRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x98\x01\n\x0cInfoResponse\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.kvstash.v1.KeyEntry\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0e\n\x06layout\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\r\n\x05\x63odec\x18\x07 \x01(\t\"+\n\x0c\x45victRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\x04\"\x0e\n\x0c\x43learRequest\"$\n\rClearResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\x04\x32\xdb\x02\n\x07KVCache\x12\x38\n\x03Put\x12\x16.kvstash.v1.PutRequest\x1a\x17.kvstash.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstash.v1.GetRequest\x1a\x17.kvstash.v1.GetResponse0\x01\x12\x45\n\x08\x43ontains\x12\x1b.kvstash.v1.ContainsRequest\x1a\x1c.kvstash.v1.ContainsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstash.v1.DeleteRequest\x1a\x1a.kvstash.v1.DeleteResponse\x12T\n\x0fGetBulkEndpoint\x12\x1f.kvstash.v1.BulkEndpointRequest\x1a .kvstash.v1.BulkEndpointResponse2\xc3\x02\n\x05\x41\x64min\x12<\n\x05Stats\x12\x18.kvstash.v1.StatsRequest\x1a\x19.kvstash.v1.StatsResponse\x12\x45\n\x08ListKeys\x12\x1b.kvstash.v1.ListKeysRequest\x1a\x1c.kvstash.v1.ListKeysResponse\x12\x39\n\x04Info\x12\x17.kvstash.v1.InfoRequest\x1a\x18.kvstash.v1.InfoResponse\x12<\n\x05\x45vict\x12\x18.kvstash.v1.EvictRequest\x1a\x19.kvstash.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvstash.v1.ClearRequest\x1a\x19.kvstash.v1.ClearResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstash.proto\x12\nkvstash.v1\";\n\nPutRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\" \n\x0bPutResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"/\n\x0bGetResponse\x12\x12\n\ntotal_size\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1f\n\x0f\x43ontainsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"$\n\x10\x43ontainsResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x10\n\x0e\x44\x65leteResponse\"\x15\n\x13\x42ulkEndpointRequest\"\x84\x01\n\x14\x42ulkEndpointResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0b\n\x03tls\x18\x02 \x01(\x08\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x11\n\tunix_path\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\"\x0e\n\x0cStatsRequest\"\xc9\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_keys\x18\x02 \x01(\x04\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x0c\n\x04puts\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12\x10\n\x08verified\x18\x0b \x01(\x04\"\xa0\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstash.v1.TierStats\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x1a\n\x12num_active_streams\x18\x03 \x01(\x04\x12\x10\n\x08num_puts\x18\x04 \x01(\x04\x12\x10\n\x08num_gets\x18\x05 \x01(\x04\x12\x14\n\x0cnum_get_hits\x18\x06 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x14\n\x0cnum_rejected\x18\t \x01(\x04\x12\x0f\n\x07version\x18\n \x01(\t\x12.\n\ntransports\x18\x0b \x03(\x0b\x32\x1a.kvstash.v1.TransportStats\"n\n\x0eTransportStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_puts\x18\x02 \x01(\x04\x12\x10\n\x08num_gets\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\"H\n\x0fListKeysRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"%\n\x08KeyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\"R\n\x10ListKeysResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.kvstash.v1.KeyEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1a\n\x0bInfoRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x98\x01\n\x0cInfoResponse\x12#\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x14.kvstash.v1.KeyEntry\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0e\n\x06layout\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\r\n\x05\x63odec\x18\x07 \x01(\t\"+\n\x0c\x45victRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\x04\"\x0e\n\x0c\x43learRequest\"$\n\rClearResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\x04\x32\xdb\x02\n\x07KVCache\x12\x38\n\x03Put\x12\x16.kvstash.v1.PutRequest\x1a\x17.kvstash.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstash.v1.GetRequest\x1a\x17.kvstash.v1.GetResponse0\x01\x12\x45\n\x08\x43ontains\x12\x1b.kvstash.v1.ContainsRequest\x1a\x1c.kvstash.v1.ContainsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstash.v1.DeleteRequest\x1a\x1a.kvstash.v1.DeleteResponse\x12T\n\x0fGetBulkEndpoint\x12\x1f.kvstash.v1.BulkEndpointRequest\x1a .kvstash.v1.BulkEndpointResponse2\xc3\x02\n\x05\x41\x64min\x12<\n\x05Stats\x12\x18.kvstash.v1.StatsRequest\x1a\x19.kvstash.v1.StatsResponse\x12\x45\n\x08ListKeys\x12\x1b.kvstash.v1.ListKeysRequest\x1a\x1c.kvstash.v1.ListKeysResponse\x12\x39\n\x04Info\x12\x17.kvstash.v1.InfoRequest\x1a\x18.kvstash.v1.InfoResponse\x12<\n\x05\x45vict\x12\x18.kvstash.v1.EvictRequest\x1a\x19.kvstash.v1.EvictResponse\x12<\n\x05\x43lear\x12\x18.kvstash.v1.ClearRequest\x1a\x19.kvstash.v1.ClearResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,31 +53,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=484
   _globals['_STATSREQUEST']._serialized_end=498
   _globals['_TIERSTATS']._serialized_start=501
-  _globals['_TIERSTATS']._serialized_end=684
-  _globals['_STATSRESPONSE']._serialized_start=687
-  _globals['_STATSRESPONSE']._serialized_end=975
-  _globals['_TRANSPORTSTATS']._serialized_start=977
-  _globals['_TRANSPORTSTATS']._serialized_end=1087
-  _globals['_LISTKEYSREQUEST']._serialized_start=1089
-  _globals['_LISTKEYSREQUEST']._serialized_end=1161
-  _globals['_KEYENTRY']._serialized_start=1163
-  _globals['_KEYENTRY']._serialized_end=1200
-  _globals['_LISTKEYSRESPONSE']._serialized_start=1202
-  _globals['_LISTKEYSRESPONSE']._serialized_end=1284
-  _globals['_INFOREQUEST']._serialized_start=1286
-  _globals['_INFOREQUEST']._serialized_end=1312
-  _globals['_INFORESPONSE']._serialized_start=1315
-  _globals['_INFORESPONSE']._serialized_end=1467
-  _globals['_EVICTREQUEST']._serialized_start=1469
-  _globals['_EVICTREQUEST']._serialized_end=1512
-  _globals['_EVICTRESPONSE']._serialized_start=1514
-  _globals['_EVICTRESPONSE']._serialized_end=1550
-  _globals['_CLEARREQUEST']._serialized_start=1552
-  _globals['_CLEARREQUEST']._serialized_end=1566
-  _globals['_CLEARRESPONSE']._serialized_start=1568
-  _globals['_CLEARRESPONSE']._serialized_end=1604
-  _globals['_KVCACHE']._serialized_start=1607
-  _globals['_KVCACHE']._serialized_end=1954
-  _globals['_ADMIN']._serialized_start=1957
-  _globals['_ADMIN']._serialized_end=2280
+  _globals['_TIERSTATS']._serialized_end=702
+  _globals['_STATSRESPONSE']._serialized_start=705
+  _globals['_STATSRESPONSE']._serialized_end=993
+  _globals['_TRANSPORTSTATS']._serialized_start=995
+  _globals['_TRANSPORTSTATS']._serialized_end=1105
+  _globals['_LISTKEYSREQUEST']._serialized_start=1107
+  _globals['_LISTKEYSREQUEST']._serialized_end=1179
+  _globals['_KEYENTRY']._serialized_start=1181
+  _globals['_KEYENTRY']._serialized_end=1218
+  _globals['_LISTKEYSRESPONSE']._serialized_start=1220
+  _globals['_LISTKEYSRESPONSE']._serialized_end=1302
+  _globals['_INFOREQUEST']._serialized_start=1304
+  _globals['_INFOREQUEST']._serialized_end=1330
+  _globals['_INFORESPONSE']._serialized_start=1333
+  _globals['_INFORESPONSE']._serialized_end=1485
+  _globals['_EVICTREQUEST']._serialized_start=1487
+  _globals['_EVICTREQUEST']._serialized_end=1530
+  _globals['_EVICTRESPONSE']._serialized_start=1532
+  _globals['_EVICTRESPONSE']._serialized_end=1568
+  _globals['_CLEARREQUEST']._serialized_start=1570
+  _globals['_CLEARREQUEST']._serialized_end=1584
+  _globals['_CLEARRESPONSE']._serialized_start=1586
+  _globals['_CLEARRESPONSE']._serialized_end=1622
+  _globals['_KVCACHE']._serialized_start=1625
+  _globals['_KVCACHE']._serialized_end=1972
+  _globals['_ADMIN']._serialized_start=1975
+  _globals['_ADMIN']._serialized_end=2298
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "num_keys", "bytes_used", "capacity_bytes", "hits", "misses", "puts", "evictions", "corrupt", "errors")
+    __slots__ = ("name", "num_keys", "bytes_used", "capacity_bytes", "hits", "misses", "puts", "evictions", "corrupt", "errors", "verified")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_keys: int
     bytes_used: int
@@ -104,7 +105,8 @@ class TierStats(_message.Message):
     evictions: int
     corrupt: int
     errors: int
-    def __init__(self, name: _Optional[str] = ..., num_keys: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
+    verified: int
+    def __init__(self, name: _Optional[str] = ..., num_keys: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., verified: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "uptime_s", "num_active_streams", "num_puts", "num_gets", "num_get_hits", "bytes_received", "bytes_sent", "num_rejected", "version", "transports")

@@ -7,6 +7,7 @@ own ``verified`` counters; the last test runs a real server process across a res
 
 from __future__ import annotations
 
+import json
 import os
 
 import grpc
@@ -17,7 +18,7 @@ from cache_server.memory_tier import entry_size, num_bytes_held
 from cache_server.store import TieredStore
 from protos import kvstash_pb2
 from storage_backends.disk_backend import key_to_filename
-from tests.cache_server.helpers import Stubs, make_value, status_of
+from tests.cache_server.helpers import Stubs, make_value, run_kvstash, status_of
 from tests.cache_server.server_process import CacheServerProcess
 
 #: one value below the disk tier's aligned-payload size (64 KiB), one above (O_DIRECT path)
@@ -147,3 +148,53 @@ def test_a_restarted_server_serves_disk_values_over_both_paths_and_misses_a_corr
         assert by_name["memory"].num_keys == 2
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("flag", ["--disk-direct-io", "--no-disk-direct-io"])
+def test_the_disk_io_flag_picks_direct_or_buffered_io_and_stats_count_verified_reads(tmp_path, flag) -> None:
+    """A real server: ``--no-disk-direct-io`` makes its disk tier use buffered I/O (on ext4,
+    which accepts O_DIRECT, the default takes the direct path), and either way a value read
+    back from disk after a restart is verified once, which ``Stats`` and ``kvstash admin
+    stats`` show in the disk tier's ``verified``."""
+    key = "ns/flagged"
+    value = make_value(21, 3 << 20, key=key)
+    args = ("--memory-gb", "0.25", "--disk-path", str(tmp_path), "--disk-gb", "1", flag)
+    server = CacheServerProcess(*args).start()
+    try:
+        with Stubs(server.address) as stubs:
+            stubs.put(key, value)
+        server.stop()
+        server.start()  # the memory tier is empty: the next Get reads the disk tier
+        expected = "disk (direct I/O)" if flag == "--disk-direct-io" else "disk (buffered I/O)"
+        assert f"tiers: memory, {expected}" in server.log()
+        with Stubs(server.address) as stubs:
+            assert stubs.get(key) == value  # from disk
+            assert stubs.get(key) == value  # from memory: no second checksum pass
+            stats = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=30)
+        by_name = {tier_stats.name: tier_stats for tier_stats in stats.tiers}
+        assert by_name["disk"].verified == 1 and by_name["disk"].hits == 1
+        assert by_name["memory"].verified == 0
+        shown = run_kvstash("admin", "--server", server.address, "stats", "--json")
+        assert shown.returncode == 0, shown.stderr
+        tiers = {tier["name"]: tier for tier in json.loads(shown.stdout)["tiers"]}
+        assert tiers["disk"]["verified"] == 1
+        table = run_kvstash("admin", "--server", server.address, "stats")
+        assert "verified" in table.stdout
+    finally:
+        server.close()
+
+
+def test_buffered_disk_io_is_taken_where_direct_io_would_work(tmp_path) -> None:
+    direct = TieredStore(ServerConfig(memory_bytes=1 << 20, disk_path=str(tmp_path / "a"), disk_bytes=GIB))
+    buffered = TieredStore(
+        ServerConfig(
+            memory_bytes=1 << 20, disk_path=str(tmp_path / "b"), disk_bytes=GIB, disk_direct_io=False
+        )
+    )
+    try:
+        assert tier(direct, "disk")["direct_io"] is True  # ext4 accepts O_DIRECT
+        assert tier(buffered, "disk")["direct_io"] is False
+        assert tier(buffered, "disk")["capacity_bytes"] == GIB
+    finally:
+        direct.close()
+        buffered.close()

@@ -133,8 +133,14 @@ def test_a_decoding_request_keeps_getting_tokens_while_a_slow_remote_hit_is_fetc
         while hit_output is None:
             outputs = engine.step()
             hit_request = engine.requests.get("hit")
-            if hit_request is not None and hit_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                seen_waiting = True
+            transfer = connector_of(llm).registry.get("hit")
+            # Its fetch runs while it waits unadmitted, then (pipelined loads) while it runs
+            # loading the chunks that arrived, computing nothing.
+            if hit_request is not None and (
+                hit_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                or (transfer is not None and transfer.tail_pending)
+            ):
+                seen_waiting = seen_waiting or hit_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
                 num_decode_tokens_while_waiting += sum(1 for o in outputs if o.request_id == "decode")
             hit_output = next((o for o in outputs if o.request_id == "hit" and o.token_ids), None)
         assert seen_waiting

@@ -40,3 +40,49 @@ def test_async_loads_from_disk_keep_tokens_exact_on_cuda(tiny_model_dir, tmp_pat
     split = splitter.generate(prompts[3:], params)[0]
     assert split.token_ids == reference[3]
     assert split.metrics.tier_to_loaded_tokens == {"disk": 5 * 64}
+
+
+@pytest.mark.gpu
+def test_pipelined_loads_from_a_slow_cache_server_keep_tokens_exact_on_cuda(tiny_model_dir):
+    """The fetch's chunks are copied to the GPU as they arrive (several pieces, each in a
+    step that computes nothing for the request), on the mover's CUDA stream; the tokens
+    equal recompute's and those of the same hit loaded in one piece."""
+    from engine import LLM, SamplingParams
+    from tests.cache_server.server_process import CacheServerProcess
+    from tests.connector.test_pipelined_loads import step_until_loaded
+    from tests.reliability.delay_proxy import DelayProxy
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [(i * 17 + 3) % 480 + 5 for i in range(256)]
+    common = dict(dtype="float32", device="cuda", num_gpu_blocks=256, enable_prefix_caching=False)
+    model = str(tiny_model_dir("llama"))
+    reference = LLM(model, **common).generate([prompt], params)[0].token_ids
+    server = CacheServerProcess("--memory-gb", "0.25").start()
+    try:
+        with DelayProxy(server.port) as proxy:
+            url = f"grpc://127.0.0.1:{proxy.port}?bulk=off"  # every value through the proxy
+
+            def config(**fields):
+                return OffloadConfig(
+                    chunk_size=32, cpu_bytes=64 << 20, remote_url=url, reads_in_flight=1, **fields
+                )
+
+            writer = LLM(model, **common, kv_offload=config())
+            writer.generate([prompt], params)
+            writer.flush_kv_offload()
+            proxy.rate_bytes_per_s = 110_000  # a 16 KiB chunk takes ~0.15 s
+            for pipelined in (True, False):
+                loader = LLM(
+                    model, **common, kv_offload=config(load_policy="always", pipelined_loads=pipelined)
+                )
+                loader.engine.add_request("hit", prompt, params)
+                pieces = step_until_loaded(loader.engine, "hit")
+                outputs = []
+                while loader.engine.has_unfinished_requests():
+                    outputs += [o for o in loader.engine.step() if o.finished]
+                assert outputs[0].token_ids == reference
+                assert outputs[0].metrics.tier_to_loaded_tokens == {"grpc": 255}
+                assert (len(pieces) >= 2) if pipelined else (pieces == [])
+                loader.engine.runner.connector.close()
+    finally:
+        server.close()

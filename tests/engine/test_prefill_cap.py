@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler
+from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
 from connector.step_time import STEP_PRIOR_S, StepTimeModel
 from engine import LLM, EngineArgs, EngineCore, SamplingParams
 from engine.block_manager import BlockManager
@@ -136,7 +136,7 @@ class LoadingConnector(KVConnectorScheduler):
         return 40 if request.request_id.startswith("split") and request.num_computed_tokens <= 40 else None
 
     def get_num_tail_tokens(self, request):
-        return 80
+        return TailLoad(80, final=True)
 
 
 H100_EAGER = dict(step_s=0.007, eager_step_s=0.045, tokens_per_s=90_000.0, seconds_per_pair=2e-10)

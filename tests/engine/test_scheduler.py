@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler
+from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
 from engine.block_manager import BlockManager, hash_block
 from engine.config import SamplingParams
 from engine.request import Request, RequestStatus
@@ -253,3 +253,63 @@ def test_delayed_free_keeps_blocks_until_the_save_finishes():
     assert output.finished_request_ids == {"a"}
     scheduler.update_from_output(output, {}, finished_sending_ids={"a"})
     assert manager.num_free_blocks == 16 and not scheduler.has_unfinished_requests()
+
+
+class PartialFetchConnector(RecordingConnector):
+    """A connector whose fetch for "a" delivers ``ready_ends`` tokens, one entry per step
+    (pipelined loads): admitted at the first, then loads up to each next one computing
+    nothing, until the last, which is final. The scheduler's rules, without any tier."""
+
+    def __init__(self, ready_ends: list[int]) -> None:
+        super().__init__(num_promised=0)
+        self.ready_ends = ready_ends
+        self.loaded_end = None  # the request's compute limit once admitted
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("match", request.request_id, num_computed_tokens))
+        return self.ready_ends[0] - num_computed_tokens, False
+
+    def get_compute_limit(self, request):
+        if self.loaded_end is None:
+            return self.ready_ends[0]  # admitted to load the first part, computing nothing
+        return self.loaded_end if len(self.ready_ends) > 1 else None
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        self.loaded_end = self.ready_ends[0]
+
+    def get_num_tail_tokens(self, request):
+        self.ready_ends.pop(0)
+        return TailLoad(self.ready_ends[0] - request.num_computed_tokens, final=len(self.ready_ends) == 1)
+
+    def update_state_after_tail_alloc(self, request, block_ids, tail):
+        self.calls.append(("tail", request.request_id, len(block_ids), tail))
+        self.loaded_end = request.num_computed_tokens + tail.num_tokens
+
+
+def test_a_partly_fetched_request_loads_in_steps_that_compute_nothing_and_a_failed_piece_rolls_back():
+    connector = PartialFetchConnector([4, 8, 11])
+    scheduler = Scheduler(BlockManager(16, BLOCK_SIZE, True), 8, 64, connector=connector)
+    request = make_request("a", 12, max_tokens=1)
+    scheduler.add_request(request)
+    # Admitted to load its first 4 tokens: running, blocks for them, nothing computed.
+    output, updated = run_step(scheduler)
+    assert output.requests == [] and output.load_only_requests == [request] and updated == []
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 4
+    assert len(request.block_ids) == 1 and scheduler.step_requests == [request]
+    assert connector.calls[:2] == [("match", "a", 0), ("alloc", "a", 1, 4)]
+    # The next piece (4..8) loads in a step that computes nothing, and fails after token 6.
+    output = scheduler.schedule()
+    assert output.requests == [] and output.load_only_requests == [request]
+    assert connector.calls[-2] == ("tail", "a", 2, TailLoad(4, final=False))
+    assert request.num_computed_tokens == 8 and request.metrics.num_external_cached_tokens == 8
+    scheduler.update_from_output(output, {}, load_failures={"a": 6})
+    assert request.num_computed_tokens == 6 and request.metrics.num_external_cached_tokens == 6
+    assert scheduler.stats.num_load_failures == 1
+    # Below its compute limit (8) again: it recomputes tokens 6..8, then loads the rest (final).
+    output, _ = run_step(scheduler)
+    assert plan_of(output) == {"a": 2} and output.load_only_requests == []
+    output, updated = run_step(scheduler)
+    assert connector.calls[-3] == ("tail", "a", 3, TailLoad(3, final=True))
+    assert plan_of(output) == {"a": 1} and updated == [request] and request.is_finished
+    assert request.metrics.num_external_cached_tokens == 9

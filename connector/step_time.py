@@ -23,7 +23,9 @@ step; an eager prefill step's own fixed cost (~45 ms on the H100) then read as s
 tokens, and the cap, planning chunks of a few tokens that each cost a whole eager pass,
 took 14-40 s to prefill a 16k prompt while another request decoded.
 
-The engine core reports every step (:meth:`StepTimeModel.observe_step`, step thread);
+The engine core reports every step that loads no KV (:meth:`StepTimeModel.observe_step`,
+step thread; a step with loads also lasts its copies, which the planner times from the
+tiers' rates);
 the planner may read from fetch threads, hence the lock.
 """
 
@@ -47,7 +49,7 @@ _NOISE_FLOOR_S = 0.0005
 #: deviation (a random walk: the model follows a machine that changes; unlike a forgetting
 #: factor it does not inflate the directions the steps never excite, e.g. the split of a
 #: prefill step's fixed cost into ``a`` and ``e`` when no decode-only step was seen)
-_DRIFT_SHARE = 0.1
+_DRIFT_SHARE = 0.05
 #: scale of the features, so that the parameters are of similar size
 _TOKENS_UNIT = 1e3
 _PAIRS_UNIT = 1e6

@@ -594,7 +594,10 @@ class EngineCore:
             for request, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
             if request.num_computed_tokens < request.num_prompt_tokens
         ]
-        if plan.requests:
+        has_loads = plan.connector_meta is not None and bool(plan.connector_meta.loads)
+        if plan.requests and not has_loads:
+            # A step that loads KV lasts its copies too (the planner times those from the
+            # tiers' own rates): it would teach the model slow tokens.
             self.step_times.observe_step(
                 [(request.num_computed_tokens, n) for request, n in prefill], time.perf_counter() - began
             )

@@ -157,6 +157,8 @@ def main() -> None:
             f"{row['suffix_tokens']:>7} {row['loaded_tokens']:>7} {row['gpu_hit_ms']:>11.1f}"
             f" {row['cpu_hit_ms']:>11.1f} {row['load_ms']:>8.1f} {bound:>9}"
         )
+    step_kinds = dict(llm.engine.runner.step_kinds)
+    print(f"steps by kind (CUDA graph replays or eager): {step_kinds}")
     for suffix, found in profiles.items():
         print(
             f"\nprofile, suffix {suffix} (TTFT {found['ttft_ms_under_profiler']:.1f} ms under the profiler)"
@@ -176,6 +178,7 @@ def main() -> None:
                     "prefix_tokens": prefix_len,
                     "h2d_gbps": h2d,
                     "rows": rows,
+                    "step_kinds": step_kinds,
                     "profiles": {str(k): v for k, v in profiles.items()},
                 },
                 indent=2,

@@ -10,6 +10,8 @@ Attention goes through `kernels` on CUDA and `kernels.reference` on CPU.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_copy import host_to_device
 from engine.input_batch import InputBatch
+from engine.mixed_graphs import MixedGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
@@ -81,12 +84,16 @@ class ModelRunner:
         connector: KVConnectorWorker | None = None,
         *,
         cuda_graph_max_batch_size: int = 0,
+        max_graph_tokens: int = 0,
+        max_num_seqs: int = 256,
         max_model_len: int = 0,
         persistent_batch: bool = True,
         deterministic: bool = False,
     ) -> None:
         """`cuda_graph_max_batch_size` > 0 (CUDA only) captures decode graphs for up to
         that many sequences, with block tables wide enough for `max_model_len` tokens.
+        `max_graph_tokens` > 0 (CUDA only) captures graphs for the other steps of up to
+        that many new tokens over up to `max_num_seqs` sequences (engine.mixed_graphs).
         `persistent_batch` keeps each running request's row across steps
         (engine.input_batch); off, every step builds its inputs from the requests.
         `deterministic` (a model made batch-invariant by engine.deterministic): one
@@ -128,19 +135,63 @@ class ModelRunner:
         self.timeline: DeviceTimeline | None = None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
+        #: how many steps ran as a decode graph, a mixed graph or eagerly (benchmarks, tests)
+        self.step_kinds: Counter[str] = Counter()
         self.decode_graphs: DecodeGraphs | None = None
-        if self._on_cuda and cuda_graph_max_batch_size > 0:
+        self.mixed_graphs: MixedGraphs | None = None
+        if self._on_cuda and (cuda_graph_max_batch_size > 0 or max_graph_tokens > 0):
+            self._capture_graphs(cuda_graph_max_batch_size, max_graph_tokens, max_num_seqs, max_model_len)
+
+    def _capture_graphs(
+        self, max_batch_size: int, max_graph_tokens: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Capture the mixed graphs, then the decode graphs, into one memory pool (the
+        largest first: the smaller ones reuse its memory; one graph replays at a time).
+        A graph set that fails to capture is left out: its steps run eagerly."""
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        if max_graph_tokens > 0:
+            try:
+                self.mixed_graphs = MixedGraphs(
+                    self._forward_with_metadata,
+                    AttentionMetadata,
+                    self.device,
+                    max_graph_tokens,
+                    max_num_seqs,
+                    max_blocks_per_seq=max_blocks_per_seq,
+                    max_seq_len=max_model_len,
+                    block_size=self.block_size,
+                    pool=pool,
+                )
+            except RuntimeError as error:
+                logger.warning("mixed CUDA graphs could not be captured, those steps run eagerly: %s", error)
+        if max_batch_size > 0:
             try:
                 self.decode_graphs = DecodeGraphs(
                     self._forward_with_metadata,
                     AttentionMetadata,
-                    device,
-                    cuda_graph_max_batch_size,
-                    max_blocks_per_seq=-(-max_model_len // block_size),
+                    self.device,
+                    max_batch_size,
+                    max_blocks_per_seq=max_blocks_per_seq,
                     max_seq_len=max_model_len,
+                    pool=pool,
                 )
             except RuntimeError as error:
                 logger.warning("decode CUDA graphs could not be captured, running eagerly: %s", error)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "CUDA graphs: mixed steps of up to %d tokens (buckets %s, up to %d sequences), "
+            "decode batches %s; captured in %.1f s, %.0f MiB of GPU memory",
+            max_graph_tokens if self.mixed_graphs is not None else 0,
+            self.mixed_graphs.buckets if self.mixed_graphs is not None else [],
+            max_num_seqs,
+            self.decode_graphs.sizes if self.decode_graphs is not None else [],
+            time.perf_counter() - started,
+            used / (1 << 20),
+        )
 
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass without the connector's per-layer hooks: what a decode graph
@@ -284,41 +335,67 @@ class ModelRunner:
         input_ids[targets] = sampled[sources].to(input_ids.dtype)
         self.num_device_filled_input_ids += len(host.missing_request_ids)
 
+    def _graphs_for(self, plan: SchedulerOutput, host: HostInputs) -> DecodeGraphs | MixedGraphs | None:
+        """The captured graphs that can replay this step, None when it runs eagerly:
+        decode graphs for one new token per sequence, mixed graphs for other steps of
+        few enough tokens. Never for fused whole-prompt spans, nor for loads that need
+        the connector's per-layer hooks."""
+        connector = self.connector
+        if host.dense_spans or (
+            connector is not None and plan.connector_meta.loads and connector.needs_layer_hooks
+        ):
+            return None
+        num_seqs = len(host.seq_lens)
+        width = host.block_tables.shape[1]
+        decode = self.decode_graphs
+        if decode is not None and host.max_query_len == 1 and decode.can_run(num_seqs, width):
+            return decode
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.can_run(len(host.input_ids), num_seqs, width):
+            return mixed
+        return None
+
     def _run_model(self, plan: SchedulerOutput, host: HostInputs) -> torch.Tensor:
-        """Forward pass -> final hidden states [T, hidden]: a decode CUDA graph replay
-        when the step allows it, else eager."""
-        graphs = self.decode_graphs
+        """Forward pass -> final hidden states [T, hidden]: a CUDA graph replay when the
+        step allows it (`_graphs_for`), else eager."""
+        graphs = self._graphs_for(plan, host)
         connector = self.connector
         has_loads = connector is not None and bool(plan.connector_meta.loads)
-        if (
-            graphs is not None
-            and not (has_loads and connector.needs_layer_hooks)
-            and host.max_query_len == 1
-            and not host.dense_spans
-            and not plan.request_id_to_spec_token_ids
-            and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
-        ):
+        if graphs is not None:
             layers = range(self.config.num_layers)
 
             def before_replay() -> None:
-                num_seqs = len(host.seq_lens)
-                self._fill_missing_input_ids(host, graphs.input_ids[:num_seqs])
+                self._fill_missing_input_ids(host, graphs.input_ids[: len(host.input_ids)])
                 if has_loads:  # the whole pass waits for every layer's load
                     for layer in layers:
                         connector.wait_for_layer_load(layer)
 
-            hidden = graphs.run(
-                host.input_ids,
-                host.positions,
-                host.slot_mapping,
-                host.block_tables,
-                host.seq_lens,
-                before_replay=before_replay,
-            )
+            if graphs is self.decode_graphs:
+                self.step_kinds["decode_graph"] += 1
+                hidden = graphs.run(
+                    host.input_ids,
+                    host.positions,
+                    host.slot_mapping,
+                    host.block_tables,
+                    host.seq_lens,
+                    before_replay=before_replay,
+                )
+            else:
+                self.step_kinds["mixed_graph"] += 1
+                hidden = graphs.run(
+                    host.input_ids,
+                    host.positions,
+                    host.slot_mapping,
+                    host.block_tables,
+                    host.seq_lens,
+                    host.query_start_loc,
+                    before_replay=before_replay,
+                )
             if has_loads:
                 for layer in layers:
                     connector.save_kv_layer(layer)
             return hidden
+        self.step_kinds["eager"] += 1
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=host_to_device(host.slot_mapping, device),

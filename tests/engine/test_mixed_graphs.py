@@ -1,0 +1,255 @@
+"""The mixed-graph path (engine.mixed_graphs) checked on CPU: token buckets, the
+padding of a step, and whole generations where every small non-decode step goes
+through the static buffers of a bucket (capture/replay swapped for an eager call
+over them, as tests/engine/test_decode_graphs.py does for decode graphs) and still
+gives the tokens of the ordinary eager path. On CPU the reference attention
+validates the padded metadata at every step. The GPU tests replay real CUDA graphs:
+tests/engine/test_gpu_mixed_graphs.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, OffloadConfig, SamplingParams
+from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
+from engine.mixed_graphs import MixedGraphs, pad_step, token_buckets
+from engine.spec_decode.replay import ReplayProposer
+from tests.engine.hf_reference import random_prompt
+
+
+class _EagerReplayMixin:
+    """Runs the recorded call again at replay time instead of a CUDA graph."""
+
+    def _capture(self, size, forward, args):
+        self.calls = getattr(self, "calls", {})
+        self.calls[size] = (forward, args)
+        self.replayed_sizes = []
+
+    def _replay(self, size):
+        self.replayed_sizes.append(size)
+        forward, args = self.calls[size]
+        return forward(*args)
+
+
+class EagerMixed(_EagerReplayMixin, MixedGraphs):
+    pass
+
+
+class EagerDecode(_EagerReplayMixin, DecodeGraphs):
+    pass
+
+
+def attach_graphs(
+    llm: LLM, max_graph_tokens: int, decode: bool = True
+) -> tuple[EagerMixed, EagerDecode | None]:
+    """Give a CPU engine's runner mixed graphs (and decode graphs) over static buffers."""
+    runner = llm.engine.runner
+    max_blocks = 64
+    mixed = EagerMixed(
+        runner._forward_with_metadata,
+        AttentionMetadata,
+        runner.device,
+        max_graph_tokens,
+        llm.engine.args.max_num_seqs,
+        max_blocks_per_seq=max_blocks,
+        max_seq_len=max_blocks * runner.block_size,
+        block_size=runner.block_size,
+    )
+    runner.mixed_graphs = mixed
+    runner.step_kinds.clear()
+    decode_graphs = None
+    if decode:
+        decode_graphs = EagerDecode(
+            runner._forward_with_metadata,
+            AttentionMetadata,
+            runner.device,
+            8,
+            max_blocks_per_seq=max_blocks,
+            max_seq_len=max_blocks * runner.block_size,
+        )
+        runner.decode_graphs = decode_graphs
+    return mixed, decode_graphs
+
+
+def test_token_buckets():
+    assert token_buckets(0) == []
+    assert token_buckets(5) == [5]
+    assert token_buckets(40) == [8, 16, 32, 40]
+    assert token_buckets(512) == [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert token_buckets(200) == [8, 16, 32, 64, 128, 192, 200]
+
+
+def test_pad_step_puts_padding_in_one_sequence_and_empty_seats():
+    step = pad_step(
+        input_ids=np.array([5, 6, 7, 8], dtype=np.int64),
+        positions=np.array([40, 41, 42, 9], dtype=np.int64),
+        slot_mapping=np.array([100, 101, -1, 7], dtype=np.int64),
+        seq_lens=np.array([43, 10], dtype=np.int32),
+        query_start_loc=np.array([0, 3, 4], dtype=np.int32),
+        num_tokens=8,
+        num_seats=5,
+    )
+    assert step.input_ids.tolist() == [5, 6, 7, 8, 0, 0, 0, 0]
+    assert step.positions.tolist() == [40, 41, 42, 9, 0, 0, 0, 0]
+    assert step.slot_mapping.tolist() == [100, 101, -1, 7, -1, -1, -1, -1]
+    # seat 2 is the padding sequence of 4 tokens (no prefix); seats 3, 4 hold no token
+    assert step.seq_lens.tolist() == [43, 10, 4, 0, 0]
+    assert step.query_start_loc.tolist() == [0, 3, 4, 8, 8, 8]
+    assert step.padding_seat == 2
+
+
+def test_pad_step_rejects_steps_that_do_not_fit():
+    ids = np.arange(9, dtype=np.int64)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_step(ids, ids, ids, np.array([9], np.int32), np.array([0, 9], np.int32), 8, 3)
+    with pytest.raises(ValueError, match="does not fit"):  # no seat left for the padding sequence
+        pad_step(ids[:2], ids[:2], ids[:2], np.array([1, 1], np.int32), np.array([0, 1, 2], np.int32), 8, 2)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        pad_step(ids[:2], ids[:2], ids[:2], np.array([2], np.int32), np.array([0, 1], np.int32), 8, 3)
+
+
+def test_chunked_prefill_beside_decodes_gives_the_eager_tokens(tiny_model_dir):
+    """A small token budget: prompts are cut into chunks over their cached prefix and
+    run beside other requests' decodes; all those steps replay the mixed graphs."""
+    model_dir = tiny_model_dir("qwen2")
+    prompts = [random_prompt(n, seed=700 + n) for n in (150, 9, 61, 3)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 12, 7, 9)]
+    expected = [
+        o.token_ids
+        for o in LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=40).generate(
+            prompts, params
+        )
+    ]
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=40)
+    mixed, decode = attach_graphs(llm, 40)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    kinds = llm.engine.runner.step_kinds
+    assert kinds["eager"] == 0, "every step fits a graph"
+    assert kinds["mixed_graph"] == len(mixed.replayed_sizes) >= 5
+    assert kinds["decode_graph"] == len(decode.replayed_sizes) > 0
+    assert set(mixed.replayed_sizes) <= {8, 16, 32, 40} and 40 in mixed.replayed_sizes
+
+
+def test_steps_larger_than_the_graphs_run_eagerly(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(n, seed=720 + n) for n in (70, 20)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    mixed, _ = attach_graphs(llm, 32)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    kinds = llm.engine.runner.step_kinds
+    assert kinds["eager"] == 1  # the 90-token first step
+    assert kinds["mixed_graph"] == 0 and not mixed.replayed_sizes
+
+
+def test_suffix_after_a_cpu_tier_hit_replays_a_mixed_graph_with_its_load(tiny_model_dir):
+    """The prompt's prefix comes from the CPU tier (a step with connector loads), its
+    suffix runs in the graph after the stream waited for every layer's load."""
+    model_dir = tiny_model_dir("qwen3")
+    prefix = random_prompt(96, seed=730)
+    prompt = prefix + random_prompt(21, seed=731)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = LLM(model_dir, dtype="float32", device="cpu").generate([prompt], params)[0].token_ids
+    offload = OffloadConfig(cpu_bytes=64 << 20, chunk_size=32)
+    llm = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload)
+    llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    llm.flush_kv_offload()
+    assert llm.reset_prefix_cache()
+    mixed, _ = attach_graphs(llm, 64)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == expected
+    assert out.metrics.num_external_cached_tokens == 96
+    # the 21-token suffix (with the loads) in the 32-token bucket, then 5 decodes
+    assert mixed.replayed_sizes == [32]
+    assert llm.engine.runner.step_kinds["eager"] == 0
+
+
+@pytest.mark.parametrize("corrupt_fraction", [0.0, 0.4])
+def test_speculative_verification_replays_mixed_graphs(tiny_model_dir, corrupt_fraction):
+    """Replayed drafts (accepted, or partly corrupted and rolled back): verification
+    steps replay the mixed graphs, steps without drafts the decode graphs; the tokens
+    are plain decoding's."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(n, seed=740 + n) for n in (30, 7, 12)]
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        speculative="ngram",
+        num_speculative_tokens=4,
+        block_size=4,
+    )
+    llm.engine.scheduler.proposer = ReplayProposer(
+        4,
+        {tuple(p): c for p, c in zip(prompts, expected, strict=True)},
+        vocab_size=llm.engine.model_config.vocab_size,
+        corrupt_fraction=corrupt_fraction,
+        seed=5,
+    )
+    mixed, _ = attach_graphs(llm, 64)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    kinds = llm.engine.runner.step_kinds
+    assert kinds["eager"] == 0
+    assert kinds["mixed_graph"] >= 4
+    stats = llm.stats.spec_decode
+    assert stats.num_accepted_tokens > 0
+    if corrupt_fraction:
+        assert stats.acceptance_rate < 1.0
+
+
+def test_ngram_speculation_with_graphs_gives_plain_tokens(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")
+    text = random_prompt(24, seed=750)
+    prompts = [text * 3, text[:10] + random_prompt(20, seed=751) + text[:10], [77]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    llm = LLM(
+        model_dir, dtype="float32", device="cpu", speculative="ngram", num_speculative_tokens=4, ngram_min_n=1
+    )
+    attach_graphs(llm, 128)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.runner.step_kinds["eager"] == 0
+    assert llm.engine.runner.step_kinds["mixed_graph"] > 0
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "64"])
+def test_bad_max_graph_tokens_is_rejected(value):
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="max_graph_tokens must be an integer >= 0"):
+        EngineArgs(max_graph_tokens=value).validate()
+
+
+def test_the_cli_flag_reaches_the_engine(tiny_model_dir):
+    from click.testing import CliRunner
+
+    from engine.cli import main
+
+    args = ["generate", str(tiny_model_dir("llama")), "--prompt", "hi", "--device", "cpu"]
+    result = CliRunner().invoke(main, [*args, "--max-graph-tokens", "-4"])
+    assert result.exit_code != 0
+    assert "max_graph_tokens must be an integer >= 0" in result.output
+    result = CliRunner().invoke(main, [*args, "--max-graph-tokens", "64", "--max-tokens", "2"])
+    assert result.exit_code == 0, result.output
+
+
+def test_warm_up_runs_every_shape_eagerly_then_replays_the_graphs(tiny_model_dir):
+    """The warm-up sets the graphs aside for its eager pass (every kernel shape of the
+    eager steps compiles), then replays them and attaches them again."""
+    from engine.warmup import WarmupLimits, warm_up
+
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cpu", max_model_len=512)
+    mixed, decode = attach_graphs(llm, 64)
+    runner = llm.engine.runner
+    report = warm_up(runner, WarmupLimits(max_num_batched_tokens=256, max_model_len=512, max_num_seqs=8))
+    assert runner.mixed_graphs is mixed and runner.decode_graphs is decode
+    # replayed: the 17-token prefill (a mixed graph), the 289-token prefill pair (too
+    # large for these graphs: eager), the decode batch (a decode graph)
+    assert runner.step_kinds["eager"] == report.num_steps - 2
+    assert runner.step_kinds["mixed_graph"] == 1 and runner.step_kinds["decode_graph"] == 1
+    assert mixed.replayed_sizes == [32]

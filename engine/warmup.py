@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,8 @@ class WarmupReport:
     num_dense_buckets: int
     num_transfer_shapes: int
     seconds: float
+    #: its steps by kind (runner.step_kinds), which it leaves at zero for the engine's steps
+    step_kinds: dict[str, int] = field(default_factory=dict)
 
 
 class _SyntheticRequests:
@@ -218,8 +220,13 @@ def warm_up(runner: ModelRunner, limits: WarmupLimits) -> WarmupReport:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     report = WarmupReport(
-        len(plans) + len(replayed), num_buckets, num_transfer_shapes, time.perf_counter() - started
+        len(plans) + len(replayed),
+        num_buckets,
+        num_transfer_shapes,
+        time.perf_counter() - started,
+        step_kinds=dict(runner.step_kinds),
     )
+    runner.step_kinds.clear()  # they count the engine's steps
     logger.info(
         "warm-up: %d step shapes, %d fused-prefill length buckets, %d transfer shapes in %.1f s",
         report.num_steps,

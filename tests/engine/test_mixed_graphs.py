@@ -253,3 +253,19 @@ def test_warm_up_runs_every_shape_eagerly_then_replays_the_graphs(tiny_model_dir
     assert report.step_kinds == {"eager": report.num_steps - 2, "mixed_graph": 1, "decode_graph": 1}
     assert mixed.replayed_sizes == [32]
     assert not runner.step_kinds, "the counts start at zero for the engine's steps"
+
+
+def test_async_scheduling_fills_the_graph_inputs_from_the_previous_step(tiny_model_dir):
+    """With async scheduling, a mixed step's decode rows take the token the step before
+    samples, on the device, in the graph's static input buffer."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(n, seed=760 + n) for n in (90, 4, 33)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kwargs = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 24}
+    expected = [o.token_ids for o in LLM(model_dir, **kwargs).generate(prompts, params)]
+    llm = LLM(model_dir, async_scheduling=True, **kwargs)
+    attach_graphs(llm, 24)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    runner = llm.engine.runner
+    assert runner.num_device_filled_input_ids > 0
+    assert runner.step_kinds["mixed_graph"] > 0 and runner.step_kinds["eager"] == 0

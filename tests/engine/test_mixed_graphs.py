@@ -269,3 +269,49 @@ def test_async_scheduling_fills_the_graph_inputs_from_the_previous_step(tiny_mod
     runner = llm.engine.runner
     assert runner.num_device_filled_input_ids > 0
     assert runner.step_kinds["mixed_graph"] > 0 and runner.step_kinds["eager"] == 0
+
+
+def test_a_padded_step_writes_only_its_own_slots_and_gives_the_eager_hidden_states(tiny_model_dir):
+    """One step straight through the static buffers of an 8-token bucket (7 real tokens,
+    two sequences): the KV cache changes at the real tokens' slots only, and the hidden
+    states equal the eager pass over the unpadded inputs."""
+    import torch
+
+    llm = LLM(tiny_model_dir("qwen3"), dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    mixed, _ = attach_graphs(llm, 16, decode=False)
+    block_size = runner.block_size
+    kv_cache = runner.kv_cache
+    kv_cache.normal_(generator=torch.Generator().manual_seed(0))
+    # sequence 0: a 5-token prompt in block 3; sequence 1: 2 tokens after a 16-token prefix (blocks 1, 2)
+    positions = np.array([0, 1, 2, 3, 4, 16, 17], dtype=np.int64)
+    slots = np.array([3 * block_size + p for p in range(5)] + [2 * block_size, 2 * block_size + 1])
+    block_tables = np.array([[3, 0], [1, 2]], dtype=np.int32)
+    seq_lens = np.array([5, 18], dtype=np.int32)
+    query_start_loc = np.array([0, 5, 7], dtype=np.int32)
+    input_ids = np.array([11, 12, 13, 14, 15, 21, 22], dtype=np.int64)
+    before = kv_cache.clone()
+
+    with torch.inference_mode():
+        hidden = mixed.run(input_ids, positions, slots, block_tables, seq_lens, query_start_loc).clone()
+        after_graph = kv_cache.clone()
+        kv_cache.copy_(before)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(block_tables),
+            seq_lens=torch.from_numpy(seq_lens),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            max_query_len=5,
+            max_seq_len=18,
+            num_paged_seqs=2,
+        )
+        eager = runner._forward_with_metadata(
+            torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
+        )
+
+    assert mixed.replayed_sizes == [8]
+    changed = (after_graph != before).flatten(4).any(-1).any(0).any(0).flatten()  # per slot
+    assert sorted(torch.nonzero(changed).flatten().tolist()) == sorted(slots.tolist())
+    # equal up to float32 rounding: a GEMM over 8 rows may sum in another order than over 7
+    torch.testing.assert_close(after_graph, kv_cache, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(hidden, eager, atol=1e-5, rtol=1e-4)

@@ -445,32 +445,41 @@ class ModelRunner:
         plan: SchedulerOutput,
         hidden: torch.Tensor,  # [T, hidden_size]
         logits_rows: list[int],
-        request_id_to_token: dict[str, int],
-    ) -> dict[str, list[int]]:
+        sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
+    ) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Check every request's drafts against the logits of the positions before them;
-        replace its sampled (bonus) token by the token that follows its accepted drafts.
-        Returns request id -> accepted drafts."""
-        requests, draft_token_ids, draft_rows = [], [], []
+        the token after its accepted drafts replaces its sampled (bonus) token.
+        `sampled_token_ids` holds the step's samples in `logits_rows` order (rows >= 0);
+        they stay on the device: the host waits once, for the verdict.
+        Returns (request id -> accepted drafts, request id -> its token after them)."""
+        requests, draft_token_ids, draft_rows, sample_indices = [], [], [], []
+        sample_index = 0
         for request, last_row in zip(plan.requests, logits_rows, strict=True):
+            if last_row < 0:
+                continue
             spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
-            if spec_token_ids and last_row >= 0:
+            if spec_token_ids:
                 requests.append(request)
                 draft_token_ids.append(spec_token_ids)
                 draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
-        draft_logits = self.model.compute_logits(hidden[torch.tensor(draft_rows, device=self.device)])
+                sample_indices.append(sample_index)
+            sample_index += 1
+        draft_logits = self.model.compute_logits(
+            hidden[host_to_device(torch.tensor(draft_rows), self.device)]
+        )
         emitted = verify_drafts(
             draft_logits,
             draft_token_ids,
-            [request_id_to_token[r.request_id] for r in requests],
+            sampled_token_ids[host_to_device(torch.tensor(sample_indices), self.device)],
             [r.sampling_params for r in requests],
             [r.generator for r in requests],
             row_wise=self.deterministic,
         )
-        request_id_to_accepted_draft_ids = {}
+        request_id_to_accepted_draft_ids, request_id_to_last_token = {}, {}
         for request, tokens in zip(requests, emitted, strict=True):
-            request_id_to_token[request.request_id] = tokens[-1]
+            request_id_to_last_token[request.request_id] = tokens[-1]
             request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
-        return request_id_to_accepted_draft_ids
+        return request_id_to_accepted_draft_ids, request_id_to_last_token
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its sampled tokens (`submit(plan).result()`)."""
@@ -521,11 +530,13 @@ class ModelRunner:
                 )
                 sampled_request_ids = [r.request_id for r in requests]
                 if plan.request_id_to_spec_token_ids:
-                    # The token sampled after the last draft is the bonus token.
-                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
-                    request_id_to_accepted_draft_ids = self._verify(
-                        plan, hidden, logits_rows, request_id_to_token
+                    # The token sampled after the last draft is the bonus token; verified
+                    # before the samples are read, so the host waits for the device once.
+                    request_id_to_accepted_draft_ids, request_id_to_last_token = self._verify(
+                        plan, hidden, logits_rows, token_ids
                     )
+                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
+                    request_id_to_token.update(request_id_to_last_token)
             if self.timeline is not None:
                 self.timeline.end()
         self._prev_request_id_to_sample_index = {r: i for i, r in enumerate(sampled_request_ids)}

@@ -93,6 +93,9 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.outputs[size] = forward(*args)
         self.graphs[size] = graph
+        # The first replay uploads the graph: no request pays it. The buffers still hold the
+        # capture's inputs, which write no KV.
+        graph.replay()
 
     def _replay(self, size: int) -> torch.Tensor:
         """Run the captured pass over the current buffer contents -> hidden [size, hidden]."""

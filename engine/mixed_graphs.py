@@ -204,6 +204,9 @@ class MixedGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.outputs[num_tokens] = forward(*args)
         self.graphs[num_tokens] = graph
+        # The first replay uploads the graph: no request pays it. The buffers still hold the
+        # capture's inputs, which write no KV.
+        graph.replay()
 
     def _replay(self, num_tokens: int) -> torch.Tensor:
         """Run the captured pass over the current buffer contents -> hidden [num_tokens, hidden]."""

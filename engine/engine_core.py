@@ -214,6 +214,10 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 deterministic=args.deterministic,
             )
+        mixed_graphs = getattr(self.runner, "mixed_graphs", None)
+        if mixed_graphs is not None:
+            # steps of up to this many tokens replay a graph: the step-time model's eager term
+            self.step_times.graph_token_limit = mixed_graphs.buckets[-1]
         if args.warmup and self.device.type == "cuda" and self.pipeline is None:
             warm_up(
                 self.runner,

@@ -139,6 +139,11 @@ class ModelRunner:
         self.step_kinds: Counter[str] = Counter()
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        #: CUDA only, with mixed graphs: one event per layer that a mixed graph waits for
+        #: before the layer's attention (an event-wait node of the graph), recorded anew in
+        #: each step with loads once that layer's loaded KV is in place (`_signal_layer_loads`)
+        self._layer_loaded_events: list[torch.cuda.Event] | None = None
+        self._load_signal_stream: torch.cuda.Stream | None = None
         if self._on_cuda and (cuda_graph_max_batch_size > 0 or max_graph_tokens > 0):
             self._capture_graphs(cuda_graph_max_batch_size, max_graph_tokens, max_num_seqs, max_model_len)
 
@@ -153,9 +158,22 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         if max_graph_tokens > 0:
+            forward = self._forward_with_metadata
+            try:
+                events = [torch.cuda.Event(external=True) for _ in range(self.config.num_layers)]
+            except TypeError:  # a torch without external events: the graph waits for all loads first
+                logger.info(
+                    "torch.cuda.Event(external=True) is unavailable: mixed graphs wait for whole loads"
+                )
+            else:
+                for event in events:
+                    event.record()  # created now: a capture skips the wait on a never-recorded event
+                self._layer_loaded_events = events
+                self._load_signal_stream = torch.cuda.Stream(self.device)
+                forward = self._forward_waiting_per_layer
             try:
                 self.mixed_graphs = MixedGraphs(
-                    self._forward_with_metadata,
+                    forward,
                     AttentionMetadata,
                     self.device,
                     max_graph_tokens,
@@ -198,6 +216,27 @@ class ModelRunner:
         records, and what a step without loads needs (saves are packed after the pass)."""
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention)
+
+    def _forward_waiting_per_layer(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """What a mixed graph records (CUDA): `_forward_with_metadata` with a wait before
+        each layer's attention for that layer's event, so a step with loads computes the
+        first layers while the later ones still load."""
+        self._metadata = metadata
+        return self.model(input_ids, positions, self._attention_after_layer_event)
+
+    def _attention_after_layer_event(self, layer_idx: int, query, key, value) -> torch.Tensor:
+        torch.cuda.current_stream(self.device).wait_event(self._layer_loaded_events[layer_idx])
+        return self._attention(layer_idx, query, key, value)
+
+    def _signal_layer_loads(self) -> None:
+        """Record each layer's event once the connector's load of that layer is done: a
+        side stream waits for the loads layer by layer (the connector's hooks, run with it
+        as the current stream) and records the events the mixed graph waits for."""
+        stream = self._load_signal_stream
+        with torch.cuda.stream(stream):
+            for layer, event in enumerate(self._layer_loaded_events):
+                self.connector.wait_for_layer_load(layer)
+                event.record(stream)
 
     def _forward_with_loads(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass with the connector's per-layer hooks (a step with loads)."""
@@ -366,7 +405,11 @@ class ModelRunner:
 
             def before_replay() -> None:
                 self._fill_missing_input_ids(host, graphs.input_ids[: len(host.input_ids)])
-                if has_loads:  # the whole pass waits for every layer's load
+                if not has_loads:
+                    return
+                if graphs is self.mixed_graphs and self._layer_loaded_events is not None:
+                    self._signal_layer_loads()  # the graph waits per layer
+                else:  # the whole pass waits for every layer's load
                     for layer in layers:
                         connector.wait_for_layer_load(layer)
 

@@ -86,6 +86,31 @@ def test_suffix_after_a_cpu_tier_hit_matches_eager(tiny_model_dir, layerwise):
         assert kinds["mixed_graph"] == len(prompts) and kinds["eager"] == 0
 
 
+def test_a_graph_waits_for_the_latest_record_of_an_external_event():
+    """The mechanism behind a mixed graph's per-layer load waits: a captured wait on an
+    external event waits, at each replay, for the record made before that replay on
+    another stream (here one that spins ~tens of ms before writing the data)."""
+    import torch
+
+    event = torch.cuda.Event(external=True)
+    event.record()
+    source = torch.zeros(1 << 20, device="cuda")
+    out = torch.empty_like(source)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.current_stream().wait_event(event)
+        out.copy_(source)
+    side = torch.cuda.Stream()
+    for value in (1.0, 2.0):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            source.fill_(value)
+            event.record(side)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool((out == value).all())
+
+
 REPLAY_PROMPTS = [random_prompt(n, seed=830 + n) for n in (40, 7, 300, 12)]
 
 

@@ -144,6 +144,8 @@ class ModelRunner:
         #: each step with loads once that layer's loaded KV is in place (`_signal_layer_loads`)
         self._layer_loaded_events: list[torch.cuda.Event] | None = None
         self._load_signal_stream: torch.cuda.Stream | None = None
+        #: recorded after the latest mixed-graph replay: its waits have run once it is done
+        self._mixed_replay_done: torch.cuda.Event | None = None
         if self._on_cuda and (cuda_graph_max_batch_size > 0 or max_graph_tokens > 0):
             self._capture_graphs(cuda_graph_max_batch_size, max_graph_tokens, max_num_seqs, max_model_len)
 
@@ -228,15 +230,24 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_event(self._layer_loaded_events[layer_idx])
         return self._attention(layer_idx, query, key, value)
 
-    def _signal_layer_loads(self) -> None:
+    def _signal_layer_loads(self) -> bool:
         """Record each layer's event once the connector's load of that layer is done: a
         side stream waits for the loads layer by layer (the connector's hooks, run with it
-        as the current stream) and records the events the mixed graph waits for."""
+        as the current stream) and records the events the mixed graph waits for.
+
+        Returns False, recording nothing, while the previous mixed-graph replay may not
+        have passed its waits (async scheduling: two steps in flight): its waits must
+        keep the records they were launched with. The caller then waits for the whole
+        load before the replay."""
+        done = self._mixed_replay_done
+        if done is not None and not done.query():
+            return False
         stream = self._load_signal_stream
         with torch.cuda.stream(stream):
             for layer, event in enumerate(self._layer_loaded_events):
                 self.connector.wait_for_layer_load(layer)
                 event.record(stream)
+        return True
 
     def _forward_with_loads(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass with the connector's per-layer hooks (a step with loads)."""
@@ -407,11 +418,14 @@ class ModelRunner:
                 self._fill_missing_input_ids(host, graphs.input_ids[: len(host.input_ids)])
                 if not has_loads:
                     return
-                if graphs is self.mixed_graphs and self._layer_loaded_events is not None:
-                    self._signal_layer_loads()  # the graph waits per layer
-                else:  # the whole pass waits for every layer's load
-                    for layer in layers:
-                        connector.wait_for_layer_load(layer)
+                if (
+                    graphs is self.mixed_graphs
+                    and self._layer_loaded_events is not None
+                    and self._signal_layer_loads()
+                ):
+                    return  # the graph waits per layer
+                for layer in layers:  # the whole pass waits for every layer's load
+                    connector.wait_for_layer_load(layer)
 
             if graphs is self.decode_graphs:
                 self.step_kinds["decode_graph"] += 1
@@ -434,6 +448,9 @@ class ModelRunner:
                     host.query_start_loc,
                     before_replay=before_replay,
                 )
+                if self._layer_loaded_events is not None:
+                    self._mixed_replay_done = torch.cuda.Event()
+                    self._mixed_replay_done.record()
             if has_loads:
                 for layer in layers:
                     connector.save_kv_layer(layer)

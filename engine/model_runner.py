@@ -160,33 +160,9 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         if max_graph_tokens > 0:
-            forward = self._forward_with_metadata
-            try:
-                events = [torch.cuda.Event(external=True) for _ in range(self.config.num_layers)]
-            except TypeError:  # a torch without external events: the graph waits for all loads first
-                logger.info(
-                    "torch.cuda.Event(external=True) is unavailable: mixed graphs wait for whole loads"
-                )
-            else:
-                for event in events:
-                    event.record()  # created now: a capture skips the wait on a never-recorded event
-                self._layer_loaded_events = events
-                self._load_signal_stream = torch.cuda.Stream(self.device)
-                forward = self._forward_waiting_per_layer
-            try:
-                self.mixed_graphs = MixedGraphs(
-                    forward,
-                    AttentionMetadata,
-                    self.device,
-                    max_graph_tokens,
-                    max_num_seqs,
-                    max_blocks_per_seq=max_blocks_per_seq,
-                    max_seq_len=max_model_len,
-                    block_size=self.block_size,
-                    pool=pool,
-                )
-            except RuntimeError as error:
-                logger.warning("mixed CUDA graphs could not be captured, those steps run eagerly: %s", error)
+            self.mixed_graphs = self._capture_mixed_graphs(
+                max_graph_tokens, max_num_seqs, max_blocks_per_seq, max_model_len, pool
+            )
         if max_batch_size > 0:
             try:
                 self.decode_graphs = DecodeGraphs(
@@ -212,6 +188,44 @@ class ModelRunner:
             time.perf_counter() - started,
             used / (1 << 20),
         )
+
+    def _capture_mixed_graphs(
+        self, max_graph_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, pool
+    ) -> MixedGraphs | None:
+        """Mixed graphs that wait per layer for loads (external CUDA events); where this
+        torch cannot capture such waits, graphs that wait for whole loads; None when
+        neither captures (those steps run eagerly)."""
+
+        def capture(forward) -> MixedGraphs:
+            return MixedGraphs(
+                forward,
+                AttentionMetadata,
+                self.device,
+                max_graph_tokens,
+                max_num_seqs,
+                max_blocks_per_seq=max_blocks_per_seq,
+                max_seq_len=max_model_len,
+                block_size=self.block_size,
+                pool=pool,
+            )
+
+        try:
+            events = [torch.cuda.Event(external=True) for _ in range(self.config.num_layers)]
+            for event in events:
+                event.record()  # created now: a capture skips the wait on a never-recorded event
+            self._layer_loaded_events = events
+            self._load_signal_stream = torch.cuda.Stream(self.device)
+            return capture(self._forward_waiting_per_layer)
+        except (TypeError, RuntimeError) as error:  # no external events in this torch
+            logger.warning(
+                "mixed CUDA graphs without per-layer load waits (they wait for whole loads): %s", error
+            )
+            self._layer_loaded_events = self._load_signal_stream = None
+        try:
+            return capture(self._forward_with_metadata)
+        except RuntimeError as error:
+            logger.warning("mixed CUDA graphs could not be captured, those steps run eagerly: %s", error)
+            return None
 
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass without the connector's per-layer hooks: what a decode graph

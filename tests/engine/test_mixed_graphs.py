@@ -343,3 +343,23 @@ def test_deterministic_mode_gives_the_same_bf16_tokens_through_padded_graphs(tin
     attach_graphs(llm, 48)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.runner.step_kinds["mixed_graph"] > 0
+
+
+def test_loads_that_need_per_layer_hooks_run_eagerly(tiny_model_dir):
+    """`layerwise` loads on CPU move each layer inside its hook: that step stays eager,
+    the steps after it replay the graphs; tokens are the engine's without graphs."""
+    model_dir = tiny_model_dir("llama")
+    prefix = random_prompt(64, seed=780)
+    prompt = prefix + random_prompt(9, seed=781)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = LLM(model_dir, dtype="float32", device="cpu").generate([prompt], params)[0].token_ids
+    offload = OffloadConfig(cpu_bytes=64 << 20, chunk_size=32, layerwise=True)
+    llm = LLM(model_dir, dtype="float32", device="cpu", kv_offload=offload)
+    llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    llm.flush_kv_offload()
+    assert llm.reset_prefix_cache()
+    mixed, decode = attach_graphs(llm, 32)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == expected and out.metrics.num_external_cached_tokens == 64
+    assert llm.engine.runner.step_kinds == {"eager": 1, "decode_graph": 4}
+    assert not mixed.replayed_sizes

@@ -24,7 +24,10 @@ seats (n_max = min(max_num_seqs, T): every sequence has a new token). Padding
 
 The attention launch shape is fixed per bucket: max_query_len = T (the tile size
 follows it), max_seq_len = the model's limit (split-KV is sized for the longest
-sequence; the kernel cuts each tile's real key range).
+sequence; the kernel cuts each tile's real key range). The forward pass the runner
+hands in waits, before each layer's attention, for an event the runner records once
+that layer's connector load is done (engine.model_runner), so a step with loads
+computes its first layers while the later ones still load.
 """
 
 from __future__ import annotations

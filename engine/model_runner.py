@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +66,15 @@ class RunnerOutput:
     num_computed_tokens: int
     #: requests whose background connector fetch ended (they may be admitted now)
     finished_recving_ids: set[str] = field(default_factory=set)
+
+
+class _DraftLayout(NamedTuple):
+    """A verification step's drafts, laid out by `ModelRunner._draft_layout`."""
+
+    requests: list  # the requests with drafts, in plan order
+    draft_token_ids: list[list[int]]  # their drafts
+    draft_rows: list[int]  # per draft, the flat row whose logits check it
+    sample_indices: list[int]  # per request, its index among the step's sampled tokens
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -514,37 +524,39 @@ class ModelRunner:
             )
         return out
 
-    def _verify(
-        self,
-        plan: SchedulerOutput,
-        hidden: torch.Tensor,  # [T, hidden_size]
-        logits_rows: list[int],
-        sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
-    ) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """Check every request's drafts against the logits of the positions before them;
-        the token after its accepted drafts replaces its sampled (bonus) token.
-        `sampled_token_ids` holds the step's samples in `logits_rows` order (rows >= 0);
-        they stay on the device: the host waits once, for the verdict.
-        Returns (request id -> accepted drafts, request id -> its token after them)."""
-        requests, draft_token_ids, draft_rows, sample_indices = [], [], [], []
+    def _draft_layout(self, plan: SchedulerOutput, logits_rows: list[int]) -> _DraftLayout:
+        """Where each request's drafts are checked (host only): the logits row before each
+        draft, and the request's index among the step's samples (rows >= 0)."""
+        layout = _DraftLayout([], [], [], [])
         sample_index = 0
         for request, last_row in zip(plan.requests, logits_rows, strict=True):
             if last_row < 0:
                 continue
             spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
             if spec_token_ids:
-                requests.append(request)
-                draft_token_ids.append(spec_token_ids)
-                draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
-                sample_indices.append(sample_index)
+                layout.requests.append(request)
+                layout.draft_token_ids.append(spec_token_ids)
+                layout.draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
+                layout.sample_indices.append(sample_index)
             sample_index += 1
-        draft_logits = self.model.compute_logits(
-            hidden[host_to_device(torch.tensor(draft_rows), self.device)]
-        )
+        return layout
+
+    def _verify(
+        self,
+        layout: _DraftLayout,
+        draft_logits: torch.Tensor,  # float32 [len(layout.draft_rows), vocab]
+        sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
+    ) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Check every request's drafts against the logits of the positions before them;
+        the token after its accepted drafts replaces its sampled (bonus) token.
+        `sampled_token_ids` holds the step's samples; they stay on the device: the host
+        waits once, for the verdict.
+        Returns (request id -> accepted drafts, request id -> its token after them)."""
+        requests = layout.requests
         emitted = verify_drafts(
             draft_logits,
-            draft_token_ids,
-            sampled_token_ids[host_to_device(torch.tensor(sample_indices), self.device)],
+            layout.draft_token_ids,
+            sampled_token_ids[host_to_device(torch.tensor(layout.sample_indices), self.device)],
             [r.sampling_params for r in requests],
             [r.generator for r in requests],
             row_wise=self.deterministic,
@@ -593,8 +605,15 @@ class ModelRunner:
             if sampling:
                 # non_blocking from host memory: the host queues sampling behind the forward
                 # pass instead of waiting for it here (the sampled ids are read once, at the end).
-                rows = host_to_device(torch.tensor([row for _, row in sampling]), self.device)
-                logits = self.model.compute_logits(hidden[rows])
+                row_ids = [row for _, row in sampling]
+                layout = None
+                if plan.request_id_to_spec_token_ids:
+                    # one LM-head pass for the sampled rows and the rows before the drafts
+                    layout = self._draft_layout(plan, logits_rows)
+                    row_ids += layout.draft_rows
+                rows = host_to_device(torch.tensor(row_ids), self.device)
+                all_logits = self.model.compute_logits(hidden[rows])
+                logits = all_logits[: len(sampling)]
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(
                     logits,
@@ -603,11 +622,11 @@ class ModelRunner:
                     row_wise=self.deterministic,
                 )
                 sampled_request_ids = [r.request_id for r in requests]
-                if plan.request_id_to_spec_token_ids:
+                if layout is not None:
                     # The token sampled after the last draft is the bonus token; verified
                     # before the samples are read, so the host waits for the device once.
                     request_id_to_accepted_draft_ids, request_id_to_last_token = self._verify(
-                        plan, hidden, logits_rows, token_ids
+                        layout, all_logits[len(sampling) :], token_ids
                     )
                     request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
                     request_id_to_token.update(request_id_to_last_token)

@@ -9,7 +9,7 @@ with ``layerwise`` on CUDA every layer's moves are queued at once on the
 mover's stream with one event per layer, so loading layer l+1 overlaps
 computing layer l; without it, the moves go in LOAD_LAYER_PIECES pieces of
 layers (each piece's chunks together, one event per piece), so a pass that waits
-per layer still starts on the first layers early. ``wait_for_save`` queues this step's saves from the paged
+per layer starts on the first half of the layers while the second half loads. ``wait_for_save`` queues this step's saves from the paged
 cache into CPU-tier slots (one pack + one device→host copy per chunk, on the
 mover's store streams, ordered after the step's compute) and returns without
 waiting for them: the cache engine publishes each store once its copies are
@@ -38,8 +38,11 @@ from connector.request_transfer import TransferRegistry
 log = logging.getLogger(__name__)
 
 #: pieces of layers a load's moves are queued in without ``layerwise`` (one event each):
-#: more pieces let compute start earlier, each costs one more copy and unpack per chunk
-LOAD_LAYER_PIECES = 4
+#: the mover's two staging buffers hold half a chunk each, so two pieces move what they
+#: moved before, only ordered by layers. Smaller pieces start the compute earlier but
+#: ping-pong on the two buffers: on the H100 (8k-token hit, 8B shape) 8 pieces made the
+#: load 2-3x slower, 2 pieces gave the best TTFT.
+LOAD_LAYER_PIECES = 2
 
 
 def load_layer_pieces(num_layers: int, num_pieces: int = LOAD_LAYER_PIECES) -> list[tuple[int, int]]:

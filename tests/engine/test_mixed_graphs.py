@@ -363,3 +363,42 @@ def test_loads_that_need_per_layer_hooks_run_eagerly(tiny_model_dir):
     assert out.token_ids == expected and out.metrics.num_external_cached_tokens == 64
     assert llm.engine.runner.step_kinds == {"eager": 1, "decode_graph": 4}
     assert not mixed.replayed_sizes
+
+
+def test_pipelined_loads_beside_graph_steps_keep_the_tokens(tiny_model_dir, redis_server):
+    """A hit read slowly from a real Redis loads chunk by chunk in load-only steps (#16)
+    while another request decodes through the graphs; both get their baseline tokens."""
+    from tests.connector.test_async_loads import close
+    from tests.connector.test_pipelined_loads import PROMPT_LEN, SlowRemote, remote_config
+
+    model_dir = tiny_model_dir("llama")
+    hit_prompt, other_prompt = random_prompt(PROMPT_LEN, seed=790), random_prompt(20, seed=791)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(model_dir, dtype="float32", device="cpu", enable_prefix_caching=False)
+    expected = [o.token_ids for o in plain.generate([hit_prompt, other_prompt], params)]
+    remote = SlowRemote(model_dir, redis_server, [hit_prompt])
+    try:
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            device="cpu",
+            enable_prefix_caching=False,
+            kv_offload=remote_config(remote.url),
+        )
+        attach_graphs(llm, 64)
+        engine = llm.engine
+        engine.add_request("other", other_prompt, params)
+        engine.step()  # its prompt, then it decodes while the hit is fetched
+        engine.add_request("hit", hit_prompt, params)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        assert [finished["hit"].token_ids, finished["other"].token_ids] == expected
+        assert finished["hit"].metrics.num_external_cached_tokens == PROMPT_LEN - 1
+        kinds = engine.runner.step_kinds
+        assert kinds["decode_graph"] > 0 and kinds["eager"] == 0
+        close(llm)
+    finally:
+        remote.close()

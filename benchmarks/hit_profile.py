@@ -16,6 +16,7 @@ With ``--profile`` one CPU-tier hit per suffix runs under torch.profiler and the
 operations by device time and by host time are printed (and written to the JSON).
 
     python benchmarks/hit_profile.py --out hit.json                 # GPU, Llama-3.1-8B shape
+    python benchmarks/hit_profile.py --max-graph-tokens 0 --out hit_eager.json  # suffixes eager
     python benchmarks/hit_profile.py --tiny --out /tmp/hit.json     # CPU smoke run
 """
 
@@ -89,6 +90,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="torch.profiler on one hit per suffix")
     parser.add_argument("--top", type=int, default=12, help="operations listed per profile")
+    parser.add_argument(
+        "--max-graph-tokens",
+        type=int,
+        default=None,
+        help="the engine's max_graph_tokens (default: the engine's; 0: suffixes run eagerly, as before mixed graphs)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -110,6 +117,7 @@ def main() -> None:
         num_gpu_blocks=(max_len + 1024) // 16 * 2,
         max_num_seqs=4,
         kv_offload=OffloadConfig(cpu_bytes=4 * max_len * bytes_per_token),
+        **({} if args.max_graph_tokens is None else {"max_graph_tokens": args.max_graph_tokens}),
     )
     h2d = pinned_h2d_gbps(device)
     rows, profiles = [], {}
@@ -157,6 +165,8 @@ def main() -> None:
             f"{row['suffix_tokens']:>7} {row['loaded_tokens']:>7} {row['gpu_hit_ms']:>11.1f}"
             f" {row['cpu_hit_ms']:>11.1f} {row['load_ms']:>8.1f} {bound:>9}"
         )
+    step_kinds = dict(llm.engine.runner.step_kinds)
+    print(f"steps by kind (CUDA graph replays or eager): {step_kinds}")
     for suffix, found in profiles.items():
         print(
             f"\nprofile, suffix {suffix} (TTFT {found['ttft_ms_under_profiler']:.1f} ms under the profiler)"
@@ -176,6 +186,8 @@ def main() -> None:
                     "prefix_tokens": prefix_len,
                     "h2d_gbps": h2d,
                     "rows": rows,
+                    "max_graph_tokens": llm.engine.args.max_graph_tokens,
+                    "step_kinds": step_kinds,
                     "profiles": {str(k): v for k, v in profiles.items()},
                 },
                 indent=2,

@@ -240,6 +240,7 @@ def main() -> None:
                 }
             )
 
+    spec_step_kinds = dict(llm.engine.runner.step_kinds)
     del llm, scheduler
     gc.collect()
     if device.type == "cuda":
@@ -283,6 +284,8 @@ def main() -> None:
             f"{r['speedup_vs_plain_engine']:>9.2f} {str(r['outputs_identical']):>9}"
         )
     print("plain engine (CUDA graphs where available) tok/s: " + str(batch_to_graph_tps))
+    graph_step_kinds = dict(graph_llm.engine.runner.step_kinds)
+    print(f"steps by kind: speculative engine {spec_step_kinds}, plain engine {graph_step_kinds}")
     all_identical = all(r["outputs_identical"] for r in ngram_rows + replay_rows)
     print(
         f"deterministic mode: {args.deterministic}; every speculative run's outputs identical: {all_identical}"
@@ -304,6 +307,7 @@ def main() -> None:
         "ngram": ngram_rows,
         "replay": replay_rows,
         "plain_engine_tokens_per_s": batch_to_graph_tps,
+        "step_kinds": {"speculative_engine": spec_step_kinds, "plain_engine": graph_step_kinds},
         "all_outputs_identical": all_identical,
         "torch": torch.__version__,
     }

@@ -187,11 +187,18 @@ class CacheEngine:
         slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
         return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end, tier_to_num_tokens)
 
-    def move_load(self, plan: LoadPlan, kv_caches: torch.Tensor, layer: int | None = None) -> None:
-        """Queue the plan's moves (all layers, or one layer) on the mover."""
+    def move_load(
+        self,
+        plan: LoadPlan,
+        kv_caches: torch.Tensor,
+        layer: int | None = None,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        """Queue the plan's moves (all layers, one layer, or layers [first, last)) on the mover."""
         mover = self.mover(kv_caches)
         for chunk, slots in zip(plan.chunks, plan.slot_mappings, strict=True):
-            mover.load(chunk, kv_caches, slots, layer)
+            mover.load(chunk, kv_caches, slots, layer, layers=layers)
 
     def finish_load(self, plan: LoadPlan) -> None:
         """Wait for the plan's moves and drop its CPU-tier read pins."""

@@ -122,17 +122,30 @@ class KVMover:
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens] on kv_cache's device, -1 = skip
         layer: int | None = None,
+        *,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Write ``chunk`` (or only its layer ``layer``) into the paged slots.
+        """Write ``chunk`` (or only its layer ``layer``, or its layers [first, last)
+        ``layers``) into the paged slots.
         Asynchronous on CUDA: keep ``chunk`` alive until :meth:`synchronize`."""
+        if layer is not None and layers is not None:
+            raise ValueError("give layer or layers, not both")
         if not self.on_cuda:
-            if layer is None:
-                self._run(self._unpack, chunk, kv_cache, slot_mapping)
-            else:
+            if layer is not None:
                 self._run(self._unpack_layer, chunk[layer], kv_cache[layer], slot_mapping)
+            elif layers is not None:
+                first, last = layers
+                self._run(self._unpack, chunk[first:last], kv_cache[first:last], slot_mapping)
+            else:
+                self._run(self._unpack, chunk, kv_cache, slot_mapping)
             return
         lane = self.load_lane
-        pieces = [(layer, layer + 1)] if layer is not None else self._layer_pieces(chunk.shape[0])
+        if layer is not None:
+            pieces = [(layer, layer + 1)]
+        else:
+            begin, end = layers if layers is not None else (0, chunk.shape[0])
+            step = self.layers_per_piece
+            pieces = [(first, min(first + step, end)) for first in range(begin, end, step)]
         for first, last in pieces:
             source = chunk[first] if layer is not None else chunk[first:last]
             index, staged = lane.take_buffer(lane.copy_stream, source.shape)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.mixed_graphs import DEFAULT_MAX_GRAPH_TOKENS
+
 if TYPE_CHECKING:
     from connector import OffloadConfig
 
@@ -64,7 +66,8 @@ class EngineArgs:
     of the GPU memory (on CUDA) or `cpu_kv_cache_bytes` (on CPU).
     `load_format` "dummy" initialises random weights instead of reading
     safetensors (benchmarks of full-size shapes). `enforce_eager` turns off the
-    CUDA graphs that otherwise replay pure-decode steps. `cpu_offload_gb` keeps
+    CUDA graphs that otherwise replay pure-decode steps and the other steps of up to
+    `max_graph_tokens` new tokens. `cpu_offload_gb` keeps
     that many GiB of weights (whole decoder layers, the last ones) in pinned CPU
     memory, streamed to the device layer by layer (engine.models.weight_offload)."""
 
@@ -98,8 +101,14 @@ class EngineArgs:
     #: given one id share KV, and would serve each other wrong tokens.
     model_id: str | None = None
     seed: int = 0
-    #: never use CUDA graphs (they replay pure-decode steps on CUDA)
+    #: never use CUDA graphs (on CUDA they replay pure-decode steps, and every other step
+    #: of up to `max_graph_tokens` new tokens whose attention is paged)
     enforce_eager: bool = False
+    #: steps of up to this many new tokens (chunks over a cached prefix, a prompt's suffix
+    #: after a hit, prefills beside decodes, speculative verification) replay a CUDA graph
+    #: captured per token bucket at start-up (engine.mixed_graphs); 0: only pure-decode
+    #: steps do, the others run eagerly
+    max_graph_tokens: int = DEFAULT_MAX_GRAPH_TOKENS
     #: compile and plan every kernel variant and shape class at start-up on CUDA
     #: (engine.warmup); off, the first requests of each shape pay it
     warmup: bool = True
@@ -160,6 +169,11 @@ class EngineArgs:
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be None or one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if not _is_int(self.max_graph_tokens) or self.max_graph_tokens < 0:
+            raise ValueError(
+                f"max_graph_tokens must be an integer >= 0 (0: graphs for pure decode only), "
+                f"got {self.max_graph_tokens!r}"
             )
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")

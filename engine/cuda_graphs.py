@@ -2,9 +2,11 @@
 norms, RoPE, cache writes and paged attention) replayed as one graph, so a decode
 step costs one launch instead of ~40 per layer.
 
-Used by the model runner only on CUDA, in steps without connector loads (whose
-per-layer hooks run host code; saves are queued after the pass), without
-speculative drafts, and when every scheduled request has exactly one new token. Captured once at start-up for batch sizes up to
+Used by the model runner only on CUDA, when every scheduled request has exactly one
+new token (no speculative drafts), in steps without loads or with loads that need no
+per-layer host hooks (the stream waits for them before the replay; saves are queued
+after the pass). Other small steps replay engine.mixed_graphs. Captured once at
+start-up for batch sizes up to
 `max_batch_size`; a step with n sequences replays the smallest captured size >= n,
 the extra rows padded (cache write skipped with slot -1, attention over one key).
 """
@@ -45,7 +47,10 @@ class DecodeGraphs:
         max_batch_size: int,
         max_blocks_per_seq: int,
         max_seq_len: int,
+        pool=None,
     ) -> None:
+        """`pool`: a CUDA graph memory pool shared with the engine's other graphs
+        (replayed one at a time, never concurrently); None makes one."""
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
         largest = self.sizes[-1]
@@ -60,7 +65,7 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len  # split-KV sizing is fixed at capture: size it for the longest
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._pool = None
+        self._pool = pool
         with torch.inference_mode():
             self._capture_all(forward, metadata_type)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -88,6 +93,9 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             self.outputs[size] = forward(*args)
         self.graphs[size] = graph
+        # The first replay uploads the graph: no request pays it. The buffers still hold the
+        # capture's inputs, which write no KV.
+        graph.replay()
 
     def _replay(self, size: int) -> torch.Tensor:
         """Run the captured pass over the current buffer contents -> hidden [size, hidden]."""

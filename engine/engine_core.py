@@ -209,9 +209,15 @@ class EngineCore:
                 self.dtype,
                 connector=worker_connector,
                 cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
+                max_graph_tokens=self._max_graph_tokens(),
+                max_num_seqs=args.max_num_seqs,
                 max_model_len=self.max_model_len,
                 deterministic=args.deterministic,
             )
+        mixed_graphs = getattr(self.runner, "mixed_graphs", None)
+        if mixed_graphs is not None:
+            # steps of up to this many tokens replay a graph: the step-time model's eager term
+            self.step_times.graph_token_limit = mixed_graphs.buckets[-1]
         if args.warmup and self.device.type == "cuda" and self.pipeline is None:
             warm_up(
                 self.runner,
@@ -246,19 +252,26 @@ class EngineCore:
             self.max_model_len,
         )
 
-    def _cuda_graph_max_batch_size(self) -> int:
-        """Decode CUDA graphs are captured on CUDA unless `enforce_eager`, speculative
-        decoding or a length-dependent RoPE rules them out. With a connector they replay
-        in the steps without loads (a load needs its per-layer host hooks)."""
+    def _graphs_allowed(self) -> bool:
+        """CUDA graphs are captured on CUDA unless `enforce_eager` or a length-dependent
+        RoPE (which reads the host) rules them out."""
         args = self.args
-        if (
-            self.device.type != "cuda"
-            or args.enforce_eager
-            or args.speculative is not None
-            or self.model.rotary.depends_on_length
-        ):
+        return (
+            self.device.type == "cuda" and not args.enforce_eager and not self.model.rotary.depends_on_length
+        )
+
+    def _cuda_graph_max_batch_size(self) -> int:
+        """Largest decode batch with a CUDA graph (0: none). With a connector they replay
+        in steps without loads and in steps whose loads need no per-layer hooks; with
+        speculative decoding in the steps without drafts."""
+        return min(self.args.max_num_seqs, 256) if self._graphs_allowed() else 0
+
+    def _max_graph_tokens(self) -> int:
+        """Most new tokens of a step that replays a mixed graph (engine.mixed_graphs);
+        no step has more than the token budget. 0: none."""
+        if not self._graphs_allowed():
             return 0
-        return min(args.max_num_seqs, 256)
+        return min(self.args.max_graph_tokens, self.args.max_num_batched_tokens)
 
     def _num_kv_blocks(self) -> int:
         args = self.args

@@ -44,7 +44,12 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "(the operator's responsibility: checkpoints given one id share KV).",
     ),
     "seed": (int, "Engine seed."),
-    "enforce_eager": (bool, "Never use CUDA graphs for decode steps."),
+    "enforce_eager": (bool, "Never use CUDA graphs (decode steps and small mixed steps)."),
+    "max_graph_tokens": (
+        int,
+        "Steps of up to this many new tokens (prefill chunks, suffixes after a cache hit, "
+        "speculative verification) replay a CUDA graph; 0: only pure-decode steps do.",
+    ),
     "warmup": (bool, "Compile and plan every kernel shape at start-up (CUDA)."),
     "cpu_offload_gb": (
         float,

@@ -10,7 +10,10 @@ Attention goes through `kernels` on CUDA and `kernels.reference` on CPU.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +25,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_copy import host_to_device
 from engine.input_batch import InputBatch
+from engine.mixed_graphs import MixedGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
@@ -64,6 +68,15 @@ class RunnerOutput:
     finished_recving_ids: set[str] = field(default_factory=set)
 
 
+class _DraftLayout(NamedTuple):
+    """A verification step's drafts, laid out by `ModelRunner._draft_layout`."""
+
+    requests: list  # the requests with drafts, in plan order
+    draft_token_ids: list[list[int]]  # their drafts
+    draft_rows: list[int]  # per draft, the flat row whose logits check it
+    sample_indices: list[int]  # per request, its index among the step's sampled tokens
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element_size
@@ -81,12 +94,16 @@ class ModelRunner:
         connector: KVConnectorWorker | None = None,
         *,
         cuda_graph_max_batch_size: int = 0,
+        max_graph_tokens: int = 0,
+        max_num_seqs: int = 256,
         max_model_len: int = 0,
         persistent_batch: bool = True,
         deterministic: bool = False,
     ) -> None:
         """`cuda_graph_max_batch_size` > 0 (CUDA only) captures decode graphs for up to
         that many sequences, with block tables wide enough for `max_model_len` tokens.
+        `max_graph_tokens` > 0 (CUDA only) captures graphs for the other steps of up to
+        that many new tokens over up to `max_num_seqs` sequences (engine.mixed_graphs).
         `persistent_batch` keeps each running request's row across steps
         (engine.input_batch); off, every step builds its inputs from the requests.
         `deterministic` (a model made batch-invariant by engine.deterministic): one
@@ -128,25 +145,133 @@ class ModelRunner:
         self.timeline: DeviceTimeline | None = None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
+        #: how many steps ran as a decode graph, a mixed graph or eagerly (benchmarks, tests)
+        self.step_kinds: Counter[str] = Counter()
         self.decode_graphs: DecodeGraphs | None = None
-        if self._on_cuda and cuda_graph_max_batch_size > 0:
+        self.mixed_graphs: MixedGraphs | None = None
+        #: CUDA only, with mixed graphs: one event per layer that a mixed graph waits for
+        #: before the layer's attention (an event-wait node of the graph), recorded anew in
+        #: each step with loads once that layer's loaded KV is in place (`_signal_layer_loads`)
+        self._layer_loaded_events: list[torch.cuda.Event] | None = None
+        self._load_signal_stream: torch.cuda.Stream | None = None
+        #: recorded after the latest mixed-graph replay: its waits have run once it is done
+        self._mixed_replay_done: torch.cuda.Event | None = None
+        if self._on_cuda and (cuda_graph_max_batch_size > 0 or max_graph_tokens > 0):
+            self._capture_graphs(cuda_graph_max_batch_size, max_graph_tokens, max_num_seqs, max_model_len)
+
+    def _capture_graphs(
+        self, max_batch_size: int, max_graph_tokens: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Capture the mixed graphs, then the decode graphs, into one memory pool (the
+        largest first: the smaller ones reuse its memory; one graph replays at a time).
+        A graph set that fails to capture is left out: its steps run eagerly."""
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        if max_graph_tokens > 0:
+            self.mixed_graphs = self._capture_mixed_graphs(
+                max_graph_tokens, max_num_seqs, max_blocks_per_seq, max_model_len, pool
+            )
+        if max_batch_size > 0:
             try:
                 self.decode_graphs = DecodeGraphs(
                     self._forward_with_metadata,
                     AttentionMetadata,
-                    device,
-                    cuda_graph_max_batch_size,
-                    max_blocks_per_seq=-(-max_model_len // block_size),
+                    self.device,
+                    max_batch_size,
+                    max_blocks_per_seq=max_blocks_per_seq,
                     max_seq_len=max_model_len,
+                    pool=pool,
                 )
             except RuntimeError as error:
                 logger.warning("decode CUDA graphs could not be captured, running eagerly: %s", error)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "CUDA graphs: mixed steps of up to %d tokens (buckets %s, up to %d sequences), "
+            "decode batches %s; captured in %.1f s, %.0f MiB of GPU memory",
+            max_graph_tokens if self.mixed_graphs is not None else 0,
+            self.mixed_graphs.buckets if self.mixed_graphs is not None else [],
+            max_num_seqs,
+            self.decode_graphs.sizes if self.decode_graphs is not None else [],
+            time.perf_counter() - started,
+            used / (1 << 20),
+        )
+
+    def _capture_mixed_graphs(
+        self, max_graph_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, pool
+    ) -> MixedGraphs | None:
+        """Mixed graphs that wait per layer for loads (external CUDA events); where this
+        torch cannot capture such waits, graphs that wait for whole loads; None when
+        neither captures (those steps run eagerly)."""
+
+        def capture(forward) -> MixedGraphs:
+            return MixedGraphs(
+                forward,
+                AttentionMetadata,
+                self.device,
+                max_graph_tokens,
+                max_num_seqs,
+                max_blocks_per_seq=max_blocks_per_seq,
+                max_seq_len=max_model_len,
+                block_size=self.block_size,
+                pool=pool,
+            )
+
+        try:
+            events = [torch.cuda.Event(external=True) for _ in range(self.config.num_layers)]
+            for event in events:
+                event.record()  # created now: a capture skips the wait on a never-recorded event
+            self._layer_loaded_events = events
+            self._load_signal_stream = torch.cuda.Stream(self.device)
+            return capture(self._forward_waiting_per_layer)
+        except (TypeError, RuntimeError) as error:  # no external events in this torch
+            logger.warning(
+                "mixed CUDA graphs without per-layer load waits (they wait for whole loads): %s", error
+            )
+            self._layer_loaded_events = self._load_signal_stream = None
+        try:
+            return capture(self._forward_with_metadata)
+        except RuntimeError as error:
+            logger.warning("mixed CUDA graphs could not be captured, those steps run eagerly: %s", error)
+            return None
 
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass without the connector's per-layer hooks: what a decode graph
         records, and what a step without loads needs (saves are packed after the pass)."""
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention)
+
+    def _forward_waiting_per_layer(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """What a mixed graph records (CUDA): `_forward_with_metadata` with a wait before
+        each layer's attention for that layer's event, so a step with loads computes the
+        first layers while the later ones still load."""
+        self._metadata = metadata
+        return self.model(input_ids, positions, self._attention_after_layer_event)
+
+    def _attention_after_layer_event(self, layer_idx: int, query, key, value) -> torch.Tensor:
+        torch.cuda.current_stream(self.device).wait_event(self._layer_loaded_events[layer_idx])
+        return self._attention(layer_idx, query, key, value)
+
+    def _signal_layer_loads(self) -> bool:
+        """Record each layer's event once the connector's load of that layer is done: a
+        side stream waits for the loads layer by layer (the connector's hooks, run with it
+        as the current stream) and records the events the mixed graph waits for.
+
+        Returns False, recording nothing, while the previous mixed-graph replay may not
+        have passed its waits (async scheduling: two steps in flight): its waits must
+        keep the records they were launched with. The caller then waits for the whole
+        load before the replay."""
+        done = self._mixed_replay_done
+        if done is not None and not done.query():
+            return False
+        stream = self._load_signal_stream
+        with torch.cuda.stream(stream):
+            for layer, event in enumerate(self._layer_loaded_events):
+                self.connector.wait_for_layer_load(layer)
+                event.record(stream)
+        return True
 
     def _forward_with_loads(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass with the connector's per-layer hooks (a step with loads)."""
@@ -284,41 +409,77 @@ class ModelRunner:
         input_ids[targets] = sampled[sources].to(input_ids.dtype)
         self.num_device_filled_input_ids += len(host.missing_request_ids)
 
+    def _graphs_for(self, plan: SchedulerOutput, host: HostInputs) -> DecodeGraphs | MixedGraphs | None:
+        """The captured graphs that can replay this step, None when it runs eagerly:
+        decode graphs for one new token per sequence, mixed graphs for other steps of
+        few enough tokens. Never for fused whole-prompt spans, nor for loads that need
+        the connector's per-layer hooks."""
+        connector = self.connector
+        if host.dense_spans or (
+            connector is not None and plan.connector_meta.loads and connector.needs_layer_hooks
+        ):
+            return None
+        num_seqs = len(host.seq_lens)
+        width = host.block_tables.shape[1]
+        decode = self.decode_graphs
+        if decode is not None and host.max_query_len == 1 and decode.can_run(num_seqs, width):
+            return decode
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.can_run(len(host.input_ids), num_seqs, width):
+            return mixed
+        return None
+
     def _run_model(self, plan: SchedulerOutput, host: HostInputs) -> torch.Tensor:
-        """Forward pass -> final hidden states [T, hidden]: a decode CUDA graph replay
-        when the step allows it, else eager."""
-        graphs = self.decode_graphs
+        """Forward pass -> final hidden states [T, hidden]: a CUDA graph replay when the
+        step allows it (`_graphs_for`), else eager."""
+        graphs = self._graphs_for(plan, host)
         connector = self.connector
         has_loads = connector is not None and bool(plan.connector_meta.loads)
-        if (
-            graphs is not None
-            and not (has_loads and connector.needs_layer_hooks)
-            and host.max_query_len == 1
-            and not host.dense_spans
-            and not plan.request_id_to_spec_token_ids
-            and graphs.can_run(len(host.seq_lens), host.block_tables.shape[1])
-        ):
+        if graphs is not None:
             layers = range(self.config.num_layers)
 
             def before_replay() -> None:
-                num_seqs = len(host.seq_lens)
-                self._fill_missing_input_ids(host, graphs.input_ids[:num_seqs])
-                if has_loads:  # the whole pass waits for every layer's load
-                    for layer in layers:
-                        connector.wait_for_layer_load(layer)
+                self._fill_missing_input_ids(host, graphs.input_ids[: len(host.input_ids)])
+                if not has_loads:
+                    return
+                if (
+                    graphs is self.mixed_graphs
+                    and self._layer_loaded_events is not None
+                    and self._signal_layer_loads()
+                ):
+                    return  # the graph waits per layer
+                for layer in layers:  # the whole pass waits for every layer's load
+                    connector.wait_for_layer_load(layer)
 
-            hidden = graphs.run(
-                host.input_ids,
-                host.positions,
-                host.slot_mapping,
-                host.block_tables,
-                host.seq_lens,
-                before_replay=before_replay,
-            )
+            if graphs is self.decode_graphs:
+                self.step_kinds["decode_graph"] += 1
+                hidden = graphs.run(
+                    host.input_ids,
+                    host.positions,
+                    host.slot_mapping,
+                    host.block_tables,
+                    host.seq_lens,
+                    before_replay=before_replay,
+                )
+            else:
+                self.step_kinds["mixed_graph"] += 1
+                hidden = graphs.run(
+                    host.input_ids,
+                    host.positions,
+                    host.slot_mapping,
+                    host.block_tables,
+                    host.seq_lens,
+                    host.query_start_loc,
+                    before_replay=before_replay,
+                )
+                if self._layer_loaded_events is not None:
+                    self._mixed_replay_done = torch.cuda.Event()
+                    self._mixed_replay_done.record()
             if has_loads:
                 for layer in layers:
                     connector.save_kv_layer(layer)
             return hidden
+        self.step_kinds["eager"] += 1
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=host_to_device(host.slot_mapping, device),
@@ -363,37 +524,48 @@ class ModelRunner:
             )
         return out
 
+    def _draft_layout(self, plan: SchedulerOutput, logits_rows: list[int]) -> _DraftLayout:
+        """Where each request's drafts are checked (host only): the logits row before each
+        draft, and the request's index among the step's samples (rows >= 0)."""
+        layout = _DraftLayout([], [], [], [])
+        sample_index = 0
+        for request, last_row in zip(plan.requests, logits_rows, strict=True):
+            if last_row < 0:
+                continue
+            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
+            if spec_token_ids:
+                layout.requests.append(request)
+                layout.draft_token_ids.append(spec_token_ids)
+                layout.draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
+                layout.sample_indices.append(sample_index)
+            sample_index += 1
+        return layout
+
     def _verify(
         self,
-        plan: SchedulerOutput,
-        hidden: torch.Tensor,  # [T, hidden_size]
-        logits_rows: list[int],
-        request_id_to_token: dict[str, int],
-    ) -> dict[str, list[int]]:
+        layout: _DraftLayout,
+        draft_logits: torch.Tensor,  # float32 [len(layout.draft_rows), vocab]
+        sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
+    ) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Check every request's drafts against the logits of the positions before them;
-        replace its sampled (bonus) token by the token that follows its accepted drafts.
-        Returns request id -> accepted drafts."""
-        requests, draft_token_ids, draft_rows = [], [], []
-        for request, last_row in zip(plan.requests, logits_rows, strict=True):
-            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
-            if spec_token_ids and last_row >= 0:
-                requests.append(request)
-                draft_token_ids.append(spec_token_ids)
-                draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
-        draft_logits = self.model.compute_logits(hidden[torch.tensor(draft_rows, device=self.device)])
+        the token after its accepted drafts replaces its sampled (bonus) token.
+        `sampled_token_ids` holds the step's samples; they stay on the device: the host
+        waits once, for the verdict.
+        Returns (request id -> accepted drafts, request id -> its token after them)."""
+        requests = layout.requests
         emitted = verify_drafts(
             draft_logits,
-            draft_token_ids,
-            [request_id_to_token[r.request_id] for r in requests],
+            layout.draft_token_ids,
+            sampled_token_ids[host_to_device(torch.tensor(layout.sample_indices), self.device)],
             [r.sampling_params for r in requests],
             [r.generator for r in requests],
             row_wise=self.deterministic,
         )
-        request_id_to_accepted_draft_ids = {}
+        request_id_to_accepted_draft_ids, request_id_to_last_token = {}, {}
         for request, tokens in zip(requests, emitted, strict=True):
-            request_id_to_token[request.request_id] = tokens[-1]
+            request_id_to_last_token[request.request_id] = tokens[-1]
             request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
-        return request_id_to_accepted_draft_ids
+        return request_id_to_accepted_draft_ids, request_id_to_last_token
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one step and wait for its sampled tokens (`submit(plan).result()`)."""
@@ -433,8 +605,15 @@ class ModelRunner:
             if sampling:
                 # non_blocking from host memory: the host queues sampling behind the forward
                 # pass instead of waiting for it here (the sampled ids are read once, at the end).
-                rows = host_to_device(torch.tensor([row for _, row in sampling]), self.device)
-                logits = self.model.compute_logits(hidden[rows])
+                row_ids = [row for _, row in sampling]
+                layout = None
+                if plan.request_id_to_spec_token_ids:
+                    # one LM-head pass for the sampled rows and the rows before the drafts
+                    layout = self._draft_layout(plan, logits_rows)
+                    row_ids += layout.draft_rows
+                rows = host_to_device(torch.tensor(row_ids), self.device)
+                all_logits = self.model.compute_logits(hidden[rows])
+                logits = all_logits[: len(sampling)]
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(
                     logits,
@@ -443,12 +622,14 @@ class ModelRunner:
                     row_wise=self.deterministic,
                 )
                 sampled_request_ids = [r.request_id for r in requests]
-                if plan.request_id_to_spec_token_ids:
-                    # The token sampled after the last draft is the bonus token.
-                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
-                    request_id_to_accepted_draft_ids = self._verify(
-                        plan, hidden, logits_rows, request_id_to_token
+                if layout is not None:
+                    # The token sampled after the last draft is the bonus token; verified
+                    # before the samples are read, so the host waits for the device once.
+                    request_id_to_accepted_draft_ids, request_id_to_last_token = self._verify(
+                        layout, all_logits[len(sampling) :], token_ids
                     )
+                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
+                    request_id_to_token.update(request_id_to_last_token)
             if self.timeline is not None:
                 self.timeline.end()
         self._prev_request_id_to_sample_index = {r: i for i, r in enumerate(sampled_request_ids)}

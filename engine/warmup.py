@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,8 @@ class WarmupReport:
     num_dense_buckets: int
     num_transfer_shapes: int
     seconds: float
+    #: its steps by kind (runner.step_kinds), which it leaves at zero for the engine's steps
+    step_kinds: dict[str, int] = field(default_factory=dict)
 
 
 class _SyntheticRequests:
@@ -196,20 +198,35 @@ def warm_up(runner: ModelRunner, limits: WarmupLimits) -> WarmupReport:
     connector, runner.connector = runner.connector, None  # nothing of this reaches a tier
     try:
         plans = _step_plans(factory, limits)
-        for plan in plans:
-            runner.execute(plan)
-        graphs, runner.decode_graphs = runner.decode_graphs, None
-        try:  # the eager decode kernels too (steps with loads run eagerly)
-            runner.execute(plans[-1] if not limits.num_speculative_tokens else plans[-2])
+        # Eagerly, graphs set aside: the captured graphs compiled their own kernels at
+        # capture, and every shape must also be ready for the steps that run eagerly
+        # (loads with per-layer hooks, steps larger than the graphs).
+        graphs = runner.decode_graphs, runner.mixed_graphs
+        runner.decode_graphs = runner.mixed_graphs = None
+        try:
+            for plan in plans:
+                runner.execute(plan)
         finally:
-            runner.decode_graphs = graphs
+            runner.decode_graphs, runner.mixed_graphs = graphs
+        # then a few again through the graphs: their first replays (a short prefill, a
+        # prefill pair, a decode batch or a verification)
+        replayed = (plans[0], plans[1], plans[-1])
+        for plan in replayed:
+            runner.execute(plan)
         num_buckets = _warm_dense_buckets(runner, min(limits.max_num_batched_tokens, factory.max_tokens))
         num_transfer_shapes = _warm_transfers(runner, limits.chunk_size)
     finally:
         runner.connector = connector
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    report = WarmupReport(len(plans) + 1, num_buckets, num_transfer_shapes, time.perf_counter() - started)
+    report = WarmupReport(
+        len(plans) + len(replayed),
+        num_buckets,
+        num_transfer_shapes,
+        time.perf_counter() - started,
+        step_kinds=dict(runner.step_kinds),
+    )
+    runner.step_kinds.clear()  # they count the engine's steps
     logger.info(
         "warm-up: %d step shapes, %d fused-prefill length buckets, %d transfer shapes in %.1f s",
         report.num_steps,

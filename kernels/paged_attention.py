@@ -15,10 +15,11 @@ query_start_loc for its sequence. Surplus tiles exit at once.
 
 Split-KV (flash-decoding): a decode step of a few long sequences has only
 num_seqs x num_kv_heads tiles, far fewer than the GPU's SMs, each walking the whole
-KV alone. When every sequence's new tokens fit one tile, the KV of each tile can be
-cut into `num_kv_splits` ranges, one program each; every program writes its partial
-output with its log-sum-exp, and a second kernel merges the splits. The ranges are
-computed in the kernel from each sequence's length, so one launch shape serves any
+KV alone; so has a short chunk over a long prefix (80 new tokens over 8k cached
+ones: 5 tiles per KV head). The KV of each tile can be cut into `num_kv_splits`
+ranges, one program each; every program writes its partial output per query row
+with its log-sum-exp, and a second kernel merges the splits. The ranges are
+computed in the kernel from each tile's key range, so one launch shape serves any
 lengths (CUDA graphs capture it once).
 
 Batch-invariant form (`batch_invariant=True`, the engine's deterministic mode): the
@@ -232,6 +233,9 @@ def _merge_kv_splits_kernel(
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_KV_SPLITS = 64
+# The float32 partial results hold num_tokens x num_kv_splits rows per head: bound them
+# (32 MiB at 32 heads of 128 dims), so a multi-token chunk splits less.
+_MAX_SPLIT_ROWS = 2048
 
 
 @functools.cache
@@ -260,21 +264,43 @@ def batch_invariant_launch_config(group: int, dtype: torch.dtype) -> tuple[int, 
     return launch_config(group, 1 << 30, dtype)
 
 
-def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per tile for a batch whose sequences each fit one query tile (decode,
-    speculative verification, a prompt's last token after a cache hit).
+def choose_num_kv_splits(
+    num_tiles: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device,
+    *,
+    num_tokens: int = 0,
+) -> int:
+    """Splits per query tile for a launch of at least `num_tiles` tiles per KV head
+    (decode, speculative verification: one per sequence; a chunk of new tokens over a
+    long prefix: one per BLOCK_Q of its tokens). 1 on CPU.
 
     Enough programs to fill the GPU, but no split shorter than _MIN_KEYS_PER_SPLIT
-    keys of the longest sequence. `max_seq_len` is an upper bound (a CUDA graph passes
-    the model's maximum length, so its splits depend on the batch size only). 1 on CPU.
+    keys of the longest sequence, and no more than _MAX_SPLIT_ROWS partial rows over
+    the launch's `num_tokens` new tokens. `max_seq_len` is an upper bound (a CUDA
+    graph passes the model's maximum length, so its splits depend on its shape only).
     """
     if device.type != "cuda":
         return 1
-    num_programs = num_seqs * num_kv_heads
-    target = _PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
+    return kv_splits_for(
+        num_tiles,
+        num_kv_heads,
+        max_seq_len,
+        _num_sms(device.index if device.index is not None else 0),
+        num_tokens=num_tokens,
+    )
+
+
+def kv_splits_for(
+    num_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, num_tokens: int = 0
+) -> int:
+    """`choose_num_kv_splits` for a GPU of `num_sms` SMs (pure arithmetic)."""
+    target = _PROGRAMS_PER_SM * num_sms
     by_length = -(-max_seq_len // _MIN_KEYS_PER_SPLIT)
-    by_occupancy = -(-target // num_programs)
-    return max(1, min(by_length, by_occupancy, _MAX_KV_SPLITS))
+    by_occupancy = -(-target // max(1, num_tiles * num_kv_heads))
+    by_rows = max(1, _MAX_SPLIT_ROWS // num_tokens) if num_tokens > 0 else _MAX_KV_SPLITS
+    return max(1, min(by_length, by_occupancy, by_rows, _MAX_KV_SPLITS))
 
 
 def paged_attention(
@@ -299,7 +325,7 @@ def paged_attention(
     picks the tile shape; when None it is read from query_start_loc. `max_seq_len` (an
     upper bound of seq_lens) sizes the split-KV work when `num_kv_splits` is None; when
     both are None it is read from seq_lens. `num_kv_splits` forces the number of KV
-    ranges per tile (used only when every sequence fits one query tile). `check_values`
+    ranges per tile. `check_values`
     validates the metadata values. The reads sync the stream on CUDA, so the engine's
     hot path passes the maxima and check_values=False once it built the metadata itself.
     `out`, when given, receives the result (a tensor shaped and typed like query whose
@@ -344,12 +370,14 @@ def paged_attention(
         num_kv_splits = 1
     else:
         block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
-    if max_query_len > block_q:
-        num_kv_splits = 1  # prefill tiles are many already
-    elif num_kv_splits is None:
+    if num_kv_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        # at least one tile per sequence, and one per BLOCK_Q new tokens
+        num_tiles = max(num_seqs, -(-num_tokens // block_q))
+        num_kv_splits = choose_num_kv_splits(
+            num_tiles, num_kv_heads, max_seq_len, query.device, num_tokens=num_tokens
+        )
     split = num_kv_splits > 1
     if split:
         split_out = torch.empty(

@@ -238,9 +238,10 @@ def rejection_sample(
         return out
     if out.stride(1) != 1:
         raise ValueError("out must be contiguous along its last dimension")
-    cu_num_draft_tokens = torch.tensor(list(itertools.accumulate(num_draft_tokens)), dtype=torch.int64).to(
-        device
-    )
+    # from pinned memory, without waiting: a pageable copy would wait for the forward pass
+    cu_num_draft_tokens = torch.tensor(
+        list(itertools.accumulate(num_draft_tokens)), dtype=torch.int64, pin_memory=device.type == "cuda"
+    ).to(device, non_blocking=True)
     target_probs = target_probs.contiguous() if target_probs.stride(1) != 1 else target_probs
     if draft_probs is not None and draft_probs.stride(1) != 1:
         draft_probs = draft_probs.contiguous()

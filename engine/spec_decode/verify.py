@@ -8,13 +8,14 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import SamplingParams
+from engine.host_copy import host_to_device
 from engine.sampler import sampling_probs
 
 
 def verify_drafts(
     draft_logits: torch.Tensor,  # float32 [num_draft_tokens_total, vocab]
     draft_token_ids: Sequence[Sequence[int]],  # per request, at least one draft each
-    bonus_token_ids: Sequence[int],  # per request, sampled from the logits after its last draft
+    bonus_token_ids: torch.Tensor,  # int [num_requests] on the device, sampled after each last draft
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     *,
@@ -39,7 +40,7 @@ def verify_drafts(
     sampled_rows = [i for i, greedy in enumerate(row_is_greedy) if not greedy]
     if sampled_rows:
         row_params = [p for p, n in zip(params, num_draft_tokens, strict=True) for _ in range(n)]
-        rows = torch.tensor(sampled_rows, device=device)
+        rows = host_to_device(torch.tensor(sampled_rows), device)
         target_probs[rows] = sampling_probs(
             draft_logits[rows], [row_params[i] for i in sampled_rows], row_wise=row_wise
         )
@@ -64,14 +65,15 @@ def verify_drafts(
         from kernels import rejection_sample
     else:
         from kernels.rejection_sampler import rejection_sample_ref as rejection_sample
+    # host inputs go through pinned memory: a pageable copy would wait for the forward pass
     out = rejection_sample(
-        torch.tensor([t for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device),
+        host_to_device(torch.tensor([t for ids in draft_token_ids for t in ids], dtype=torch.int64), device),
         num_draft_tokens,
         None,
         target_probs,
         draft_logits.argmax(dim=-1),
-        torch.tensor(list(bonus_token_ids), dtype=torch.int64, device=device),
-        torch.tensor(is_greedy, dtype=torch.bool, device=device),
+        bonus_token_ids.to(torch.int64),
+        host_to_device(torch.tensor(is_greedy, dtype=torch.bool), device),
         uniform_samples,
         recovery_noise,
         max_spec_len=max(num_draft_tokens),

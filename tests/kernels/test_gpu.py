@@ -151,6 +151,26 @@ def test_split_kv_decode_of_long_sequences():
     torch.testing.assert_close(out, unsplit, **ATTENTION_TOLERANCES[torch.bfloat16])
 
 
+def test_split_kv_for_a_short_chunk_over_a_long_prefix():
+    """80 new tokens over 8,192 keys (a prompt's suffix after a cache hit): the default
+    policy splits the KV of its few tiles; the result matches the reference and the
+    unsplit launch."""
+    from kernels.paged_attention import choose_num_kv_splits
+
+    assert choose_num_kv_splits(5, 8, 8192, torch.device("cuda"), num_tokens=80) > 1
+    num_blocks = 8192 // 16 + 8
+    tables, seq_lens, starts = attention_batch([80], [8192], num_blocks, 16, seed=19, device="cuda")
+    kv_layer = random_kv((2, num_blocks, 16, 8, 128), torch.bfloat16, "cuda", 20)
+    query = random_kv((80, 32, 128), torch.bfloat16, "cuda", 21)
+    out = kernels.paged_attention(
+        query, kv_layer, tables, seq_lens, starts, 128**-0.5, max_query_len=80, max_seq_len=8192
+    )
+    expected = reference.paged_attention_ref(query, kv_layer, tables, seq_lens, starts, 128**-0.5)
+    torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.bfloat16])
+    unsplit = kernels.paged_attention(query, kv_layer, tables, seq_lens, starts, 128**-0.5, num_kv_splits=1)
+    torch.testing.assert_close(out, unsplit, **ATTENTION_TOLERANCES[torch.bfloat16])
+
+
 def test_element_offsets_beyond_int32():
     """A KV tensor of > 2^31 elements (bf16, ~4.3 GB) used through its last blocks."""
     num_blocks, block_size, num_kv_heads, head_dim = 66_000, 16, 8, 128

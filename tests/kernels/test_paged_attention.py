@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.paged_attention import choose_num_kv_splits
+from kernels.paged_attention import choose_num_kv_splits, kv_splits_for
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -83,8 +83,24 @@ def test_split_kv_with_several_new_tokens_per_sequence():
     _run(torch.float32, 4, 2, 8, 16, batch=([4, 3, 1], [70, 3, 100]), max_query_len=4, num_kv_splits=3)
 
 
-def test_split_kv_is_ignored_for_prefill_tiles():
-    _run(torch.float32, 2, 1, 16, 16, batch=([70, 1], [90, 40]), num_kv_splits=4)
+@pytest.mark.parametrize("num_kv_splits", [2, 4])
+def test_split_kv_over_prefill_tiles(num_kv_splits):
+    # Chunks of several tiles over a cached prefix: each tile splits its own key range;
+    # rows before a split's first key get nothing from it.
+    _run(torch.float32, 2, 1, 16, 16, batch=([70, 1], [90, 40]), num_kv_splits=num_kv_splits)
+    _run(torch.bfloat16, 8, 2, 16, 16, batch=([37, 5, 1], [200, 5, 60]), num_kv_splits=num_kv_splits)
+
+
+def test_kv_split_policy_for_short_chunks_over_long_prefixes():
+    # 80 new tokens (5 tiles of 16) over 8,192 keys, 8 KV heads, 132 SMs: 40 programs alone
+    # would leave most SMs idle; the split keeps the float32 partial rows bounded.
+    splits = kv_splits_for(5, 8, 8192, 132, num_tokens=80)
+    assert 1 < splits <= 2048 // 80
+    assert kv_splits_for(32, 8, 8192, 132, num_tokens=512) <= 2048 // 512
+    # decode keeps its sizing: one tile per sequence
+    assert kv_splits_for(1, 8, 16384, 132, num_tokens=1) == 33
+    assert kv_splits_for(256, 8, 16384, 132, num_tokens=256) == 1
+    assert kv_splits_for(5, 8, 200, 132, num_tokens=80) == 1  # short keys: nothing to split
 
 
 def test_num_kv_splits_on_cpu_and_bounds():

@@ -142,7 +142,7 @@ class EngineCore:
             and self.dtype != torch.float32
         ):
             # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly
-            self.model.compile_glue()
+            self.model.use_glue_kernels()
         if args.deterministic:
             from engine.deterministic import make_batch_invariant
 

@@ -11,8 +11,9 @@ a fraction of that.
 Numerics follow the eager torch forms (engine.models.glue): every product and sum is
 rounded to the input dtype where torch rounds it (a product of two 16-bit floats is exact
 in float32, so rounding it once gives torch's 16-bit product), so RoPE is bit-identical
-to the eager form; SiLU uses the device's exp, which may differ from torch's in the
-last bit of float32 before the rounding to the input dtype.
+to the eager form (float32 too: it is compiled without fused multiply-adds); SiLU uses
+the device's exp, which may differ from torch's in the last bit of float32 before the
+rounding to the input dtype.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def rotary_qk(
         BLOCK_HK=next_power_of_2(key.shape[1]),
         BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
+        enable_fp_fusion=False,  # float32 too rounds each product, as torch does (no FMA)
     )
     return query_out, key_out
 

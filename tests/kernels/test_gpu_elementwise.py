@@ -1,5 +1,5 @@
 """The one-launch glue kernels compiled on a real GPU, 8B shapes (marker `gpu`): RoPE is
-bit-identical to the eager torch glue in bfloat16 and float16 (the same roundings),
+bit-identical to the eager torch glue (the same roundings, no fused multiply-add),
 SiLU-and-mul and the norm within one rounding of it.
 
 Run with TRITON_INTERPRET unset: `python3 -m pytest tests/kernels/test_gpu_elementwise.py -m gpu -q`.
@@ -36,7 +36,7 @@ def cos_sin(num_tokens: int, dtype: torch.dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
 def test_rotary_qk_is_bit_identical_to_the_eager_glue(dtype, num_tokens):
     query, key = fused_qkv_views(num_tokens, dtype)
@@ -52,8 +52,8 @@ def test_silu_and_mul_and_norm_match_the_eager_glue(dtype, num_tokens):
     gate, up = random_kv((num_tokens, 2 * INTERMEDIATE), dtype, "cuda", seed=num_tokens).split(
         INTERMEDIATE, -1
     )
-    # at most one rounding step apart (the device's exp may differ from torch's in float32's last bit)
-    step = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-22}[dtype]
+    # one rounding step apart in 16 bits; float32: the device's exp and the norm's sum order
+    step = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-17}[dtype]
     torch.testing.assert_close(
         silu_and_mul(gate, up).float(), glue.silu_and_mul(gate, up).float(), atol=4 * step, rtol=step
     )

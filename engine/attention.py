@@ -24,7 +24,7 @@ prefix of the batch metadata without another transfer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,7 @@ class AttentionMetadata:
 
     Sequences [0, num_paged_seqs) go through the paged kernel; `dense_spans` holds the
     [begin, end) token ranges of the rest, which follow them in the flat batch.
+    Built once per step by the model runner; `attend` reads it once per layer.
     """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
@@ -105,6 +106,39 @@ class AttentionMetadata:
     max_seq_len: int  # upper bound of seq_lens (sizes split-KV)
     num_paged_seqs: int
     dense_spans: tuple[tuple[int, int], ...] = ()
+    #: the paged sequences' views of the tensors above, made at the step's first layer and
+    #: reused by the others (every layer reads the same rows)
+    _paged_views: PagedViews | None = field(default=None, init=False, repr=False, compare=False)
+
+    def paged_views(self) -> PagedViews:
+        """The paged sequences' metadata views, made once per step."""
+        if self._paged_views is None:
+            num_paged = self.num_paged_seqs
+            spans = self.dense_spans
+            if spans:
+                self._paged_views = PagedViews(
+                    num_tokens=spans[0][0],
+                    block_tables=self.block_tables[:num_paged],
+                    seq_lens=self.seq_lens[:num_paged],
+                    query_start_loc=self.query_start_loc[: num_paged + 1],
+                )
+            else:  # every sequence is paged: the tensors as they are
+                self._paged_views = PagedViews(None, self.block_tables, self.seq_lens, self.query_start_loc)
+        return self._paged_views
+
+
+@dataclass
+class PagedViews:
+    """The paged sequences' rows of one step's metadata (AttentionMetadata.paged_views)."""
+
+    #: tokens of the paged sequences (the first ones of the batch); None: all of them
+    num_tokens: int | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    #: whether the paged kernel validated the tensors' shapes, dtypes and devices already
+    #: (set by the first layer's call; the other layers pass tensors of the same kinds)
+    checked: bool = False
 
 
 def is_dense_prefill(
@@ -131,26 +165,29 @@ def attend(
 ) -> torch.Tensor:
     """-> [T, H, D] in query's dtype. Never syncs the host. `batch_invariant` (the
     deterministic mode, whose metadata has no dense spans) runs the paged kernel's
-    batch-invariant form."""
+    batch-invariant form. Called once per layer with the step's one `metadata`: the
+    paged kernel checks its inputs' shapes, dtypes and devices at the first layer only
+    (every layer passes the same kinds of tensors), and the views are made once."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    num_paged = metadata.num_paged_seqs
-    spans = metadata.dense_spans
-    if num_paged:
-        num_paged_tokens = spans[0][0] if spans else query.shape[0]
+    if metadata.num_paged_seqs:
+        paged = metadata.paged_views()
+        num_tokens = paged.num_tokens
         paged_attention(
-            query[:num_paged_tokens],
+            query if num_tokens is None else query[:num_tokens],
             kv_layer,
-            metadata.block_tables[:num_paged],
-            metadata.seq_lens[:num_paged],
-            metadata.query_start_loc[: num_paged + 1],
+            paged.block_tables,
+            paged.seq_lens,
+            paged.query_start_loc,
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             check_values=False,
-            out=out[:num_paged_tokens],
+            check_inputs=not paged.checked,
+            out=out if num_tokens is None else out[:num_tokens],
             batch_invariant=batch_invariant,
         )
-    for begin, end in spans:
+        paged.checked = True
+    for begin, end in metadata.dense_spans:
         out[begin:end].copy_(
             dense_causal_attention(query[begin:end], key[begin:end], value[begin:end], scale)
         )

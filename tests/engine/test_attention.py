@@ -77,6 +77,35 @@ def test_mixed_step_matches_reference(device, num_new, seq_lens, num_paged):
     torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("device", _device_cases())
+@pytest.mark.parametrize("num_paged", [2, 4])  # with a dense span after the paged ones; all paged
+def test_a_step_checks_paged_inputs_at_its_first_layer_only(device, num_paged, monkeypatch):
+    """The step's layers share one metadata: the paged kernel's shape/dtype/device checks run
+    at the first layer, the others reuse them and the views (each layer's result unchanged)."""
+    from kernels import validation
+
+    num_new, seq_lens = [5, 1, 40, 33], [60, 17, 40, 33]
+    if num_paged == 4:
+        seq_lens = [60, 17, 52, 33]  # the third sequence over a prefix: paged
+    args, expected = _mixed_step(device, torch.bfloat16, num_new, seq_lens, num_paged)
+    query, key, value, kv_layer, metadata = args
+    calls = []
+    check = validation.check_attention_inputs
+    monkeypatch.setattr(validation, "check_attention_inputs", lambda *a: calls.append(1) or check(*a))
+    for _layer in range(3):
+        out = attention.attend(query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.bfloat16])
+    assert len(calls) == 1
+    views = metadata.paged_views()
+    assert views is metadata.paged_views() and views.block_tables.shape[0] == num_paged
+    # a step's first layer still rejects a bad input
+    fresh = attention.AttentionMetadata(
+        **{f: getattr(metadata, f) for f in metadata.__dataclass_fields__ if f != "_paged_views"}
+    )
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.attend(query[..., :-1], key, value, kv_layer, fresh, HEAD_DIM**-0.5)
+
+
 def test_dense_path_is_for_long_16_bit_whole_prompts_only():
     long_prompt = attention.DENSE_PREFILL_MIN_TOKENS
     assert attention.is_dense_prefill(0, long_prompt, 0, torch.bfloat16)

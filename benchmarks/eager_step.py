@@ -13,7 +13,9 @@ kernels on CUDA in bf16) and measures, median of `--repeats`:
   (norms, attention module = QKV GEMM + RoPE + cache write + attention + output GEMM,
   of which ``attn call`` is the paged-attention call, and the MLP), in an instrumented run;
 - CUDA only: ``device ms``, the forward's device time alone (CUDA events around it while
-  a sleep kernel holds the stream until the whole pass is queued), ``syncs``, the number
+  a sleep kernel of ~300 ms holds the stream until the whole pass is queued), ``fwd host
+  behind sleep ms``, the host time of that pass (about ``fwd host ms`` unless the pass
+  waits for the device somewhere, then ~300 ms more), ``syncs``, the number
   of host<->device synchronisations inside the forward (`torch.cuda.set_sync_debug_mode`,
   each with the line that caused it), and ``graph ms`` for decode shapes (the same step
   replaying the decode CUDA graph).
@@ -242,20 +244,20 @@ def measure_shape(
         name: sum(samples) / per_step / num_layers * 1e6 for name, samples in clock.part_host_s.items()
     }
     if device.type == "cuda":
-        # device time alone: a sleep holds the stream until the whole pass is queued
+        # device time alone: a sleep holds the stream until the whole pass is queued; the
+        # host time of that pass stays the plain one unless the pass waits for the device
         clock.sleep_cycles = args.sleep_cycles
         clock.forward_host_s.clear()
-        steps(args.repeats)
-        row["forward_host_ms_behind_sleep"] = median_ms(clock.forward_host_s)
-        clock.sleep_cycles = 0
         for _ in range(args.repeats):
-            clock.sleep_cycles = args.sleep_cycles
             one_step()
             clock.collect_device_ms()
         clock.sleep_cycles = 0
-        row["device_ms"] = statistics.median(clock.device_ms) if clock.device_ms else float("nan")
+        row["forward_host_ms_behind_sleep"] = median_ms(clock.forward_host_s)
+        row["device_ms"] = statistics.median(clock.device_ms)
         clock.device_ms.clear()
         row.update(count_syncs(clock, one_step))
+    if args.profile:
+        row["profile"] = profiled_step(one_step, args.profile)
         if kind == "decode" and saved_graphs is not None and batch_size <= saved_graphs.sizes[-1]:
             runner.decode_graphs = saved_graphs
             steps(2)
@@ -284,6 +286,28 @@ def count_syncs(clock: ForwardClock, one_step) -> dict:
     return {"forward_syncs": sum(sources.values()), "sync_sources": dict(sources)}
 
 
+def profiled_step(one_step, limit: int) -> dict:
+    """One step under torch.profiler: its top ops by host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.hit_profile import top_ops
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        one_step()
+    device_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    result = {
+        "top_host": top_ops(prof, "self_cpu_time_total", limit),
+        "top_device": top_ops(prof, device_key, limit),
+    }
+    for title, rows in result.items():
+        print(
+            f"  {title}: "
+            + "; ".join(f"{r['name']} x{r['count']} {r['host_ms']:.2f}/{r['device_ms']:.2f} ms" for r in rows)
+        )
+    return result
+
+
 def calibrate_sleep(device: torch.device, target_ms: float) -> int:
     """Cycles of `torch.cuda._sleep` that last about `target_ms`."""
     cycles = 10_000_000
@@ -300,7 +324,7 @@ def calibrate_sleep(device: torch.device, target_ms: float) -> int:
 def print_table(rows: list[dict], on_cuda: bool) -> None:
     header = ["shape", "batch", "new tok", "ctx", "step ms", "fwd host ms", "per layer us"]
     if on_cuda:
-        header += ["device ms", "syncs", "graph ms"]
+        header += ["device ms", "fwd host behind sleep ms", "syncs", "graph ms"]
     header += ["norms us", "attn mod us", "attn call us", "mlp us"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -319,6 +343,7 @@ def print_table(rows: list[dict], on_cuda: bool) -> None:
             graph = row.get("graph_step_ms")
             cells += [
                 f"{row['device_ms']:.2f}",
+                f"{row['forward_host_ms_behind_sleep']:.2f}",
                 row["forward_syncs"],
                 "-" if graph is None else f"{graph:.2f}",
             ]
@@ -353,6 +378,12 @@ def parse_args(argv=None):
         "--threads", type=int, default=1, help="torch CPU threads (1: host time without thread contention)"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="print the top N ops of one profiled step per shape (host and device)",
+    )
     args = parser.parse_args(argv)
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.device = args.device or ("cuda" if on_cuda else "cpu")

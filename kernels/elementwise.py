@@ -44,9 +44,8 @@ def _rotate_heads(
 ):
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    half: tl.constexpr = ROTARY_DIM // 2
-    # rotate-half: dim d < half pairs with d + half (negated), half <= d < ROTARY_DIM with d - half
-    partner = tl.where(dims < half, dims + half, dims - half)
+    # rotate-half: dim d < R/2 pairs with d + R/2 (negated), R/2 <= d < R with d - R/2
+    partner = tl.where(dims < ROTARY_DIM // 2, dims + ROTARY_DIM // 2, dims - ROTARY_DIM // 2)
     partner = tl.where(dims < ROTARY_DIM, partner, dims)
     mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
     row = x_ptr + token * stride_x_token + heads[:, None] * stride_x_head

@@ -8,7 +8,8 @@ kernels on CUDA in bf16) and measures, median of `--repeats`:
 
 - ``step ms``: wall time of `engine.step()` (scheduler, inputs, forward, sampling);
 - ``fwd host ms``: host time to issue the forward pass (model pre-hook -> post-hook,
-  no synchronisation): when it is close to ``step ms`` the step is host-bound;
+  no synchronisation): when it is close to ``step ms`` the step is host-bound; ``fwd cpu
+  ms``: the CPU time the issuing thread spent in it (steady on a loaded machine);
 - ``per layer us``: ``fwd host`` per decoder layer, then split into the layer's parts
   (norms, attention module = QKV GEMM + RoPE + cache write + attention + output GEMM,
   of which ``attn call`` is the paged-attention call, and the MLP), in an instrumented run;
@@ -81,6 +82,7 @@ class ForwardClock:
         self.model = self.engine.model
         self.device = self.engine.device
         self.forward_host_s: list[float] = []
+        self.forward_cpu_s: list[float] = []
         self.part_host_s: dict[str, list[float]] = defaultdict(list)
         self.device_ms: list[float] = []
         self.sleep_cycles = 0
@@ -99,9 +101,11 @@ class ForwardClock:
         if self.debug_syncs:
             torch.cuda.set_sync_debug_mode("warn")
         self._starts["forward"] = time.perf_counter()
+        self._starts["forward cpu"] = time.thread_time()
 
     def _after_forward(self, _module, _args, _output) -> None:
         self.forward_host_s.append(time.perf_counter() - self._starts["forward"])
+        self.forward_cpu_s.append(time.thread_time() - self._starts["forward cpu"])
         if self.debug_syncs:
             torch.cuda.set_sync_debug_mode("default")
         if self._events is not None:
@@ -222,8 +226,10 @@ def measure_shape(
     runner.decode_graphs = None
     steps(2)  # warm: compilation and kernel variants of this shape
     clock.forward_host_s.clear()
+    clock.forward_cpu_s.clear()
     wall = steps(args.repeats)
     forward_host = list(clock.forward_host_s)
+    forward_cpu = list(clock.forward_cpu_s)
     row = {
         "shape": kind,
         "batch_size": batch_size,
@@ -231,6 +237,8 @@ def measure_shape(
         "context": args.decode_context if kind == "decode" else len(prefix),
         "step_ms": median_ms(wall),
         "forward_host_ms": median_ms(forward_host),
+        # CPU time of the issuing thread: what the host spent, whatever else loads the machine
+        "forward_cpu_ms": median_ms(forward_cpu),
     }
     num_layers = len(engine.model.model.layers)
     row["per_layer_host_us"] = row["forward_host_ms"] * 1e3 / num_layers
@@ -322,7 +330,7 @@ def calibrate_sleep(device: torch.device, target_ms: float) -> int:
 
 
 def print_table(rows: list[dict], on_cuda: bool) -> None:
-    header = ["shape", "batch", "new tok", "ctx", "step ms", "fwd host ms", "per layer us"]
+    header = ["shape", "batch", "new tok", "ctx", "step ms", "fwd host ms", "fwd cpu ms", "per layer us"]
     if on_cuda:
         header += ["device ms", "fwd host behind sleep ms", "syncs", "graph ms"]
     header += ["norms us", "attn mod us", "attn call us", "mlp us"]
@@ -337,6 +345,7 @@ def print_table(rows: list[dict], on_cuda: bool) -> None:
             row["context"],
             f"{row['step_ms']:.2f}",
             f"{row['forward_host_ms']:.2f}",
+            f"{row['forward_cpu_ms']:.2f}",
             f"{row['per_layer_host_us']:.0f}",
         ]
         if on_cuda:

@@ -18,8 +18,10 @@ kernels on CUDA in bf16) and measures, median of `--repeats`:
   behind sleep ms``, the host time of that pass (about ``fwd host ms`` unless the pass
   waits for the device somewhere, then ~300 ms more), ``syncs``, the number
   of host<->device synchronisations inside the forward (`torch.cuda.set_sync_debug_mode`,
-  each with the line that caused it), and ``graph ms`` for decode shapes (the same step
-  replaying the decode CUDA graph).
+  each with the line that caused it), and ``graph ms``, the same step replaying a CUDA
+  graph where the engine has one for it (decode graphs; mixed graphs for small steps of
+  any mix where the engine captures them). The eager rows remove every captured graph
+  from the runner for their steps.
 
 Shapes: decode at batch 1 and 8 (contexts of `--decode-context` tokens) and a chunk of
 `--chunk` new tokens over a `--prefix`-token prefix held in the GPU prefix cache.
@@ -207,7 +209,14 @@ def measure_shape(
     engine = llm.engine
     device = engine.device
     runner = engine.runner
-    saved_graphs = runner.decode_graphs
+    # every kind of captured graph the runner has (decode graphs; mixed graphs where they
+    # exist): removed for the eager rows, restored for the graph row
+    graph_attributes = [name for name in ("decode_graphs", "mixed_graphs") if getattr(runner, name, None)]
+    saved_graphs = {name: getattr(runner, name) for name in graph_attributes}
+
+    def set_graphs(on: bool) -> None:
+        for name, graphs in saved_graphs.items():
+            setattr(runner, name, graphs if on else None)
 
     def one_step() -> float:
         if kind == "chunk":
@@ -223,7 +232,7 @@ def measure_shape(
 
     if kind == "decode":
         shapes.start_decode(batch_size, args.decode_context, num_steps=5 * args.repeats + 16)
-    runner.decode_graphs = None
+    set_graphs(False)
     steps(2)  # warm: compilation and kernel variants of this shape
     clock.forward_host_s.clear()
     clock.forward_cpu_s.clear()
@@ -266,12 +275,15 @@ def measure_shape(
         row.update(count_syncs(clock, one_step))
     if args.profile:
         row["profile"] = profiled_step(one_step, args.profile)
-        if kind == "decode" and saved_graphs is not None and batch_size <= saved_graphs.sizes[-1]:
-            runner.decode_graphs = saved_graphs
+        if saved_graphs:
+            # the same step where the engine would replay a graph (if one covers it: the
+            # forward hook then records no pass)
+            set_graphs(True)
             steps(2)
+            clock.forward_host_s.clear()
             row["graph_step_ms"] = median_ms(steps(args.repeats))
-            runner.decode_graphs = None
-    runner.decode_graphs = saved_graphs
+            row["graph_replayed"] = not clock.forward_host_s
+    set_graphs(True)
     if kind == "decode":
         shapes.drain()
     return row
@@ -349,7 +361,7 @@ def print_table(rows: list[dict], on_cuda: bool) -> None:
             f"{row['per_layer_host_us']:.0f}",
         ]
         if on_cuda:
-            graph = row.get("graph_step_ms")
+            graph = row.get("graph_step_ms") if row.get("graph_replayed") else None
             cells += [
                 f"{row['device_ms']:.2f}",
                 f"{row['forward_host_ms_behind_sleep']:.2f}",

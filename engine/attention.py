@@ -113,14 +113,10 @@ class AttentionMetadata:
     #: the paged sequences' views of the tensors above, made at the step's first layer and
     #: reused by the others (every layer reads the same rows)
     _paged_views: PagedViews | None = field(default=None, init=False, repr=False, compare=False)
-    #: the CPU path's per-step work (attend_reference), made at the step's first layer
+    #: the CPU path's per-pass work (attend_reference), made at the pass's first layer, and
+    #: the last layer that used it (a layer index not above it starts a new pass)
     _reference_plan: ReferencePlan | None = field(default=None, init=False, repr=False, compare=False)
-
-    def begin_pass(self) -> None:
-        """Drop what the last pass over this metadata made: called by the runner before
-        each forward pass (a decode graph's metadata is reused with new buffer contents)."""
-        self._paged_views = None
-        self._reference_plan = None
+    _reference_layer: int = field(default=-1, init=False, repr=False, compare=False)
 
     def paged_views(self) -> PagedViews:
         """The paged sequences' metadata views, made once per step."""
@@ -249,6 +245,7 @@ def reference_plan(query: torch.Tensor, kv_layer: torch.Tensor, metadata: Attent
 
 
 def attend_reference(
+    layer_idx: int,
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, KVH, D]
     value: torch.Tensor,  # [T, KVH, D]
@@ -259,10 +256,13 @@ def attend_reference(
     """The CPU path: write the step's K/V into the layer's blocks, then attend -> [T, H, D].
     Bit-identical to kernels.reference's reshape_and_cache_ref + paged_attention_ref (the
     same torch ops on the same values); the metadata is validated and planned at the
-    step's first layer (every layer passes the same kinds of tensors)."""
+    pass's first layer (every layer passes the same kinds of tensors). Layers come in
+    increasing `layer_idx` order within a pass: a `layer_idx` not above the previous call's
+    starts a new pass (a graph's metadata is reused with new buffer contents)."""
     plan = metadata._reference_plan
-    if plan is None:
+    if plan is None or layer_idx <= metadata._reference_layer:
         plan = metadata._reference_plan = reference_plan(query, kv_layer, metadata)
+    metadata._reference_layer = layer_idx
     if (
         key.shape != value.shape
         or tuple(key.shape[1:]) != tuple(kv_layer.shape[3:])

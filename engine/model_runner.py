@@ -145,13 +145,11 @@ class ModelRunner:
     def _forward_with_metadata(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass without the connector's per-layer hooks: what a decode graph
         records, and what a step without loads needs (saves are packed after the pass)."""
-        metadata.begin_pass()
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention)
 
     def _forward_with_loads(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass with the connector's per-layer hooks (a step with loads)."""
-        metadata.begin_pass()
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention_with_loads)
 
@@ -359,7 +357,7 @@ class ModelRunner:
                 query, key, value, kv_layer, md, self.scale, batch_invariant=self.deterministic
             )
         elif not self.deterministic:
-            out = attention.attend_reference(query, key, value, kv_layer, md, self.scale)
+            out = attention.attend_reference(layer_idx, query, key, value, kv_layer, md, self.scale)
         else:
             self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
             out = self._paged_attention(

@@ -194,11 +194,18 @@ def test_cpu_attention_is_the_reference_bit_for_bit_and_validates_once(dtype, mo
             random_kv((num_tokens, heads, HEAD_DIM), dtype, "cpu", seed=50 + 3 * layer + i)
             for i, heads in enumerate((NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
         )
-        out = attention.attend_reference(query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+        out = attention.attend_reference(layer, query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
         reshape_and_cache_ref(key, value, expected_kv, slot_mapping)
         expected = paged_attention_ref(query, expected_kv, tables, seq_lens_t, starts, HEAD_DIM**-0.5)
         assert torch.equal(kv_layer, expected_kv) and torch.equal(out, expected)
     assert len(calls) == 3 + 1  # the references' own three calls, and the plan's one
+    # the same metadata object with new contents (a graph's buffers): layer 0 starts a new pass
+    slot_mapping[7] = -1
+    kv_layer = random_kv((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype, "cpu", seed=60)
+    expected_kv = kv_layer.clone()
+    attention.attend_reference(0, query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+    reshape_and_cache_ref(key, value, expected_kv, slot_mapping)
+    assert torch.equal(kv_layer, expected_kv) and len(calls) == 5
     bad = dataclasses.replace(metadata, slot_mapping=slot_mapping + 10**6)
     with pytest.raises(ValueError, match="slot_mapping values"):
-        attention.attend_reference(query, key, value, kv_layer, bad, HEAD_DIM**-0.5)
+        attention.attend_reference(0, query, key, value, kv_layer, bad, HEAD_DIM**-0.5)

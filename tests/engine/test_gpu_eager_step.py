@@ -42,9 +42,11 @@ class SyncsAreErrors:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_eager_steps_never_sync_inside_the_forward_pass(tiny_model_dir, dtype):
-    llm = LLM(tiny_model_dir("llama"), dtype=dtype, device="cuda", max_num_seqs=8, warmup=False)
+    # enforce_eager: every step runs the eager pass (with the glue kernels in bf16)
+    llm = LLM(
+        tiny_model_dir("llama"), dtype=dtype, device="cuda", max_num_seqs=8, warmup=False, enforce_eager=True
+    )
     engine = llm.engine
-    engine.runner.decode_graphs = None  # every step eager
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prefix = random_prompt(300, seed=1)
     llm.generate([prefix], SamplingParams(max_tokens=1))  # its full blocks stay in the prefix cache
@@ -59,8 +61,13 @@ def test_eager_steps_never_sync_inside_the_forward_pass(tiny_model_dir, dtype):
     assert guard.num_passes >= 12 and all(len(o.token_ids) == 6 for o in outputs)
 
 
-def test_bf16_engine_runs_the_glue_kernels(tiny_model_dir):
-    llm = LLM(tiny_model_dir("qwen3"), dtype="bfloat16", device="cuda", warmup=False)
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_bf16_engine_runs_the_glue_kernels(tiny_model_dir, enforce_eager):
+    llm = LLM(
+        tiny_model_dir("qwen3"), dtype="bfloat16", device="cuda", warmup=False, enforce_eager=enforce_eager
+    )
     layer = llm.engine.model.model.layers[0]
     assert layer.input_layernorm.impl is rms_norm and layer.self_attn.q_norm.impl is rms_norm
     assert layer.self_attn.rotary_impl is rotary_qk and layer.mlp.act_impl is silu_and_mul
+    outputs = llm.generate([random_prompt(30, seed=3)], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(outputs[0].token_ids) == 4

@@ -130,11 +130,14 @@ def rotary_qk(
     """Rotate-half RoPE of the first rotary_dim dims of every head (the others pass
     through) -> new contiguous (query, key), like engine.models.glue.rotary_qk.
     Raises ValueError on a bad shape, dtype or device."""
-    for name, tensor in (("query", query), ("key", key)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
-            raise ValueError(f"{name} must be a [num_tokens, heads, head_dim] tensor")
-        if tensor.shape[2] > 1 and tensor.stride(2) != 1:
-            raise ValueError(f"{name} must be contiguous along head_dim, got strides {tensor.stride()}")
+    # Called 32 times per step: plain comparisons, no generators (each costs host time).
+    if (
+        not isinstance(query, torch.Tensor)
+        or not isinstance(key, torch.Tensor)
+        or query.dim() != 3
+        or key.dim() != 3
+    ):
+        raise ValueError("query and key must be [num_tokens, heads, head_dim] tensors")
     num_tokens, num_heads, head_dim = query.shape
     rotary_dim = cos.shape[-1] if cos.dim() == 2 else -1
     if (
@@ -149,13 +152,18 @@ def rotary_qk(
             f"query {tuple(query.shape)}, key {tuple(key.shape)}, cos {tuple(cos.shape)} and sin "
             f"{tuple(sin.shape)} must be [T, H, D], [T, KVH, D] and [T, R] with an even R <= D"
         )
-    if query.dtype not in GLUE_DTYPES or any(t.dtype != query.dtype for t in (key, cos, sin)):
+    dtype, device = query.dtype, query.device
+    if dtype not in GLUE_DTYPES or key.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype:
         raise ValueError(
             f"query, key, cos and sin must share one of {GLUE_DTYPES}, got "
             f"{query.dtype}, {key.dtype}, {cos.dtype}, {sin.dtype}"
         )
-    if any(t.device != query.device for t in (key, cos, sin)):
+    if key.device != device or cos.device != device or sin.device != device:
         raise ValueError("query, key, cos and sin must be on one device")
+    if head_dim > 1 and (query.stride(2) != 1 or key.stride(2) != 1):
+        raise ValueError(
+            f"query and key must be contiguous along head_dim, got {query.stride()}, {key.stride()}"
+        )
     if rotary_dim > 1 and (cos.stride(1) != 1 or sin.stride(1) != 1):
         raise ValueError("cos and sin must be contiguous along rotary_dim")
     check_kernel_device("query", query, _rotary_qk_kernel)

@@ -460,6 +460,9 @@ def main(argv=None) -> dict:
         "model": "tiny-width 32 layers" if args.tiny else "llama-3.1-8b shape",
         "dtype": args.dtype,
         "repeats": args.repeats,
+        "decode_context": args.decode_context,
+        "prefix": args.prefix,
+        "chunk": args.chunk,
         "rows": rows,
     }
     if args.out is not None:

@@ -1,7 +1,7 @@
-"""One layer's attention in one engine step on CUDA.
+"""One layer's attention in one engine step.
 
-Called by the model runner once per layer per step, after the step's K/V were
-written into the paged cache. Two paths share the step:
+Called by the model runner once per layer per step. On CUDA (`attend`), after the
+runner wrote the step's K/V into the paged cache, two paths share the step:
 
 - whole-prompt prefills (no cached prefix, at least DENSE_PREFILL_MIN_TOKENS new
   tokens) attend over their own fresh K/V through PyTorch's fused causal SDPA
@@ -20,16 +20,20 @@ through the paged kernel's batch-invariant form (fixed tile, no split-KV).
 
 The runner lays the step's sequences out paged-first, so the paged kernel reads a
 prefix of the batch metadata without another transfer.
+
+On CPU (`attend_reference`, outside the deterministic mode) the cache write and the
+attention are kernels.reference's, bit for bit, with their validation, slot lists and
+masks made at the step's first layer and reused by the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention
+from kernels import paged_attention, validation
 
 # Shorter prompts gain little from the fused kernel; keep them in one paged launch.
 DENSE_PREFILL_MIN_TOKENS = 1024
@@ -95,6 +99,7 @@ class AttentionMetadata:
 
     Sequences [0, num_paged_seqs) go through the paged kernel; `dense_spans` holds the
     [begin, end) token ranges of the rest, which follow them in the flat batch.
+    Built once per step by the model runner; `attend` reads it once per layer.
     """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
@@ -105,6 +110,43 @@ class AttentionMetadata:
     max_seq_len: int  # upper bound of seq_lens (sizes split-KV)
     num_paged_seqs: int
     dense_spans: tuple[tuple[int, int], ...] = ()
+    #: the paged sequences' views of the tensors above, made at the step's first layer and
+    #: reused by the others (every layer reads the same rows)
+    _paged_views: PagedViews | None = field(default=None, init=False, repr=False, compare=False)
+    #: the CPU path's per-pass work (attend_reference), made at the pass's first layer, and
+    #: the last layer that used it (a layer index not above it starts a new pass)
+    _reference_plan: ReferencePlan | None = field(default=None, init=False, repr=False, compare=False)
+    _reference_layer: int = field(default=-1, init=False, repr=False, compare=False)
+
+    def paged_views(self) -> PagedViews:
+        """The paged sequences' metadata views, made once per step."""
+        if self._paged_views is None:
+            num_paged = self.num_paged_seqs
+            spans = self.dense_spans
+            if spans:
+                self._paged_views = PagedViews(
+                    num_tokens=spans[0][0],
+                    block_tables=self.block_tables[:num_paged],
+                    seq_lens=self.seq_lens[:num_paged],
+                    query_start_loc=self.query_start_loc[: num_paged + 1],
+                )
+            else:  # every sequence is paged: the tensors as they are
+                self._paged_views = PagedViews(None, self.block_tables, self.seq_lens, self.query_start_loc)
+        return self._paged_views
+
+
+@dataclass
+class PagedViews:
+    """The paged sequences' rows of one step's metadata (AttentionMetadata.paged_views)."""
+
+    #: tokens of the paged sequences (the first ones of the batch); None: all of them
+    num_tokens: int | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    #: whether the paged kernel validated the tensors' shapes, dtypes and devices already
+    #: (set by the first layer's call; the other layers pass tensors of the same kinds)
+    checked: bool = False
 
 
 def is_dense_prefill(
@@ -131,27 +173,118 @@ def attend(
 ) -> torch.Tensor:
     """-> [T, H, D] in query's dtype. Never syncs the host. `batch_invariant` (the
     deterministic mode, whose metadata has no dense spans) runs the paged kernel's
-    batch-invariant form."""
+    batch-invariant form. Called once per layer with the step's one `metadata`: the
+    paged kernel checks its inputs' shapes, dtypes and devices at the first layer only
+    (every layer passes the same kinds of tensors), and the views are made once."""
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    num_paged = metadata.num_paged_seqs
-    spans = metadata.dense_spans
-    if num_paged:
-        num_paged_tokens = spans[0][0] if spans else query.shape[0]
+    if metadata.num_paged_seqs:
+        paged = metadata.paged_views()
+        num_tokens = paged.num_tokens
         paged_attention(
-            query[:num_paged_tokens],
+            query if num_tokens is None else query[:num_tokens],
             kv_layer,
-            metadata.block_tables[:num_paged],
-            metadata.seq_lens[:num_paged],
-            metadata.query_start_loc[: num_paged + 1],
+            paged.block_tables,
+            paged.seq_lens,
+            paged.query_start_loc,
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             check_values=False,
-            out=out[:num_paged_tokens],
+            check_inputs=not paged.checked,
+            out=out if num_tokens is None else out[:num_tokens],
             batch_invariant=batch_invariant,
         )
-    for begin, end in spans:
+        paged.checked = True
+    for begin, end in metadata.dense_spans:
         out[begin:end].copy_(
             dense_causal_attention(query[begin:end], key[begin:end], value[begin:end], scale)
         )
+    return out
+
+
+@dataclass
+class ReferencePlan:
+    """What every layer of one CPU step shares: the validated metadata's cache-write
+    indices and, per sequence with new tokens, its blocks and causal mask."""
+
+    #: tokens whose K/V are written (slot != -1), and their blocks and offsets
+    write_token_ids: torch.Tensor
+    write_block_ids: torch.Tensor
+    write_offsets: torch.Tensor
+    #: (first query row, end row, KV length, block ids [used blocks], mask [new, KV length])
+    sequences: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+
+
+def reference_plan(query: torch.Tensor, kv_layer: torch.Tensor, metadata: AttentionMetadata) -> ReferencePlan:
+    """Validate the step's metadata as kernels.reference does (shapes and values: this
+    reads the tensors) and precompute what every layer needs. Raises ValueError."""
+    num_tokens = query.shape[0]
+    validation.check_attention_inputs(
+        query, kv_layer, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+    )
+    num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+    validation.check_attention_values(
+        num_tokens, num_blocks, block_size, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+    )
+    slot_mapping = metadata.slot_mapping
+    validation.check_slot_mapping(slot_mapping, num_tokens, kv_layer.device)
+    validation.check_slot_values(slot_mapping, num_blocks * block_size)
+    token_ids = torch.nonzero(slot_mapping >= 0).flatten()
+    slots = slot_mapping[token_ids]
+    sequences = []
+    starts = metadata.query_start_loc.tolist()
+    for seq_idx, seq_len in enumerate(metadata.seq_lens.tolist()):
+        start, end = starts[seq_idx], starts[seq_idx + 1]
+        if end == start:
+            continue
+        block_ids = metadata.block_tables[seq_idx, : (seq_len + block_size - 1) // block_size].long()
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        allowed = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
+        sequences.append((start, end, seq_len, block_ids, allowed))
+    return ReferencePlan(token_ids, slots // block_size, slots % block_size, sequences)
+
+
+def attend_reference(
+    layer_idx: int,
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, KVH, D], written in place
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path: write the step's K/V into the layer's blocks, then attend -> [T, H, D].
+    Bit-identical to kernels.reference's reshape_and_cache_ref + paged_attention_ref (the
+    same torch ops on the same values); the metadata is validated and planned at the
+    pass's first layer (every layer passes the same kinds of tensors). Layers come in
+    increasing `layer_idx` order within a pass: a `layer_idx` not above the previous call's
+    starts a new pass (a graph's metadata is reused with new buffer contents)."""
+    plan = metadata._reference_plan
+    if plan is None or layer_idx <= metadata._reference_layer:
+        plan = metadata._reference_plan = reference_plan(query, kv_layer, metadata)
+    metadata._reference_layer = layer_idx
+    if (
+        key.shape != value.shape
+        or tuple(key.shape[1:]) != tuple(kv_layer.shape[3:])
+        or key.shape[0] != query.shape[0]
+    ):
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+            f"[{query.shape[0]}, {kv_layer.shape[3]}, {kv_layer.shape[4]}]"
+        )
+    kv_layer[0, plan.write_block_ids, plan.write_offsets] = key[plan.write_token_ids]
+    kv_layer[1, plan.write_block_ids, plan.write_offsets] = value[plan.write_token_ids]
+    num_kv_heads = kv_layer.shape[3]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group_size = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for start, end, seq_len, block_ids, allowed in plan.sequences:
+        # kernels.reference.paged_attention_ref's per-sequence body, op for op
+        kv = kv_layer[:, block_ids].flatten(1, 2)[:, :seq_len].float()
+        num_new = end - start
+        k = kv[0].transpose(0, 1)[:, None].expand(num_kv_heads, group_size, seq_len, head_dim)
+        v = kv[1].transpose(0, 1)[:, None].expand(num_kv_heads, group_size, seq_len, head_dim)
+        q = query[start:end].float().view(num_new, num_kv_heads, group_size, head_dim).permute(1, 2, 0, 3)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        out[start:end] = attn.permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim).to(query.dtype)
     return out

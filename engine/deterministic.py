@@ -8,7 +8,7 @@ verification). So a request's tokens are the same, bit for bit, in bf16 too, wit
 offload on or off, with or without speculation, whatever else runs beside it.
 
 Who calls what: the engine core calls `make_batch_invariant(model)` once after loading
-(and after `compile_glue`), and builds the model runner with `deterministic=True`; the
+(and after `use_glue_kernels`), and builds the model runner with `deterministic=True`; the
 runner then routes attention through `attention_fn(device)` for every step kind and
 samples row by row (`engine.sampler`'s `row_wise`).
 
@@ -23,8 +23,9 @@ What each op becomes:
 | sampling | per row | per row |
 
 Elementwise CUDA kernels apply one device function to every element, so they are
-invariant as they are; torch.compile'd glue is replaced by its eager form because a
-compiled graph may be specialised differently per shape (size 1 above all).
+invariant as they are; the one-launch glue kernels of `use_glue_kernels` are replaced
+too (the norm by the row-wise one, RoPE and SiLU-and-mul by their eager forms), so the
+mode runs one set of kernels whatever the engine's other settings.
 """
 
 from __future__ import annotations

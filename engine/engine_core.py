@@ -135,14 +135,10 @@ class EngineCore:
                 dummy=args.load_format == "dummy",
                 cpu_offload_gb=args.cpu_offload_gb,
             )
-        if (
-            self.model is not None
-            and self.device.type == "cuda"
-            and not args.enforce_eager
-            and self.dtype != torch.float32
-        ):
-            # float32 stays eager: it is the mode whose tokens must equal Hugging Face's exactly
-            self.model.compile_glue()
+        if self.model is not None and self.device.type == "cuda" and self.dtype != torch.float32:
+            # float32 stays with torch's glue: the mode whose tokens must equal Hugging Face's
+            # exactly; with enforce_eager too (the kernels are eager launches, not graphs)
+            self.model.use_glue_kernels()
         if args.deterministic:
             from engine.deterministic import make_batch_invariant
 

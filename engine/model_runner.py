@@ -517,6 +517,8 @@ class ModelRunner:
             out = attention.attend(
                 query, key, value, kv_layer, md, self.scale, batch_invariant=self.deterministic
             )
+        elif not self.deterministic:
+            out = attention.attend_reference(layer_idx, query, key, value, kv_layer, md, self.scale)
         else:
             self._reshape_and_cache(key.contiguous(), value.contiguous(), kv_layer, md.slot_mapping)
             out = self._paged_attention(

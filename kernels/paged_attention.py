@@ -315,6 +315,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
     check_values: bool = True,
+    check_inputs: bool = True,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
@@ -328,16 +329,19 @@ def paged_attention(
     ranges per tile. `check_values`
     validates the metadata values. The reads sync the stream on CUDA, so the engine's
     hot path passes the maxima and check_values=False once it built the metadata itself.
+    `check_inputs=False` skips the shape, dtype and device checks of the inputs (the
+    engine checks them at a step's first layer; the other layers pass the same kinds).
     `out`, when given, receives the result (a tensor shaped and typed like query whose
     head_dim is contiguous, e.g. a slice of a larger output) and is returned.
     `batch_invariant` fixes the tile shape and turns split-KV off: each query row's
     result is then bit-identical whatever the batch, the chunking or the step kind
     (`num_kv_splits` must be None or 1).
     """
-    validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
-    check_kernel_device("query", query, _paged_attention_kernel)
-    if query.shape[2] > 1 and query.stride(2) != 1:
-        raise ValueError(f"query must be contiguous along head_dim, got strides {query.stride()}")
+    if check_inputs:
+        validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
+        check_kernel_device("query", query, _paged_attention_kernel)
+        if query.shape[2] > 1 and query.stride(2) != 1:
+            raise ValueError(f"query must be contiguous along head_dim, got strides {query.stride()}")
     if num_kv_splits is not None and not 1 <= num_kv_splits <= 1024:
         raise ValueError(f"num_kv_splits must be in [1, 1024], got {num_kv_splits}")
     if batch_invariant and num_kv_splits not in (None, 1):

@@ -1,21 +1,14 @@
-"""The elementwise "glue" between GEMMs (RMSNorm, RoPE, SiLU-and-mul) as plain
-functions, and an optional `torch.compile` of them for CUDA, where each otherwise
-costs several memory-bound kernels (the float32 norm alone is six passes).
-
-A compiled op falls back to its eager form for good if compilation fails, so a
-toolchain problem costs speed, never a run."""
+"""The elementwise "glue" between GEMMs (RMSNorm, RoPE, SiLU-and-mul) as plain torch
+functions: the model's default forms (CPU, float32, Hugging Face's numerics) and the
+references of the one-launch Triton forms that the model uses on CUDA in 16-bit dtypes
+(kernels.rms_norm, kernels.elementwise; LlamaFamilyForCausalLM.use_glue_kernels)."""
 
 from __future__ import annotations
-
-import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
-
-logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,20 +27,3 @@ def rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [T, H, D], key [T, KVH, D]; cos/sin [T, rotary_dim]."""
     return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-
-
-class CompiledOrEager:
-    """Calls `torch.compile(fn)`; on a compilation error logs once and uses `fn`."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.compiled: Callable | None = torch.compile(fn, dynamic=True)
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as error:  # any compiler failure means: run eagerly
-                logger.warning("torch.compile of %s failed, running it eagerly: %s", self.fn.__name__, error)
-                self.compiled = None
-        return self.fn(*args)

@@ -7,6 +7,8 @@ on CUDA (gpu marker), with the fused SDPA path on the dense spans either way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -77,6 +79,33 @@ def test_mixed_step_matches_reference(device, num_new, seq_lens, num_paged):
     torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("device", _device_cases())
+@pytest.mark.parametrize("num_paged", [2, 4])  # with a dense span after the paged ones; all paged
+def test_a_step_checks_paged_inputs_at_its_first_layer_only(device, num_paged, monkeypatch):
+    """The step's layers share one metadata: the paged kernel's shape/dtype/device checks run
+    at the first layer, the others reuse them and the views (each layer's result unchanged)."""
+    from kernels import validation
+
+    num_new, seq_lens = [5, 1, 40, 33], [60, 17, 40, 33]
+    if num_paged == 4:
+        seq_lens = [60, 17, 52, 33]  # the third sequence over a prefix: paged
+    args, expected = _mixed_step(device, torch.bfloat16, num_new, seq_lens, num_paged)
+    query, key, value, kv_layer, metadata = args
+    calls = []
+    check = validation.check_attention_inputs
+    monkeypatch.setattr(validation, "check_attention_inputs", lambda *a: calls.append(1) or check(*a))
+    for _layer in range(3):
+        out = attention.attend(query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCES[torch.bfloat16])
+    assert len(calls) == 1
+    views = metadata.paged_views()
+    assert views is metadata.paged_views() and views.block_tables.shape[0] == num_paged
+    # a step's first layer still rejects a bad input
+    fresh = dataclasses.replace(metadata)  # a new step: nothing checked yet
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.attend(query[..., :-1], key, value, kv_layer, fresh, HEAD_DIM**-0.5)
+
+
 def test_dense_path_is_for_long_16_bit_whole_prompts_only():
     long_prompt = attention.DENSE_PREFILL_MIN_TOKENS
     assert attention.is_dense_prefill(0, long_prompt, 0, torch.bfloat16)
@@ -124,3 +153,59 @@ def test_runner_lays_out_whole_prompts_after_paged_sequences(device, tiny_model_
     assert outputs == expected
     assert num_dense_spans[0] == 1 and num_dense_spans.count(1) == 2  # both whole prompts went fused
     assert later[-1].metrics.num_local_cached_tokens >= len(shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_is_the_reference_bit_for_bit_and_validates_once(dtype, monkeypatch):
+    """attend_reference = reshape_and_cache_ref + paged_attention_ref (torch.equal, cache
+    included) at every layer of a step, with the metadata validated at its first layer."""
+    from kernels import validation
+
+    num_new, seq_lens = [5, 1, 40, 0, 33], [60, 17, 52, 9, 33]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 4
+    tables, seq_lens_t, starts = attention_batch(
+        num_new, seq_lens, num_blocks, BLOCK_SIZE, seed=31, device="cpu"
+    )
+    slots = []
+    for b, (n, length) in enumerate(zip(num_new, seq_lens, strict=True)):
+        positions = torch.arange(length - n, length)
+        slots.append(tables[b, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
+    slot_mapping = torch.cat(slots)
+    slot_mapping[3] = -1  # a token whose KV is already cached (a shared block): not rewritten
+    metadata = attention.AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        seq_lens=seq_lens_t,
+        query_start_loc=starts,
+        max_query_len=max(num_new),
+        max_seq_len=max(seq_lens),
+        num_paged_seqs=len(num_new),
+    )
+    num_tokens = sum(num_new)
+    calls = []
+    check = validation.check_attention_values
+    monkeypatch.setattr(validation, "check_attention_values", lambda *a: calls.append(1) or check(*a))
+    for layer in range(3):
+        kv_layer = random_kv(
+            (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype, "cpu", seed=40 + layer
+        )
+        expected_kv = kv_layer.clone()
+        query, key, value = (
+            random_kv((num_tokens, heads, HEAD_DIM), dtype, "cpu", seed=50 + 3 * layer + i)
+            for i, heads in enumerate((NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        )
+        out = attention.attend_reference(layer, query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+        reshape_and_cache_ref(key, value, expected_kv, slot_mapping)
+        expected = paged_attention_ref(query, expected_kv, tables, seq_lens_t, starts, HEAD_DIM**-0.5)
+        assert torch.equal(kv_layer, expected_kv) and torch.equal(out, expected)
+    assert len(calls) == 3 + 1  # the references' own three calls, and the plan's one
+    # the same metadata object with new contents (a graph's buffers): layer 0 starts a new pass
+    slot_mapping[7] = -1
+    kv_layer = random_kv((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype, "cpu", seed=60)
+    expected_kv = kv_layer.clone()
+    attention.attend_reference(0, query, key, value, kv_layer, metadata, HEAD_DIM**-0.5)
+    reshape_and_cache_ref(key, value, expected_kv, slot_mapping)
+    assert torch.equal(kv_layer, expected_kv) and len(calls) == 5
+    bad = dataclasses.replace(metadata, slot_mapping=slot_mapping + 10**6)
+    with pytest.raises(ValueError, match="slot_mapping values"):
+        attention.attend_reference(0, query, key, value, kv_layer, bad, HEAD_DIM**-0.5)

@@ -44,7 +44,7 @@ def test_async_tokens_equal_the_plain_engine_with_cuda_graphs(tiny_model_dir):
 
 def test_persistent_batch_inputs_equal_from_scratch_with_dense_prefills(tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("qwen3")
-    # eager: graphs and compiled glue do not change the inputs (and would only add start-up time)
+    # eager: graphs do not change the inputs (and would only add start-up time)
     llm = LLM(
         model_dir,
         dtype="bfloat16",

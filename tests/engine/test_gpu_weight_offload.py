@@ -65,7 +65,7 @@ def test_float32_greedy_tokens_identical_with_offload(tiny_model_dir, qwen3_plai
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ring_reuse_under_cuda_graphs(dtype):
     """Five of six layers through two ring buffers (each slot refilled twice per pass, the
-    refill waiting for the layer that reads it), graphs on; bf16 runs the compiled glue."""
+    refill waiting for the layer that reads it), graphs on; bf16 runs the glue kernels."""
     config = six_layer_config()
     args = {**FAST, "load_format": "dummy", "dtype": dtype}
     plain = LLM(config, **args)

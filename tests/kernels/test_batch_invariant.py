@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.models import glue
-from kernels import fixed_order, reference
+from kernels import fixed_order, matmul, reference
 from kernels.matmul import linear
 from kernels.rms_norm import rms_norm
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
@@ -55,6 +55,62 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, with_bias):
     for row in (0, 77, 129):
         for batch, index in _batches_holding(x, row, seed=3 + row):
             assert torch.equal(linear(batch, weight, bias)[index], full[row]), (row, batch.shape[0])
+
+
+def _candidate_tiles():
+    return [(torch.bfloat16, tile) for tile in matmul.CANDIDATE_TILES_16BIT] + [
+        (torch.float32, tile) for tile in matmul.CANDIDATE_TILES_FP32
+    ]
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype,tile", _candidate_tiles(), ids=lambda v: getattr(v, "name", str(v)))
+def test_every_candidate_tile_gives_the_baseline_rows(dtype, tile):
+    """Each tile benchmarks/gemm_configs.py sweeps computes the same product (TMA loads, the
+    persistent loop, ragged edges in M, N and K), row for row as the baseline tile, alone or
+    in a batch. (On a GPU the bits may still differ by tensor-core instruction: the
+    benchmark and the GPU test check that.)"""
+    x = _rows(70, 136, dtype, seed=20)
+    weight = random_kv((72, 136), dtype, "cpu", seed=21)
+    bias = random_kv((72,), dtype, "cpu", seed=22)
+    baseline = linear(x, weight, bias, tile=matmul.BASELINE_TILES[dtype])
+    assert torch.equal(linear(x, weight, bias, tile=tile), baseline)
+    assert torch.equal(linear(x[33:34], weight, bias, tile=tile)[0], baseline[33])
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_tile_plan_picks_a_tile_by_rows_only_when_switched_on(monkeypatch):
+    small, large = matmul.GemmTile(64, 32, 64, 4, 6), matmul.GemmTile(128, 256, 64, 8, 3)
+    plan = matmul.TilePlan(((64, small), (1 << 62, large)))
+    assert [plan.tile_for(m) for m in (1, 64, 65, 10**6)] == [small, small, large, large]
+    assert plan.tiles == (small, large)
+    monkeypatch.setattr(matmul, "PROVEN_TILE_PLANS", {torch.bfloat16: plan})
+    monkeypatch.setattr(matmul, "USE_TILE_PLAN", False)
+    assert matmul.tile_for(torch.bfloat16, 1) == matmul.BASELINE_TILES[torch.bfloat16]
+    monkeypatch.setattr(matmul, "USE_TILE_PLAN", True)
+    assert matmul.tile_for(torch.bfloat16, 1) == small
+    assert matmul.tile_for(torch.bfloat16, 65) == large
+    assert matmul.tile_for(torch.float32, 65) == matmul.BASELINE_TILES[torch.float32]
+    # with the plan on, rows still match across M (here: across the bucket boundary)
+    x = _rows(70, 72, torch.bfloat16, seed=23)
+    weight = random_kv((40, 72), torch.bfloat16, "cpu", seed=24)
+    full = linear(x, weight)
+    assert torch.equal(linear(x[:3], weight), full[:3])
+
+
+def test_tile_plans_reject_mixed_reduction_orders_and_bad_buckets():
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        matmul.TilePlan(((64, matmul.GemmTile(64, 64, 32, 4, 2)), (128, matmul.GemmTile(64, 64, 64, 4, 2))))
+    with pytest.raises(ValueError, match="ascending"):
+        matmul.TilePlan(((128, matmul.GemmTile(64, 64, 64, 4, 2)), (64, matmul.GemmTile(64, 64, 64, 4, 2))))
+    with pytest.raises(ValueError, match="at least one"):
+        matmul.TilePlan(())
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_linear_rejects_a_tile_with_another_block_k():
+    with pytest.raises(ValueError, match="another order"):
+        linear(torch.zeros(2, 8), torch.zeros(3, 8), tile=matmul.GemmTile(64, 64, 64, 4, 2))
 
 
 @pytest.mark.usefixtures("interpreted")

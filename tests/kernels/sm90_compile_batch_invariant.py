@@ -5,8 +5,8 @@ Run as `python -m tests.kernels.sm90_compile_batch_invariant` with TRITON_INTERP
 unset; prints one JSON row per configuration (shared memory, registers, spills, and
 for the GEMM whether the PTX uses Hopper's wgmma tensor-core instructions). The tile
 configurations are the wrapper's baseline tiles and the candidate tiles that
-benchmarks/gemm_configs.py sweeps (kernels.matmul). The batch-invariant
-attention uses paged_attention's prefill tile, compiled by tests/kernels/sm90_compile.py.
+benchmarks/gemm_configs.py sweeps (kernels.matmul); then the batch-invariant attention
+with KV ranges at fixed positions (one program, or one per range) and its merge.
 """
 
 from __future__ import annotations
@@ -115,6 +115,79 @@ def linear_cases():
             yield row
 
 
+def attention_cases():
+    """The batch-invariant attention (8B heads, bf16 and fp32): one program walking its
+    positional KV ranges, one program per range, and the merge of the ranges."""
+    from kernels.paged_attention import (
+        BATCH_INVARIANT_KV_SPLIT_LEN,
+        _merge_positional_splits_kernel,
+        _paged_attention_kernel,
+        batch_invariant_launch_config,
+    )
+
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    group = num_heads // num_kv_heads
+    for dtype in (torch.bfloat16, torch.float32):
+        block_q, block_m, block_n = batch_invariant_launch_config(group, dtype)
+        ptr = f"*{TRITON_TYPES[dtype]}"
+        for split in (False, True):
+            compiled = compile_for_h100(
+                _paged_attention_kernel,
+                {
+                    "out_ptr": ptr,
+                    "split_out_ptr": "*fp32",
+                    "split_lse_ptr": "*fp32",
+                    "query_ptr": ptr,
+                    "kv_ptr": ptr,
+                    "block_tables_ptr": "*i32",
+                    "seq_lens_ptr": "*i32",
+                    "query_start_loc_ptr": "*i32",
+                    "num_seqs": "i32",
+                    "num_kv_splits": "i32",
+                    "scale_log2": "fp32",
+                    "stride_query_token": "i32",
+                    "stride_query_head": "i32",
+                    "stride_out_token": "i32",
+                    "stride_out_head": "i32",
+                    "stride_kv_kind": "i64",
+                    "stride_kv_block": "i32",
+                    "stride_tables_seq": "i32",
+                },
+                {
+                    "NUM_KV_HEADS": num_kv_heads,
+                    "HEAD_DIM": head_dim,
+                    "PAGE_SIZE": 16,
+                    "GROUP": group,
+                    "BLOCK_Q": block_q,
+                    "BLOCK_M": block_m,
+                    "BLOCK_N": block_n,
+                    "BLOCK_D": head_dim,
+                    "DOT_IN_FP32": False,
+                    "SPLIT": split,
+                    "KV_SPLIT_LEN": BATCH_INVARIANT_KV_SPLIT_LEN,
+                },
+                num_warps=4,
+                num_stages=2,
+            )
+            kind = "program per range" if split else "one program"
+            yield describe(f"batch-invariant attention {TRITON_TYPES[dtype]} {kind}", compiled)
+    compiled = compile_for_h100(
+        _merge_positional_splits_kernel,
+        {
+            "out_ptr": "*bf16",
+            "split_out_ptr": "*fp32",
+            "split_lse_ptr": "*fp32",
+            "num_kv_splits": "i32",
+            "stride_out_token": "i32",
+            "stride_out_head": "i32",
+        },
+        {"NUM_HEADS": num_heads, "HEAD_DIM": head_dim, "BLOCK_H": num_heads, "BLOCK_D": head_dim},
+        num_warps=4,
+        num_stages=1,
+    )
+    yield describe("batch-invariant merge of positional ranges bf16", compiled)
+
+
 def rms_norm_cases():
     for dtype, dim in ((torch.bfloat16, 4096), (torch.bfloat16, 128), (torch.float32, 4096)):
         block_d = next_power_of_2(dim)
@@ -139,7 +212,7 @@ def rms_norm_cases():
 
 
 def main() -> None:
-    for result in (*linear_cases(), *rms_norm_cases()):
+    for result in (*linear_cases(), *rms_norm_cases(), *attention_cases()):
         print(json.dumps(result), flush=True)
 
 

@@ -18,6 +18,7 @@ import kernels
 from engine.models import glue
 from kernels import fixed_order, matmul, reference
 from kernels.matmul import linear
+from kernels.paged_attention import batch_invariant_num_kv_splits
 from kernels.rms_norm import rms_norm
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 
@@ -187,6 +188,18 @@ def _batch_invariant_kernel(*args):
     return kernels.paged_attention(*args, batch_invariant=True)
 
 
+def _split_every(kv_split_len: int, *, one_program: bool = False):
+    """The batch-invariant kernel with keys cut every `kv_split_len` positions; decode-sized
+    calls run the ranges in programs of their own (CPU) unless `one_program`."""
+
+    def attention(*args):
+        return kernels.paged_attention(
+            *args, batch_invariant=True, kv_split_len=kv_split_len, num_kv_splits=1 if one_program else None
+        )
+
+    return attention
+
+
 def _assert_every_way_agrees(attention, dtype):
     seq = _Sequence(dtype)
     whole = seq.run(attention, 0, SEQ_LEN, [])
@@ -222,25 +235,80 @@ def test_batch_invariant_attention_is_the_same_in_any_chunk_decode_or_verificati
     _assert_every_way_agrees(_batch_invariant_kernel, dtype)
 
 
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(
+    "dtype,kv_split_len,one_program",
+    [
+        (torch.bfloat16, 64, False),  # 2 ranges of SEQ_LEN 100 (BLOCK_N 64)
+        (torch.float32, 32, False),  # 4 ranges (BLOCK_N 16)
+        (torch.float32, 16, True),  # 7 ranges, all walked by one program
+    ],
+)
+def test_split_kv_at_fixed_positions_is_the_same_in_any_chunk_decode_or_verification(
+    dtype, kv_split_len, one_program
+):
+    """Keys cut every kv_split_len positions: prefill chunks walk their ranges in one program,
+    decodes and verifications of a few sequences run one program per range and merge after;
+    every query's bits agree (and agree with the reference within tolerance)."""
+    assert batch_invariant_num_kv_splits(
+        4, 4, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LEN, kv_split_len, torch.device("cpu")
+    ) == -(-SEQ_LEN // kv_split_len)
+    _assert_every_way_agrees(_split_every(kv_split_len, one_program=one_program), dtype)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_program_and_one_program_per_range_give_the_same_bits(dtype):
+    """The same decode batch (several sequences, positions in several ranges) through both
+    ways of running the positional ranges."""
+    seq = _Sequence(dtype)
+    num_seqs = 4
+    seq_lens = torch.tensor([SEQ_LEN, *seq.other_lens], dtype=torch.int32)
+    queries = torch.cat([seq.query[SEQ_LEN - 1 :], seq.other_queries[: num_seqs - 1]])
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    runs = [
+        kernels.paged_attention(
+            queries,
+            seq.kv_layer,
+            seq.tables,
+            seq_lens,
+            starts,
+            0.2,
+            batch_invariant=True,
+            kv_split_len=kv_split_len,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        for kv_split_len in (64, 128)
+        for num_kv_splits in (None, 1)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[2], runs[3])
+    # 64-key ranges are a different reduction than one range over the 100 keys (a real split)
+    assert not torch.equal(runs[0], runs[2])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fixed_order_cpu_attention_is_the_same_in_any_chunk_decode_or_verification(dtype):
     _assert_every_way_agrees(fixed_order.paged_attention_rows, dtype)
 
 
 @pytest.mark.usefixtures("interpreted")
-def test_batch_invariant_attention_has_no_split_kv():
+def test_batch_invariant_attention_splits_only_at_fixed_positions():
     seq = _Sequence(torch.float32)
-    with pytest.raises(ValueError, match="no split-KV"):
-        kernels.paged_attention(
-            seq.query[:1],
-            seq.kv_layer,
-            seq.tables[:1],
-            torch.tensor([1], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32),
-            0.25,
-            num_kv_splits=2,
-            batch_invariant=True,
-        )
+    args = (
+        seq.query[:1],
+        seq.kv_layer,
+        seq.tables[:1],
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        0.25,
+    )
+    with pytest.raises(ValueError, match="fixed positions"):
+        kernels.paged_attention(*args, num_kv_splits=2, batch_invariant=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.paged_attention(*args, batch_invariant=True, kv_split_len=24)
+    with pytest.raises(ValueError, match="batch_invariant attention only"):
+        kernels.paged_attention(*args, kv_split_len=32)
 
 
 def test_pairwise_sum_ignores_zero_padding_and_matches_sum():

@@ -103,9 +103,13 @@ def test_rms_norm_rows_are_bit_identical_in_any_batch(dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verification(dtype):
+@pytest.mark.parametrize("kv_split_len", [None, 128])
+def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verification(dtype, kv_split_len):
     """Llama-3.1-8B heads (32 query, 8 KV, head_dim 128), block size 16, a 1500-token
-    sequence beside other sequences; its queries computed in every way the engine can."""
+    sequence beside other sequences; its queries computed in every way the engine can.
+    Keys are cut every 512 (default) or 128 positions: decodes of a few sequences run a
+    program per range (split-KV), prefill chunks and decodes beside a prefill walk the
+    ranges in one program, a CUDA graph's upper bound adds empty ranges."""
     num_heads, num_kv_heads, head_dim, block_size, seq_len = 32, 8, 128, 16, 1500
     other_lens = [700, 3000, 33]
     tables, _, _ = attention_batch([1] * 4, [seq_len, *other_lens], 400, block_size, seed=9, device="cuda")
@@ -114,7 +118,7 @@ def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verifi
     other_queries = random_kv((600, num_heads, head_dim), dtype, "cuda", seed=12)
     scale = 1 / math.sqrt(head_dim)
 
-    def run(begin: int, end: int, others: list[tuple[int, int]]) -> torch.Tensor:
+    def run(begin: int, end: int, others: list[tuple[int, int]], **kwargs) -> torch.Tensor:
         num_new = [n for _, n in others] + [end - begin]
         seq_lens = [other_lens[i - 1] for i, _ in others] + [end]
         queries = torch.cat([other_queries[: sum(n for _, n in others)], query[begin:end]])
@@ -127,6 +131,8 @@ def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verifi
             starts,
             scale,
             batch_invariant=True,
+            kv_split_len=kv_split_len,
+            **kwargs,
         )
         return out[-(end - begin) :]
 
@@ -137,9 +143,12 @@ def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verifi
             others = [(1, 5), (3, 1)] if index % 2 else [(2, 512)]
             assert torch.equal(run(begin, end, others), whole[begin:end]), (begin, end)
             num_checked += 1
-    for position in (0, 63, 64, 511, 1000, 1499):
+    for position in (0, 63, 64, 511, 512, 1000, 1499):
         for others in ([], [(1, 1), (2, 1), (3, 1)], [(2, 300)]):
             assert torch.equal(run(position, position + 1, others)[0], whole[position]), position
+        for kwargs in ({"num_kv_splits": 1}, {"max_seq_len": 8192}):
+            got = run(position, position + 1, [(1, 1), (3, 1)], **kwargs)[0]
+            assert torch.equal(got, whole[position]), (position, kwargs)
     for begin in (1200, 1495):
         assert torch.equal(run(begin, begin + 5, [(1, 5), (3, 1)]), whole[begin : begin + 5])
     starts = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")

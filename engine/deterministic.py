@@ -16,10 +16,10 @@ What each op becomes:
 
 | op | CUDA | CPU |
 |---|---|---|
-| linear layers, LM head | `kernels.matmul.linear`: one tile per dtype, no split-K | `F.linear` per row |
+| linear layers, LM head | `kernels.matmul.linear`: no split-K, BLOCK_K fixed per dtype, tiles proven bit-identical | `F.linear` per row |
 | RMSNorm | `kernels.rms_norm`: one program per row | `glue.rms_norm` per row |
 | RoPE, SiLU-and-mul | eager torch (elementwise: one formula per element) | per row |
-| attention | `kernels.paged_attention(batch_invariant=True)` for every step | `kernels.fixed_order.paged_attention_rows` |
+| attention | `kernels.paged_attention(batch_invariant=True)` for every step: KV split every 512 positions | `kernels.fixed_order.paged_attention_rows` |
 | sampling | per row | per row |
 
 Elementwise CUDA kernels apply one device function to every element, so they are

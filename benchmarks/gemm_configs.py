@@ -3,20 +3,21 @@
 For every candidate tile of kernels/matmul.py (CANDIDATE_TILES_16BIT; same BLOCK_K as the
 baseline, so the same order of K in the source program), on the GPU:
 
-1. bit-identity: on the 8B's projection shapes (qkv with a bias, gate_up, down, and the
-   LM head), rows x[:M] through the candidate against the same rows of the baseline tile
+1. bit-identity: on the 8B's projection shapes (qkv with a bias, o_proj, gate_up, down,
+   and the LM head), rows x[:M] through the candidate against the same rows of the baseline tile
    (kernels.matmul.BASELINE_TILES) run on all 8192 rows, at M in 1, 7, 64, 300, 512, 8192
    (the LM head up to 300), in bf16 and fp16. A candidate is "bit_identical" only if every
    element of every one of those matches: then its rows are the baseline's whatever M,
    so a plan may switch between such tiles by M without changing a bit. The float32
    candidates are checked the same way on the qkv and down shapes.
 2. speed: TFLOP/s of each candidate and of cuBLAS (torch.nn.functional.linear), bf16, on
-   qkv / gate_up / down at M in 16, 64, 256, 512, 2048, 8192 and the LM head at 16, 64,
+   qkv / o_proj / gate_up / down at M in 16, 64, 256, 512, 2048, 8192 and the LM head at 16, 64,
    256 (triton.testing.do_bench: L2 flushed between calls, median).
 
-It then suggests, per M bucket, the fastest bit-identical tile (geometric mean over the
-layers), prints it as the PROVEN_TILE_PLANS entry to paste into kernels/matmul.py (and
-set USE_TILE_PLAN = True), with the ratios to cuBLAS that plan gives. A tile that fails
+It then suggests, per M bucket and N band, the fastest bit-identical tile (geometric mean
+over the layers there), prints it as the PROVEN_TILE_PLANS entry for kernels/matmul.py,
+and the ratios to cuBLAS of the baseline tile, of the plan kernels/matmul.py uses now
+("active", USE_TILE_PLAN) and of the suggested one. A tile that fails
 to compile or run is reported with its error and never suggested.
 
     python benchmarks/gemm_configs.py --out gemm_configs.json          # H100, about 3 minutes
@@ -43,6 +44,7 @@ from kernels import matmul  # noqa: E402
 #: (layer, K, N, has bias in the identity check): Llama-3.1-8B's projections and LM head
 LAYERS = (
     ("qkv", 4096, 6144, True),
+    ("o_proj", 4096, 4096, False),
     ("gate_up", 4096, 28672, False),
     ("down", 14336, 4096, False),
     ("lm_head", 4096, 128256, False),
@@ -53,6 +55,8 @@ TIMED_ROWS = (16, 64, 256, 512, 2048, 8192)
 LM_HEAD_TIMED_ROWS = (16, 64, 256)
 #: bucket bounds of the suggested plan (the timed row counts; the last bucket is open)
 BUCKETS = TIMED_ROWS
+#: column bands of the suggested plan (o_proj and down: 4096; qkv: 6144; gate_up, LM head: wider)
+COLUMN_BANDS = (4096, 8192, None)
 
 
 def _random(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -148,43 +152,58 @@ def bucket_of(m: int) -> int:
     return BUCKETS[-1]
 
 
-def suggest_plan(timings: list[dict], allowed: list[str]) -> list[tuple[int, str]]:
-    """[(max_rows, tile name)]: per bucket, the allowed tile of best geometric-mean TFLOP/s over
-    the layers timed at that M; adjacent buckets with the same tile merged."""
-    plan: list[tuple[int, str]] = []
-    for bound in BUCKETS:
-        rows = [r for r in timings if bucket_of(r["m"]) == bound]
-        if not rows:
-            continue
-
-        def score(name: str, rows=rows) -> float:
-            values = [r.get(name) for r in rows]
-            if any(v is None for v in values):
-                return -1.0
-            return math.exp(sum(math.log(v) for v in values) / len(values))
-
-        best = max(allowed, key=score)
-        if plan and plan[-1][1] == best:
-            plan[-1] = (bound, best)
-        else:
-            plan.append((bound, best))
-    return plan
+def band_of(n: int) -> int | None:
+    return next(bound for bound in COLUMN_BANDS if bound is None or n <= bound)
 
 
-def plan_source(plan: list[tuple[int, str]], tiles_by_name: dict) -> str:
-    lines = ["PROVEN_TILE_PLANS: dict[torch.dtype, TilePlan] = {"]
-    body = ["    TilePlan(("]
-    for index, (bound, name) in enumerate(plan):
+def suggest_plan(timings: list[dict], allowed: list[str]) -> list[tuple[int | None, int | None, str]]:
+    """[(max_rows, max_cols, tile name)], kernels.matmul.TileRule's order: per row bucket and
+    column band, the allowed tile of best geometric-mean TFLOP/s over the layers timed
+    there; neighbours with the same tile merged; the last rule covers every size."""
+    rules: list[tuple[int | None, int | None, str]] = []
+    measured_buckets = [bound for bound in BUCKETS if any(bucket_of(r["m"]) == bound for r in timings)]
+    for bucket_index, bound in enumerate(measured_buckets):
+        max_rows = None if bucket_index == len(measured_buckets) - 1 else bound
+        bucket_rules: list[tuple[int | None, int | None, str]] = []
+        for band in COLUMN_BANDS:
+            rows = [r for r in timings if bucket_of(r["m"]) == bound and band_of(r["n"]) == band]
+            if not rows:
+                continue
+
+            def score(name: str, rows=rows) -> float:
+                values = [r.get(name) for r in rows]
+                if any(v is None for v in values):
+                    return -1.0
+                return math.exp(sum(math.log(v) for v in values) / len(values))
+
+            best = max(allowed, key=score)
+            if bucket_rules and bucket_rules[-1][2] == best:
+                bucket_rules[-1] = (max_rows, band, best)
+            else:
+                bucket_rules.append((max_rows, band, best))
+        if bucket_rules:  # the widest band measured covers every wider N
+            bucket_rules[-1] = (max_rows, None, bucket_rules[-1][2])
+        for rule in bucket_rules:
+            previous = rules[-1] if rules else None
+            if previous and len(bucket_rules) == 1 and previous[1] is None and previous[2] == rule[2]:
+                rules[-1] = rule  # one tile for every N here, as in the bucket before: widen that rule
+            else:
+                rules.append(rule)
+    return rules
+
+
+def plan_source(rules: list[tuple[int | None, int | None, str]], tiles_by_name: dict) -> str:
+    """The PROVEN_TILE_PLANS entry (bf16 and fp16 alike) for kernels/matmul.py."""
+    lines = []
+    for max_rows, max_cols, name in rules:
         tile = tiles_by_name[name]
         fields = ", ".join(f"{f.name}={getattr(tile, f.name)!r}" for f in dataclasses.fields(tile))
-        max_rows = "1 << 62" if index == len(plan) - 1 else str(bound)
-        body.append(f"        ({max_rows}, GemmTile({fields})),")
-    body.append("    ))")
-    plan_text = "\n".join(body)
-    lines.append(f"    torch.bfloat16: {plan_text.strip()},")
-    lines.append(f"    torch.float16: {plan_text.strip()},")
-    lines.append("}")
-    return "\n".join(lines)
+        lines.append(f"        TileRule({max_rows}, {max_cols}, GemmTile({fields})),")
+    plan = "TilePlan((\n" + "\n".join(lines) + "\n    ))"
+    return (
+        "PROVEN_TILE_PLANS: dict[torch.dtype, TilePlan] = {\n"
+        f"    torch.bfloat16: {plan},\n    torch.float16: {plan},\n}}"
+    )
 
 
 def main() -> None:
@@ -262,46 +281,48 @@ def main() -> None:
         and tile.name not in failed
     ]
     baseline_name = matmul.BASELINE_TILES[torch.bfloat16].name
-    plan = suggest_plan(timings, allowed) if allowed else [(BUCKETS[-1], baseline_name)]
+    rules = suggest_plan(timings, allowed) if allowed else [(None, None, baseline_name)]
     tiles_by_name = {tile.name: tile for tile in tiles_16}
+    suggested = matmul.TilePlan(tuple(matmul.TileRule(r, c, tiles_by_name[name]) for r, c, name in rules))
     report["allowed_tiles"] = allowed
-    report["suggested_plan"] = [{"max_rows": bound, "tile": name} for bound, name in plan]
-    report["suggested_plan_source"] = plan_source(plan, tiles_by_name)
+    report["suggested_plan"] = [{"max_rows": r, "max_cols": c, "tile": name} for r, c, name in rules]
+    report["suggested_plan_source"] = plan_source(rules, tiles_by_name)
 
     print(
-        f"\n{'layer':>8} {'M':>5} {'cuBLAS':>7} {'baseline':>9} {'ratio':>6} {'plan':>7} {'ratio':>6}  plan tile"
+        f"\n{'layer':>8} {'M':>5} {'cuBLAS':>7} {'baseline':>9} {'ratio':>6} {'active':>7} {'ratio':>6} "
+        f"{'suggest':>7} {'ratio':>6}  suggested tile"
     )
     summary = []
     for row in timings:
-        tile_name = (
-            next(name for bound, name in plan if row["m"] <= bound)
-            if row["m"] <= plan[-1][0]
-            else plan[-1][1]
-        )
-        planned = row.get(tile_name, float("nan"))
-        base = row.get(baseline_name, float("nan"))
+        active_name = matmul.tile_for(torch.bfloat16, row["m"], row["n"]).name
+        suggested_name = suggested.tile_for(row["m"], row["n"]).name
+        values = {
+            "baseline": row.get(baseline_name, float("nan")),
+            "active_plan": row.get(active_name, float("nan")),
+            "suggested": row.get(suggested_name, float("nan")),
+        }
         summary.append(
             {
                 "layer": row["layer"],
                 "m": row["m"],
                 "cublas_tflops": row["cublas"],
-                "baseline_tflops": base,
-                "plan_tflops": planned,
-                "plan_tile": tile_name,
-                "baseline_ratio": base / row["cublas"],
-                "plan_ratio": planned / row["cublas"],
+                "active_plan_tile": active_name,
+                "suggested_tile": suggested_name,
+                **{f"{key}_tflops": value for key, value in values.items()},
+                **{f"{key}_ratio": value / row["cublas"] for key, value in values.items()},
             }
         )
-        print(
-            f"{row['layer']:>8} {row['m']:>5} {row['cublas']:>7.0f} {base:>9.0f} {base / row['cublas']:>6.2f} "
-            f"{planned:>7.0f} {planned / row['cublas']:>6.2f}  {tile_name}"
-        )
+        cells = [
+            f"{value:>{width}.0f} {value / row['cublas']:>6.2f}"
+            for value, width in zip(values.values(), (9, 7, 7), strict=True)
+        ]
+        print(f"{row['layer']:>8} {row['m']:>5} {row['cublas']:>7.0f} {' '.join(cells)}  {suggested_name}")
     report["summary"] = summary
     report["seconds"] = time.perf_counter() - started
     report["complete"] = True
     save()
     print(f"\nbit-identical to the baseline in bf16 and fp16: {len(allowed)} of {len(tiles_16)} tiles")
-    print("suggested kernels/matmul.py entry (then USE_TILE_PLAN = True):")
+    print("suggested kernels/matmul.py entry ('active': the plan kernels/matmul.py uses now):")
     print(report["suggested_plan_source"])
     if args.out:
         print(f"wrote {args.out}")

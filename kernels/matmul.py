@@ -12,11 +12,12 @@ depends only on K and BLOCK_K. BLOCK_M, BLOCK_N, warps, stages, the launch order
 change it, but they change which tensor-core instruction the compiler emits (Hopper's
 wgmma m64nNk16 for BLOCK_M >= 64, mma.sync below), and whether that instruction's
 internal rounding is the same for every N is the hardware's business. So the tile may
-follow the number of rows only through `PROVEN_TILE_PLANS`: tiles that
+follow the problem size (M, N) only through `PROVEN_TILE_PLANS`: tiles that
 benchmarks/gemm_configs.py found bit-identical, row for row, to the baseline tile on
-the GPU at every row count it tried; and only while `USE_TILE_PLAN` is True.
+the GPU at every row count it tried; and only while `USE_TILE_PLAN` is True (on the
+H100 every candidate was; the plan picks the fastest per size band).
 tests/kernels/test_gpu_batch_invariant.py asserts that bit-identity for every tile of
-the plans, so a wrong table fails there. With the switch off, every M uses the
+the plans, so a wrong table fails there. With the switch off, every size uses the
 baseline tile (one tile per dtype).
 """
 
@@ -101,46 +102,80 @@ CANDIDATE_TILES_FP32: tuple[GemmTile, ...] = (
 
 
 @dataclass(frozen=True)
-class TilePlan:
-    """Tile by number of rows: `buckets` = ((max_rows, tile), ...) with max_rows ascending;
-    the first bucket whose max_rows >= M wins, the last covers every larger M."""
+class TileRule:
+    """Use `tile` for M <= max_rows rows and N <= max_cols columns (None: no bound)."""
 
-    buckets: tuple[tuple[int, GemmTile], ...]
+    max_rows: int | None
+    max_cols: int | None
+    tile: GemmTile
+
+    def matches(self, num_rows: int, num_cols: int) -> bool:
+        return (self.max_rows is None or num_rows <= self.max_rows) and (
+            self.max_cols is None or num_cols <= self.max_cols
+        )
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tile by problem size: the first rule that matches (M, N) wins; the last rule matches
+    everything. Only a speed choice: every tile of a plan must give the same bits (same
+    BLOCK_K here, proven on the GPU by benchmarks/gemm_configs.py), so a row's result does
+    not depend on which rule M picks."""
+
+    rules: tuple[TileRule, ...]
 
     def __post_init__(self) -> None:
-        if not self.buckets:
-            raise ValueError("a tile plan needs at least one bucket")
-        bounds = [max_rows for max_rows, _ in self.buckets]
-        if bounds != sorted(bounds) or len(set(bounds)) != len(bounds):
-            raise ValueError(f"bucket bounds must be strictly ascending, got {bounds}")
-        if len({tile.block_k for _, tile in self.buckets}) != 1:
+        if not self.rules or self.rules[-1].max_rows is not None or self.rules[-1].max_cols is not None:
+            raise ValueError("a tile plan must end with a rule for every size (max_rows=max_cols=None)")
+        if len({rule.tile.block_k for rule in self.rules}) != 1:
             raise ValueError("every tile of a plan must share BLOCK_K (the reduction order)")
 
-    def tile_for(self, num_rows: int) -> GemmTile:
-        for max_rows, tile in self.buckets:
-            if num_rows <= max_rows:
-                return tile
-        return self.buckets[-1][1]
+    def tile_for(self, num_rows: int, num_cols: int) -> GemmTile:
+        return next(rule.tile for rule in self.rules if rule.matches(num_rows, num_cols))
 
     @property
     def tiles(self) -> tuple[GemmTile, ...]:
-        return tuple(dict.fromkeys(tile for _, tile in self.buckets))
+        return tuple(dict.fromkeys(rule.tile for rule in self.rules))
 
 
-#: dtype -> tiles by M, only tiles that benchmarks/gemm_configs.py reported bit-identical to
-#: BASELINE_TILES[dtype] on the GPU (its JSON's "suggested_plan"). Empty until such a run.
-PROVEN_TILE_PLANS: dict[torch.dtype, TilePlan] = {}
+def _hopper_16bit_plan() -> TilePlan:
+    """From `benchmarks/gemm_configs.py --quick` on an H100 80GB HBM3 (Triton 3.6, 02:06 UTC
+    on 24 Nov 2026, at 1733707): all 15 candidate tiles bit-identical to the baseline in bf16
+    and fp16 at M 1 to 8192 on the 8B's shapes; the fastest per (M, N) band (TFLOP/s, cuBLAS
+    in brackets): M <= 64 narrow N 64x32 (qkv 63 [110], down 114 [131]), wide N 64x64 (gate_up
+    154 [155], LM head 176 [170]); M 512 N <= 4096 64x128 TMA (down 550 [704]), wider
+    128x256 persistent TMA (qkv 479 [624], gate_up 605 [702]); M 8192 128x256 persistent TMA
+    (qkv 645 [712], gate_up 670 [639], down 697 [708]). The quick run timed M 64, 512 and
+    8192 only: the 1024-row bound of the narrow band is a guess between them (the full run
+    times 16 to 8192 rows and o_proj)."""
+    big = GemmTile(128, 256, 64, 8, 3, persistent=True, tma=True)
+    return TilePlan(
+        (
+            TileRule(64, 8192, GemmTile(64, 32, 64, 4, 6)),
+            TileRule(64, None, GemmTile(64, 64, 64, 4, 5)),
+            TileRule(1024, 4096, GemmTile(64, 128, 64, 4, 4, tma=True)),
+            TileRule(None, None, big),
+        )
+    )
 
-#: The switch: False -> BASELINE_TILES for every M; True -> PROVEN_TILE_PLANS where a dtype has
-#: one. Flip it in the same commit that fills PROVEN_TILE_PLANS from a GPU run, and run
+
+#: dtype -> tile plan, only tiles that benchmarks/gemm_configs.py reported bit-identical to
+#: BASELINE_TILES[dtype] on the GPU (its JSON's "suggested_plan_source" prints an entry).
+PROVEN_TILE_PLANS: dict[torch.dtype, TilePlan] = {
+    torch.bfloat16: _hopper_16bit_plan(),
+    torch.float16: _hopper_16bit_plan(),
+}
+
+#: The switch: False -> BASELINE_TILES for every size; True -> PROVEN_TILE_PLANS where a dtype
+#: has one. Change the plans only from a GPU run of benchmarks/gemm_configs.py, and run
 #: tests/kernels/test_gpu_batch_invariant.py (it checks every planned tile's bits) on that GPU.
-USE_TILE_PLAN = False
+USE_TILE_PLAN = True
 
 
-def tile_for(dtype: torch.dtype, num_rows: int) -> GemmTile:
-    """The tile `linear` uses for `num_rows` rows of `dtype` (see USE_TILE_PLAN)."""
+def tile_for(dtype: torch.dtype, num_rows: int, num_cols: int) -> GemmTile:
+    """The tile `linear` uses for an [M = num_rows, N = num_cols] output of `dtype`."""
     if USE_TILE_PLAN and dtype in PROVEN_TILE_PLANS:
-        return PROVEN_TILE_PLANS[dtype].tile_for(num_rows)
+        return PROVEN_TILE_PLANS[dtype].tile_for(num_rows, num_cols)
     return BASELINE_TILES[dtype]
 
 
@@ -204,13 +239,13 @@ def _linear_tile(
         if DOT_AS_SUM:
             # Rank-1 updates k by k: each element's K is summed sequentially whatever the tile
             # (a BLAS dot's order may follow the shapes; a 3-D product would outgrow the
-            # interpreter's block limit at 128x256x64). Picking column kk out with a masked sum is exact.
+            # interpreter's block limit at 128x256x64).
             x_f32 = x.to(tl.float32)
             w_f32 = w_t.to(tl.float32)
             for kk in tl.static_range(BLOCK_K):
-                x_col = tl.sum(tl.where(inner[None, :] == kk, x_f32, 0.0), axis=1)  # [BLOCK_M]
-                w_row = tl.sum(tl.where(inner[:, None] == kk, w_f32, 0.0), axis=0)  # [BLOCK_N]
-                acc += x_col[:, None] * w_row[None, :]
+                x_col = tl.gather(x_f32, tl.full([BLOCK_M, 1], kk, tl.int32), axis=1)  # [BLOCK_M, 1]
+                w_row = tl.gather(w_f32, tl.full([1, BLOCK_N], kk, tl.int32), axis=0)  # [1, BLOCK_N]
+                acc += x_col * w_row
         else:
             acc = tl.dot(x, w_t, acc, input_precision="ieee")
     if HAS_BIAS:
@@ -286,9 +321,9 @@ def linear(
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, batch-invariantly.
 
     Every row of the result is bit-identical whatever the other rows (their number,
-    values and order): no split-K, and the tile is `tile_for(dtype, M)` (one tile per
-    dtype unless USE_TILE_PLAN). `tile` forces a tile (benchmarks and tests); its
-    BLOCK_K must be the dtype's baseline one. Raises ValueError on mismatched shapes,
+    values and order): no split-K, and the tile is `tile_for(dtype, M, N)`, one of the
+    tiles proven to give the baseline's bits. `tile` forces a tile (benchmarks and
+    tests); its BLOCK_K must be the dtype's baseline one. Raises ValueError on mismatched shapes,
     dtypes or devices.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -325,7 +360,7 @@ def linear(
         out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
         return out.reshape(*x.shape[:-1], num_cols)
     if tile is None:
-        tile = tile_for(x.dtype, num_rows)
+        tile = tile_for(x.dtype, num_rows, num_cols)
     num_tiles = triton.cdiv(num_rows, tile.block_m) * triton.cdiv(num_cols, tile.block_n)
     if tile.persistent:
         num_programs = _num_sms(x.device.index or 0) if x.device.type == "cuda" else 3

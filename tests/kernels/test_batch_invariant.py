@@ -80,31 +80,53 @@ def test_every_candidate_tile_gives_the_baseline_rows(dtype, tile):
 
 
 @pytest.mark.usefixtures("interpreted")
-def test_tile_plan_picks_a_tile_by_rows_only_when_switched_on(monkeypatch):
-    small, large = matmul.GemmTile(64, 32, 64, 4, 6), matmul.GemmTile(128, 256, 64, 8, 3)
-    plan = matmul.TilePlan(((64, small), (1 << 62, large)))
-    assert [plan.tile_for(m) for m in (1, 64, 65, 10**6)] == [small, small, large, large]
-    assert plan.tiles == (small, large)
+def test_tile_plan_picks_a_tile_by_size_only_when_switched_on(monkeypatch):
+    small, narrow, large = (
+        matmul.GemmTile(64, 32, 64, 4, 6),
+        matmul.GemmTile(64, 128, 64, 4, 4, tma=True),
+        matmul.GemmTile(128, 256, 64, 8, 3, persistent=True, tma=True),
+    )
+    plan = matmul.TilePlan(
+        (
+            matmul.TileRule(64, None, small),
+            matmul.TileRule(1024, 48, narrow),
+            matmul.TileRule(None, None, large),
+        )
+    )
+    assert [plan.tile_for(m, 40) for m in (1, 64, 65, 1024, 1025)] == [small, small, narrow, narrow, large]
+    assert plan.tile_for(65, 49) == large
+    assert plan.tiles == (small, narrow, large)
     monkeypatch.setattr(matmul, "PROVEN_TILE_PLANS", {torch.bfloat16: plan})
     monkeypatch.setattr(matmul, "USE_TILE_PLAN", False)
-    assert matmul.tile_for(torch.bfloat16, 1) == matmul.BASELINE_TILES[torch.bfloat16]
+    assert matmul.tile_for(torch.bfloat16, 1, 40) == matmul.BASELINE_TILES[torch.bfloat16]
     monkeypatch.setattr(matmul, "USE_TILE_PLAN", True)
-    assert matmul.tile_for(torch.bfloat16, 1) == small
-    assert matmul.tile_for(torch.bfloat16, 65) == large
-    assert matmul.tile_for(torch.float32, 65) == matmul.BASELINE_TILES[torch.float32]
-    # with the plan on, rows still match across M (here: across the bucket boundary)
+    assert matmul.tile_for(torch.bfloat16, 1, 40) == small
+    assert matmul.tile_for(torch.bfloat16, 65, 40) == narrow
+    assert matmul.tile_for(torch.float32, 65, 40) == matmul.BASELINE_TILES[torch.float32]
+    # with the plan on, rows still match across M (here: across the rules' boundary)
     x = _rows(70, 72, torch.bfloat16, seed=23)
     weight = random_kv((40, 72), torch.bfloat16, "cpu", seed=24)
     full = linear(x, weight)
     assert torch.equal(linear(x[:3], weight), full[:3])
 
 
-def test_tile_plans_reject_mixed_reduction_orders_and_bad_buckets():
+def test_the_proven_plans_hold_candidate_tiles_of_one_reduction_order():
+    for dtype, plan in matmul.PROVEN_TILE_PLANS.items():
+        assert set(plan.tiles) <= set(matmul.CANDIDATE_TILES_16BIT), dtype
+        assert {tile.block_k for tile in plan.tiles} == {matmul.BASELINE_TILES[dtype].block_k}
+
+
+def test_tile_plans_reject_mixed_reduction_orders_and_no_catch_all():
     with pytest.raises(ValueError, match="BLOCK_K"):
-        matmul.TilePlan(((64, matmul.GemmTile(64, 64, 32, 4, 2)), (128, matmul.GemmTile(64, 64, 64, 4, 2))))
-    with pytest.raises(ValueError, match="ascending"):
-        matmul.TilePlan(((128, matmul.GemmTile(64, 64, 64, 4, 2)), (64, matmul.GemmTile(64, 64, 64, 4, 2))))
-    with pytest.raises(ValueError, match="at least one"):
+        matmul.TilePlan(
+            (
+                matmul.TileRule(64, None, matmul.GemmTile(64, 64, 32, 4, 2)),
+                matmul.TileRule(None, None, matmul.GemmTile(64, 64, 64, 4, 2)),
+            )
+        )
+    with pytest.raises(ValueError, match="every size"):
+        matmul.TilePlan((matmul.TileRule(64, None, matmul.GemmTile(64, 64, 64, 4, 2)),))
+    with pytest.raises(ValueError, match="every size"):
         matmul.TilePlan(())
 
 

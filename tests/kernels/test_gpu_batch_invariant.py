@@ -60,7 +60,7 @@ def test_linear_rows_are_bit_identical_in_any_batch(dtype, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (14336, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
 def test_planned_tiles_give_the_baseline_bits_at_every_row_count(dtype, k, n):
     """The tile `linear` picks for M rows (kernels.matmul.tile_for: the baseline, or the
     proven plan when USE_TILE_PLAN), and every tile of the dtype's plan, give rows
@@ -70,7 +70,7 @@ def test_planned_tiles_give_the_baseline_bits_at_every_row_count(dtype, k, n):
     weight = random_kv((n, k), dtype, "cuda", seed=31) * k**-0.5
     reference = matmul.linear(x, weight, tile=matmul.BASELINE_TILES[dtype])
     plan = matmul.PROVEN_TILE_PLANS.get(dtype)
-    for num_rows in (1, 7, 64, 65, 300, 512, 2049, 8192):
+    for num_rows in (1, 7, 64, 65, 300, 512, 1024, 1025, 2049, 8192):
         assert torch.equal(linear(x[:num_rows], weight), reference[:num_rows]), (num_rows, dtype, k, n)
         for tile in plan.tiles if plan is not None else ():
             got = linear(x[:num_rows], weight, tile=tile)

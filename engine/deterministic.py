@@ -126,6 +126,39 @@ def make_batch_invariant(model: LlamaFamilyForCausalLM) -> None:
         model.rotary = _RowWiseRotary(model.rotary)
 
 
+def warm_up_linear_tiles(model: LlamaFamilyForCausalLM, max_rows: int, max_logit_rows: int) -> int:
+    """Compile every GEMM tile the deterministic mode can pick for `model`'s layers, by running
+    kernels.matmul.linear on zeros once per (weight shape, bias, tile): the tile follows the
+    number of rows (kernels.matmul.tile_for), and the engine's warm-up steps need not reach
+    every band. Called once by the engine core at start-up (CUDA, after make_batch_invariant);
+    layers up to `max_rows` rows (the token budget), the LM head up to `max_logit_rows`.
+    Weights streamed from CPU memory are skipped (a resident layer of the same shape
+    compiles the same kernels). Returns the number of GEMMs run."""
+    from kernels.matmul import linear, row_counts_per_tile
+
+    logits_weight = model.model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+    layers = [(logits_weight, None, max_logit_rows)] + [
+        (module.weight, module.bias, max_rows)
+        for module in model.modules()
+        if isinstance(module, BatchInvariantLinear) and module.weight is not logits_weight
+    ]
+    seen: set[tuple] = set()
+    num_calls = 0
+    with torch.inference_mode():
+        for weight, bias, rows_bound in layers:
+            key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, rows_bound)
+            if weight.device != logits_weight.device or key in seen:
+                continue
+            seen.add(key)
+            num_cols, num_inner = weight.shape
+            for num_rows in row_counts_per_tile(weight.dtype, num_cols, max(1, rows_bound)):
+                linear(
+                    torch.zeros(num_rows, num_inner, dtype=weight.dtype, device=weight.device), weight, bias
+                )
+                num_calls += 1
+    return num_calls
+
+
 def attention_fn(device: torch.device) -> Callable[..., torch.Tensor] | None:
     """The CPU attention of the deterministic mode (None on CUDA, where engine.attention
     runs the batch-invariant paged kernel for every sequence)."""

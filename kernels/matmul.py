@@ -179,6 +179,19 @@ def tile_for(dtype: torch.dtype, num_rows: int, num_cols: int) -> GemmTile:
     return BASELINE_TILES[dtype]
 
 
+def row_counts_per_tile(dtype: torch.dtype, num_cols: int, max_rows: int) -> list[int]:
+    """One row count in 1..max_rows for each tile `tile_for` picks for `num_cols` columns:
+    running `linear` at these compiles every tile a layer can meet (the start-up warm-up).
+    The tile only changes at a rule's max_rows + 1, so 1 and those bounds cover them all."""
+    bounds = {1}
+    if USE_TILE_PLAN and dtype in PROVEN_TILE_PLANS:
+        bounds |= {rule.max_rows + 1 for rule in PROVEN_TILE_PLANS[dtype].rules if rule.max_rows is not None}
+    by_tile: dict[GemmTile, int] = {}
+    for num_rows in sorted(bound for bound in bounds if bound <= max_rows):
+        by_tile.setdefault(tile_for(dtype, num_rows, num_cols), num_rows)
+    return list(by_tile.values())
+
+
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped order: GROUP_M row tiles walk the column tiles together."""

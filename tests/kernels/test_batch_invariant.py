@@ -110,6 +110,17 @@ def test_tile_plan_picks_a_tile_by_size_only_when_switched_on(monkeypatch):
     assert torch.equal(linear(x[:3], weight), full[:3])
 
 
+def test_row_counts_per_tile_reach_every_tile_the_plan_picks():
+    for dtype in (torch.bfloat16, torch.float32):
+        for num_cols in (40, 4096, 6144, 128256):
+            for max_rows in (1, 64, 300, 2100):
+                counts = matmul.row_counts_per_tile(dtype, num_cols, max_rows)
+                reached = [matmul.tile_for(dtype, m, num_cols) for m in counts]
+                every = {matmul.tile_for(dtype, m, num_cols) for m in range(1, max_rows + 1)}
+                assert set(reached) == every and len(reached) == len(every), (dtype, num_cols, max_rows)
+                assert all(1 <= m <= max_rows for m in counts)
+
+
 def test_the_proven_plans_hold_candidate_tiles_of_one_reduction_order():
     for dtype, plan in matmul.PROVEN_TILE_PLANS.items():
         assert set(plan.tiles) <= set(matmul.CANDIDATE_TILES_16BIT), dtype

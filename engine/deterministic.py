@@ -8,7 +8,9 @@ verification). So a request's tokens are the same, bit for bit, in bf16 too, wit
 offload on or off, with or without speculation, whatever else runs beside it.
 
 Who calls what: the engine core calls `make_batch_invariant(model)` once after loading
-(and after `compile_glue`), and builds the model runner with `deterministic=True`; the
+(and after `compile_glue`), `warm_up_linear_tiles` once at start-up on CUDA (the GEMM's
+tile follows the number of rows: every band is compiled before the first request), and
+builds the model runner with `deterministic=True`; the
 runner then routes attention through `attention_fn(device)` for every step kind and
 samples row by row (`engine.sampler`'s `row_wise`).
 

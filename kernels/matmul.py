@@ -90,6 +90,13 @@ CANDIDATE_TILES_16BIT: tuple[GemmTile, ...] = (
     GemmTile(64, 128, 64, 4, 4, tma=True),
     GemmTile(128, 256, 64, 8, 3, persistent=True, tma=True),
     GemmTile(32, 64, 64, 4, 4),
+    # after the first H100 sweep: deeper pipelines for decode-sized M (qkv at 64 rows was 0.57x
+    # cuBLAS), 128-wide TMA tiles for the middle band
+    GemmTile(64, 32, 64, 4, 8),
+    GemmTile(64, 16, 64, 4, 8),
+    GemmTile(128, 128, 64, 8, 4, tma=True),
+    GemmTile(128, 128, 64, 8, 4, persistent=True, tma=True),
+    GemmTile(64, 128, 64, 4, 5, persistent=True, tma=True),
 )
 
 #: float32 tiles (FMA dots: the order of K is the source's by construction); interpreter tests

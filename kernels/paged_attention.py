@@ -71,8 +71,14 @@ def _attend_keys(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    ROW_SUM_BY_DOT: tl.constexpr,
 ):
-    """Online softmax over keys [kv_begin, kv_end) in BLOCK_N steps from kv_begin: the state after them."""
+    """Online softmax over keys [kv_begin, kv_end) in BLOCK_N steps from kv_begin: the state after them.
+
+    ROW_SUM_BY_DOT (the batch-invariant form): a row's sum of weights is taken by the tensor
+    cores (a dot with ones, over the same 16-bit weights as the numerator) instead of a
+    register reduction, whose tree follows the tile's layout (its row count and warps); a
+    row's bits then depend on BLOCK_N and the MMA's own order, as a GEMM row's do."""
     keys = tl.arange(0, BLOCK_N)
     for key_start in range(kv_begin, kv_end, BLOCK_N):
         key_pos = key_start + keys
@@ -94,7 +100,8 @@ def _attend_keys(
         new_max = tl.maximum(max_score, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_max[:, None])
         rescale = tl.exp2(max_score - new_max)
-        denominator = denominator * rescale + tl.sum(probs, axis=1)
+        if not ROW_SUM_BY_DOT:
+            denominator = denominator * rescale + tl.sum(probs, axis=1)
         value = tl.load(
             kv_head_ptr + stride_kv_kind + key_offsets[:, None] + dims[None, :],
             mask=key_mask[:, None] & dim_mask[None, :],
@@ -104,6 +111,10 @@ def _attend_keys(
         if DOT_IN_FP32:
             probs = probs.to(tl.float32)
             value = value.to(tl.float32)
+        if ROW_SUM_BY_DOT:
+            ones = tl.full([BLOCK_N, 16], 1.0, dtype=probs.dtype)
+            row_sum = tl.max(tl.dot(probs, ones, input_precision="ieee"), axis=1)  # 16 equal columns
+            denominator = denominator * rescale + row_sum
         acc = acc * rescale[:, None] + tl.dot(probs, value, input_precision="ieee")
         max_score = new_max
     return max_score, denominator, acc
@@ -246,7 +257,7 @@ def _paged_attention_kernel(
                 query, query_pos, max_score, denominator, acc,
                 split_begin, tl.minimum(split_begin + KV_SPLIT_LEN, kv_end),
                 tables_row, kv_head_ptr, dims, dim_mask, scale_log2, stride_kv_kind, stride_kv_block,
-                NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32,
+                NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32, KV_SPLIT_LEN > 0,
             )  # fmt: skip
             partial, lse = _split_partial(split_max, split_denominator, split_acc)
             merged_max, merged_acc, merged_denominator = _merge_split(
@@ -263,7 +274,7 @@ def _paged_attention_kernel(
         max_score, denominator, acc = _attend_keys(
             query, query_pos, max_score, denominator, acc, kv_begin, kv_end,
             tables_row, kv_head_ptr, dims, dim_mask, scale_log2, stride_kv_kind, stride_kv_block,
-            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32,
+            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32, KV_SPLIT_LEN > 0,
         )  # fmt: skip
 
     if SPLIT:
@@ -395,10 +406,25 @@ def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[i
     return block_q, block_m, block_n
 
 
-def batch_invariant_launch_config(group: int, dtype: torch.dtype) -> tuple[int, int, int]:
+#: The batch-invariant form's tile. False: one tile per (group, dtype) for every step, the
+#: prefill tile (a decode token fills one row group of a 64-row tile). True: the tile follows
+#: the step's longest query as in the default mode, so decode steps use 16-row tiles, a
+#: quarter of the tensor-core work. A row's bits then stay the same only if the tensor cores
+#: round a row's dot alike in every tile shape -- true of the GEMM on the H100, where all
+#: tiles (wgmma of any N, mma.sync) gave the same bits (benchmarks/gemm_configs.py) -- and
+#: the row sums are made by the tensor cores too (ROW_SUM_BY_DOT). CUDA only (the CPU
+#: interpreter's dots are BLAS calls). Switch it on only after
+#: tests/kernels/test_gpu_batch_invariant.py passed on that GPU (it runs both settings).
+BATCH_INVARIANT_TILE_FOLLOWS_QUERIES = False
+
+
+def batch_invariant_launch_config(
+    group: int, dtype: torch.dtype, max_query_len: int | None = None
+) -> tuple[int, int, int]:
     """-> (BLOCK_Q, BLOCK_M, BLOCK_N) of the batch-invariant form: the prefill tile of
-    `launch_config`, for every step (a decode token fills one row group of it)."""
-    return launch_config(group, 1 << 30, dtype)
+    `launch_config` for every step, or, given `max_query_len` (see
+    BATCH_INVARIANT_TILE_FOLLOWS_QUERIES), `launch_config`'s tile for it (same BLOCK_N)."""
+    return launch_config(group, 1 << 30 if max_query_len is None else max_query_len, dtype)
 
 
 #: The batch-invariant form cuts each query's keys into ranges at multiples of this many
@@ -527,7 +553,10 @@ def paged_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
     if batch_invariant:
-        block_q, block_m, block_n = batch_invariant_launch_config(group, query.dtype)
+        follows = BATCH_INVARIANT_TILE_FOLLOWS_QUERIES and query.device.type == "cuda"
+        block_q, block_m, block_n = batch_invariant_launch_config(
+            group, query.dtype, max_query_len if follows else None
+        )
         kv_split_len = BATCH_INVARIANT_KV_SPLIT_LEN if kv_split_len is None else kv_split_len
         if kv_split_len < block_n or kv_split_len % block_n:
             raise ValueError(f"kv_split_len must be a positive multiple of {block_n}, got {kv_split_len}")

@@ -127,8 +127,9 @@ def attention_cases():
 
     num_heads, num_kv_heads, head_dim = 32, 8, 128
     group = num_heads // num_kv_heads
-    for dtype in (torch.bfloat16, torch.float32):
-        block_q, block_m, block_n = batch_invariant_launch_config(group, dtype)
+    # the fixed tile in both dtypes, and bf16's decode tile (BATCH_INVARIANT_TILE_FOLLOWS_QUERIES)
+    for dtype, max_query_len in ((torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 1)):
+        block_q, block_m, block_n = batch_invariant_launch_config(group, dtype, max_query_len)
         ptr = f"*{TRITON_TYPES[dtype]}"
         for split in (False, True):
             compiled = compile_for_h100(
@@ -169,8 +170,13 @@ def attention_cases():
                 num_warps=4,
                 num_stages=2,
             )
-            kind = "program per range" if split else "one program"
-            yield describe(f"batch-invariant attention {TRITON_TYPES[dtype]} {kind}", compiled)
+            kind = ("program per range" if split else "one program") + (
+                " decode tile" if max_query_len else ""
+            )
+            row = describe(f"batch-invariant attention {TRITON_TYPES[dtype]} {kind}", compiled)
+            #: the row sums run on the tensor cores (ROW_SUM_BY_DOT): bf16 tiles use MMA instructions
+            row["mma"] = compiled.asm["ptx"].count("mma")
+            yield row
     compiled = compile_for_h100(
         _merge_positional_splits_kernel,
         {

@@ -21,7 +21,7 @@ def results() -> dict[str, dict]:
 
 
 def test_every_configuration_compiled(results):
-    assert len(results) == 4 + len(CANDIDATE_TILES_16BIT) + len(CANDIDATE_TILES_FP32) + 3 + 4 + 1
+    assert len(results) == 4 + len(CANDIDATE_TILES_16BIT) + len(CANDIDATE_TILES_FP32) + 3 + 6 + 1
 
 
 def test_candidate_tiles_use_wgmma_from_64_rows_and_mma_sync_below(results):

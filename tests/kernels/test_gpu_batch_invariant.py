@@ -6,6 +6,7 @@ Run with TRITON_INTERPRET unset: `python -m pytest tests/kernels/test_gpu_batch_
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -104,12 +105,21 @@ def test_rms_norm_rows_are_bit_identical_in_any_batch(dtype, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_split_len", [None, 128])
-def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verification(dtype, kv_split_len):
+@pytest.mark.parametrize("tile_follows_queries", [False, True])
+def test_batch_invariant_attention_same_bits_in_prefill_chunks_decode_and_verification(
+    dtype, kv_split_len, tile_follows_queries, monkeypatch
+):
     """Llama-3.1-8B heads (32 query, 8 KV, head_dim 128), block size 16, a 1500-token
     sequence beside other sequences; its queries computed in every way the engine can.
     Keys are cut every 512 (default) or 128 positions: decodes of a few sequences run a
     program per range (split-KV), prefill chunks and decodes beside a prefill walk the
-    ranges in one program, a CUDA graph's upper bound adds empty ranges."""
+    ranges in one program, a CUDA graph's upper bound adds empty ranges. With
+    BATCH_INVARIANT_TILE_FOLLOWS_QUERIES the decodes also run in 16-row tiles (prefill: 64)."""
+    monkeypatch.setattr(
+        importlib.import_module("kernels.paged_attention"),
+        "BATCH_INVARIANT_TILE_FOLLOWS_QUERIES",
+        tile_follows_queries,
+    )
     num_heads, num_kv_heads, head_dim, block_size, seq_len = 32, 8, 128, 16, 1500
     other_lens = [700, 3000, 33]
     tables, _, _ = attention_batch([1] * 4, [seq_len, *other_lens], 400, block_size, seed=9, device="cuda")

@@ -61,7 +61,8 @@ class GemmTile:
         )
 
 
-#: dtype -> today's tile, used for every M unless the plan below is switched on. 16-bit: the
+#: dtype -> the baseline tile: the reference of every bit-identity proof, and the tile of every
+#: size when USE_TILE_PLAN is off (or a dtype has no plan, as float32). 16-bit: the
 #: vLLM batch-invariant tile (H100 wgmma, 96 KB of shared memory over 3 stages); float32 dots
 #: run on FMA units (input_precision="ieee"), where smaller tiles keep operands in registers.
 BASELINE_TILES: dict[torch.dtype, GemmTile] = {

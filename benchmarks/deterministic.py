@@ -221,11 +221,17 @@ class Runner:
 
 
 def time_gemms(num_repeats: int = 20) -> list[dict]:
-    """Batch-invariant GEMM vs cuBLAS (bf16) on the 8B's projection shapes, decode and prefill rows."""
+    """Batch-invariant GEMM (the tiles kernels.matmul picks now) vs cuBLAS (bf16) on the 8B's
+    projection shapes, decode and prefill rows."""
     from kernels.matmul import linear
 
     rows = []
-    for name, k, n in (("qkv", 4096, 6144), ("gate_up", 4096, 28672), ("down", 14336, 4096)):
+    for name, k, n in (
+        ("qkv", 4096, 6144),
+        ("o_proj", 4096, 4096),
+        ("gate_up", 4096, 28672),
+        ("down", 14336, 4096),
+    ):
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for m in (64, 512, 8192):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

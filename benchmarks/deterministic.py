@@ -22,10 +22,16 @@ at 512 and one at a time, to show how many requests change there without the mod
 
 Scaled to about 3 minutes on an H100 (3 engine start-ups included): 64 requests of
 256-768 random tokens (ending in a repeated segment, so n-gram matches exist), 32 greedy
-tokens each; the issue's full size is `--min-prompt 1024 --max-prompt 4096 --new-tokens 128`.
+tokens each. `--issue-size` is the issue's workload (prompts of 1024-4096 tokens, 128
+new tokens); it takes longer than one 10-minute device call, so `--sources` runs part of
+the matrix: `--sources off` (the reference, the default-mode engine and the throughput
+ratio), then `--sources cpu disk --reference <the first JSON>`, which compares the tier
+runs with the reference tokens stored in the first run's JSON (same prompts: checked).
 On CUDA it also times the batch-invariant GEMM against cuBLAS on the 8B's shapes.
 
     python benchmarks/deterministic.py --out deterministic.json           # H100, 8B shape, bf16
+    python benchmarks/deterministic.py --issue-size --sources off --out det_off.json
+    python benchmarks/deterministic.py --issue-size --sources cpu disk --reference det_off.json --out det_tiers.json
     python benchmarks/deterministic.py --tiny --out /tmp/det.json         # CPU smoke run
 """
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import platform
 import random
@@ -53,6 +60,8 @@ from engine.spec_decode import NgramProposer  # noqa: E402
 from engine.spec_decode.replay import ReplayProposer  # noqa: E402
 
 SOURCES = ("offload off", "CPU-tier hit", "disk-tier hit")
+#: --sources names -> SOURCES entries
+SOURCE_NAMES = {"off": SOURCES[0], "cpu": SOURCES[1], "disk": SOURCES[2]}
 CHUNK_SIZE = 256
 
 
@@ -77,6 +86,15 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: in
         ]
         prompts.append(head + (segment * (length // len(segment) + 1))[: length - len(head)])
     return prompts
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    """blake2b of the prompts' token ids: a --reference file must come from the same prompts."""
+    digest = hashlib.blake2b(digest_size=16)
+    for prompt in prompts:
+        digest.update(len(prompt).to_bytes(4, "little"))
+        digest.update(b"".join(t.to_bytes(4, "little") for t in prompt))
+    return digest.hexdigest()
 
 
 def kv_bytes_per_token(config) -> int:
@@ -203,11 +221,17 @@ class Runner:
 
 
 def time_gemms(num_repeats: int = 20) -> list[dict]:
-    """Batch-invariant GEMM vs cuBLAS (bf16) on the 8B's projection shapes, decode and prefill rows."""
+    """Batch-invariant GEMM (the tiles kernels.matmul picks now) vs cuBLAS (bf16) on the 8B's
+    projection shapes, decode and prefill rows."""
     from kernels.matmul import linear
 
     rows = []
-    for name, k, n in (("qkv", 4096, 6144), ("gate_up", 4096, 28672), ("down", 14336, 4096)):
+    for name, k, n in (
+        ("qkv", 4096, 6144),
+        ("o_proj", 4096, 4096),
+        ("gate_up", 4096, 28672),
+        ("down", 14336, 4096),
+    ):
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for m in (64, 512, 8192):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -228,16 +252,59 @@ def time_gemms(num_repeats: int = 20) -> list[dict]:
     return rows
 
 
-def replay_of(reference: dict, prompts, args, vocab_size: int) -> ReplayProposer:
+def replay_of(reference_tokens: list[list[int]], prompts, args, vocab_size: int) -> ReplayProposer:
     """Drafts that replay the reference run's tokens with 30% of them corrupted: every
     step verifies drafts, some accepted, some rejected (n-gram drafts need repeats that a
     random-weight model rarely produces)."""
-    continuations = {tuple(p): t for p, t in zip(prompts, reference["token_ids"], strict=True)}
+    continuations = {tuple(p): t for p, t in zip(prompts, reference_tokens, strict=True)}
     return ReplayProposer(args.num_speculative_tokens, continuations, vocab_size, corrupt_fraction=0.3)
 
 
 def num_differing(run: dict, reference: list[list[int]]) -> int:
     return sum(tokens != ref for tokens, ref in zip(run["token_ids"], reference, strict=False))
+
+
+def print_cost(report: dict, runs: list[dict], default_runs: list[dict], startup_s: dict, args) -> None:
+    """The deterministic / default throughput ratios (all at once, each budget) and what the
+    default mode changes; adds them to `report`."""
+    reference = runs[0]  # deterministic, offload off, the big budget, all at once, no speculation
+    if reference["source"] != "offload off" or reference["speculative"] != "off":
+        raise RuntimeError("the first run must be the reference (offload off, no speculation)")
+    default_reference = default_runs[0]
+    for r in default_runs[1:]:
+        r["num_differing_vs_default_reference"] = num_differing(r, default_reference["token_ids"])
+    ratio_total = reference["total_tokens_per_s"] / default_reference["total_tokens_per_s"]
+    ratio_generated = reference["generated_tokens_per_s"] / default_reference["generated_tokens_per_s"]
+    small_budget = args.budgets[1]
+    deterministic_small = next(
+        r
+        for r in runs
+        if r["source"] == "offload off"
+        and r["max_num_batched_tokens"] == small_budget
+        and r["at_once"] > 1
+        and r["speculative"] == "off"
+    )
+    ratio_small = deterministic_small["total_tokens_per_s"] / default_runs[1]["total_tokens_per_s"]
+    print(
+        "default mode, same prompts: "
+        f"{default_runs[1]['num_differing_vs_default_reference']} of {args.num_requests} requests change at "
+        f"budget {small_budget}, "
+        f"{default_runs[2]['num_differing_vs_default_reference']} of {args.num_alone} when run one at a time"
+    )
+    print(
+        f"throughput (all at once, budget {args.budgets[0]}, offload off): deterministic "
+        f"{reference['total_tokens_per_s']:.0f} tok/s, default {default_reference['total_tokens_per_s']:.0f} tok/s, "
+        f"ratio {ratio_total:.2f} (target >= 0.8; generated tokens/s ratio {ratio_generated:.2f}); "
+        f"at budget {small_budget}: ratio {ratio_small:.2f}"
+    )
+    print("engine start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup_s.items()))
+    report.update(
+        throughput_ratio_total=ratio_total,
+        throughput_ratio_generated=ratio_generated,
+        throughput_ratio_total_small_budget=ratio_small,
+        default_mode_differing_at_small_budget=default_runs[1]["num_differing_vs_default_reference"],
+        default_mode_differing_one_at_a_time=default_runs[2]["num_differing_vs_default_reference"],
+    )
 
 
 def main() -> None:
@@ -260,9 +327,31 @@ def main() -> None:
         default=None,
         help="max_num_batched_tokens of the reference runs and of the chunked runs (8192 512; 8192 24 with --tiny)",
     )
+    parser.add_argument(
+        "--issue-size",
+        action="store_true",
+        help="the issue's workload: --min-prompt 1024 --max-prompt 4096 --new-tokens 128 (unless given)",
+    )
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=sorted(SOURCE_NAMES),
+        default=sorted(SOURCE_NAMES),
+        help="KV sources of the matrix to run (off: the reference, the default-mode cost; cpu, disk: tier hits)",
+    )
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help="a JSON of an earlier run with --sources off, same prompts: its reference tokens (needed without 'off')",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     tiny = args.tiny
+    if args.issue_size:
+        args.min_prompt = args.min_prompt or 1024
+        args.max_prompt = args.max_prompt or 4096
+        args.new_tokens = args.new_tokens or 128
     args.num_requests = args.num_requests or (6 if tiny else 64)
     args.num_alone = min(args.num_alone or (2 if tiny else 4), args.num_requests)
     args.min_prompt = args.min_prompt or (40 if tiny else 256)
@@ -273,9 +362,26 @@ def main() -> None:
         parser.error("need 1 <= --min-prompt <= --max-prompt")
     if not tiny and not torch.cuda.is_available():
         parser.error("needs CUDA (or --tiny)")
+    sources = tuple(source for name, source in SOURCE_NAMES.items() if name in args.sources)
+    run_reference = SOURCES[0] in sources
+    if not run_reference and args.reference is None:
+        parser.error("without --sources off, --reference must name the JSON of a run that had it")
 
     config = model_config(tiny)
+    if args.issue_size:  # 4096-token prompts + drafts + new tokens: more than model_config's 4k context
+        config.max_position_embeddings = max(
+            config.max_position_embeddings, args.max_prompt + args.new_tokens + 64
+        )
     prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, config.vocab_size)
+    digest = prompts_digest(prompts)
+    reference_tokens: list[list[int]] | None = None
+    if args.reference is not None:
+        earlier = json.loads(args.reference.read_text())
+        if earlier.get("prompts_digest") != digest or "reference_token_ids" not in earlier:
+            parser.error(
+                f"{args.reference} holds no reference tokens for these prompts (other sizes or seed?)"
+            )
+        reference_tokens = earlier["reference_token_ids"]
     device_name = torch.cuda.get_device_name() if not tiny else platform.processor() or "cpu"
     report: dict = {
         "benchmark": "deterministic",
@@ -288,6 +394,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
         "budgets": args.budgets,
+        "sources": list(sources),
+        "prompts_digest": digest,
         "complete": False,
         "torch": torch.__version__,
     }
@@ -305,18 +413,22 @@ def main() -> None:
 
     disk_root = Path(tempfile.mkdtemp(prefix="kvstash-deterministic-"))
 
+    def set_reference(run: dict) -> None:
+        nonlocal reference_tokens
+        reference_tokens = run["token_ids"]
+        report["reference_token_ids"] = reference_tokens
+
     def run_matrix(runner: Runner, sources: tuple[str, ...]) -> None:
         for source in sources:
             for budget in args.budgets:
                 for all_at_once in (True, False):
                     for speculative in ("off", "ngram", "replay") if all_at_once else ("off", "ngram"):
                         r = {"mode": "deterministic", **runner.run(source, budget, all_at_once, speculative)}
-                        r["num_differing"] = num_differing(
-                            r, runs[0]["token_ids"] if runs else r["token_ids"]
-                        )
+                        if reference_tokens is None:  # the first run is the reference
+                            set_reference(r)
+                            runner.replay = replay_of(reference_tokens, prompts, args, config.vocab_size)
+                        r["num_differing"] = num_differing(r, reference_tokens)
                         runs.append(r)
-                        if len(runs) == 1:  # the reference: replay its tokens as drafts
-                            runner.replay = replay_of(r, prompts, args, config.vocab_size)
                         save()
                         print(
                             f"deterministic {source:>13} budget {budget:>5} at once {r['at_once']:>3} "
@@ -326,38 +438,39 @@ def main() -> None:
                         )
 
     try:
-        # 1. the deterministic engine without offload (its first run is the reference)
-        runner = Runner(config, prompts, args, deterministic=True, disk_path=None)
-        startup_s["deterministic, offload off"] = runner.startup_s
-        run_matrix(runner, SOURCES[:1])
-        runner.close()
-        # 2. the default engine on the same workload: the cost, printed at once
-        default = Runner(config, prompts, args, deterministic=False, disk_path=None)
-        startup_s["default, offload off"] = default.startup_s
-        big, small = args.budgets
-        for budget, all_at_once in ((big, True), (small, True), (big, False)):
-            default_runs.append(default.run("offload off", budget, all_at_once, "off"))
+        if run_reference:
+            # 1. the deterministic engine without offload (its first run is the reference)
+            runner = Runner(config, prompts, args, deterministic=True, disk_path=None)
+            startup_s["deterministic, offload off"] = runner.startup_s
+            run_matrix(runner, SOURCES[:1])
+            runner.close()
+            # 2. the default engine on the same workload: the cost, printed at once
+            default = Runner(config, prompts, args, deterministic=False, disk_path=None)
+            startup_s["default, offload off"] = default.startup_s
+            big, small = args.budgets
+            for budget, all_at_once in ((big, True), (small, True), (big, False)):
+                default_runs.append(default.run("offload off", budget, all_at_once, "off"))
+                save()
+            default.close()
+            ratio = runs[0]["total_tokens_per_s"] / default_runs[0]["total_tokens_per_s"]
+            report["throughput_ratio_total"] = ratio
             save()
-        default.close()
-        ratio = runs[0]["total_tokens_per_s"] / default_runs[0]["total_tokens_per_s"]
-        report["throughput_ratio_total"] = ratio
-        save()
-        print(f"throughput deterministic / default: {ratio:.2f} (target >= 0.8)", flush=True)
-        # 3. the deterministic engine with a CPU tier over a disk tier
-        runner = Runner(config, prompts, args, deterministic=True, disk_path=disk_root)
-        runner.replay = replay_of(runs[0], prompts, args, config.vocab_size)
-        startup_s["deterministic, CPU + disk tiers"] = runner.startup_s
-        run_matrix(runner, SOURCES[1:])
-        runner.close()
+            print(f"throughput deterministic / default: {ratio:.2f} (target >= 0.8)", flush=True)
+        tier_sources = tuple(source for source in sources if source != SOURCES[0])
+        if tier_sources:
+            # 3. the deterministic engine with a CPU tier over a disk tier
+            runner = Runner(config, prompts, args, deterministic=True, disk_path=disk_root)
+            runner.replay = replay_of(reference_tokens, prompts, args, config.vocab_size)
+            startup_s["deterministic, CPU + disk tiers"] = runner.startup_s
+            run_matrix(runner, tier_sources)
+            runner.close()
     finally:
         shutil.rmtree(disk_root, ignore_errors=True)
 
-    reference = runs[0]  # deterministic, offload off, 8192, all at once, no speculation
-    if reference["source"] != "offload off" or reference["speculative"] != "off":
-        raise RuntimeError("the first run must be the reference (offload off, no speculation)")
     print(
         f"\ndeterministic mode — {device_name}, {'tiny llama' if tiny else 'Llama-3.1-8B shape'} bf16, "
         f"{args.num_requests} requests of {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new tokens"
+        + ("" if run_reference else f" (reference tokens from {args.reference})")
     )
     print(
         f"{'source':>13} {'budget':>6} {'at once':>7} {'spec':>6} {'reqs':>4} {'differ':>6} {'ext hit':>9} {'s':>7}"
@@ -368,33 +481,12 @@ def main() -> None:
             f"{r['num_requests']:>4} {r['num_differing']:>6} {r['external_hit_tokens']:>9} {r['seconds']:>7.2f}"
         )
     total_differing = sum(r["num_differing"] for r in runs)
-    default_reference = default_runs[0]
-    for r in default_runs[1:]:
-        r["num_differing_vs_default_reference"] = num_differing(r, default_reference["token_ids"])
-    ratio_total = reference["total_tokens_per_s"] / default_reference["total_tokens_per_s"]
-    ratio_generated = reference["generated_tokens_per_s"] / default_reference["generated_tokens_per_s"]
-    print(f"differing requests over the matrix: {total_differing} (target 0)")
-    print(
-        "default mode, same prompts: "
-        f"{default_runs[1]['num_differing_vs_default_reference']} of {args.num_requests} requests change at "
-        f"budget {args.budgets[1]}, "
-        f"{default_runs[2]['num_differing_vs_default_reference']} of {args.num_alone} when run one at a time"
-    )
-    print(
-        f"throughput (all at once, budget {args.budgets[0]}, offload off): deterministic "
-        f"{reference['total_tokens_per_s']:.0f} tok/s, default {default_reference['total_tokens_per_s']:.0f} tok/s, "
-        f"ratio {ratio_total:.2f} (target >= 0.8; generated tokens/s ratio {ratio_generated:.2f})"
-    )
-    print("engine start-up s: " + ", ".join(f"{k} {v:.1f}" for k, v in startup_s.items()))
-    report.update(
-        total_differing_requests=total_differing,
-        throughput_ratio_total=ratio_total,
-        throughput_ratio_generated=ratio_generated,
-        default_mode_differing_at_small_budget=default_runs[1]["num_differing_vs_default_reference"],
-        default_mode_differing_one_at_a_time=default_runs[2]["num_differing_vs_default_reference"],
-    )
+    print(f"differing requests over the {len(runs)} runs: {total_differing} (target 0)")
+    report.update(total_differing_requests=total_differing)
+    if run_reference:
+        print_cost(report, runs, default_runs, startup_s, args)
     save()
-    gemms = [] if tiny else time_gemms()
+    gemms = [] if tiny or not run_reference else time_gemms()
     if gemms:
         print(f"{'GEMM':>8} {'M':>5} {'cuBLAS TFLOP/s':>15} {'invariant TFLOP/s':>18} {'ratio':>6}")
         for g in gemms:

@@ -16,7 +16,8 @@ runner wrote the step's K/V into the paged cache, two paths share the step:
   split-KV for a few long sequences.
 
 In the deterministic mode the runner makes no dense span and every sequence goes
-through the paged kernel's batch-invariant form (fixed tile, no split-KV).
+through the paged kernel's batch-invariant form (fixed tile, KV split only at fixed
+token positions).
 
 The runner lays the step's sequences out paged-first, so the paged kernel reads a
 prefix of the batch metadata without another transfer.

@@ -8,7 +8,9 @@ verification). So a request's tokens are the same, bit for bit, in bf16 too, wit
 offload on or off, with or without speculation, whatever else runs beside it.
 
 Who calls what: the engine core calls `make_batch_invariant(model)` once after loading
-(and after `use_glue_kernels`), and builds the model runner with `deterministic=True`; the
+(and after `use_glue_kernels`), `warm_up_linear_tiles` once at start-up on CUDA (the GEMM's
+tile follows the number of rows: every band is compiled before the first request), and
+builds the model runner with `deterministic=True`; the
 runner then routes attention through `attention_fn(device)` for every step kind and
 samples row by row (`engine.sampler`'s `row_wise`).
 
@@ -16,10 +18,10 @@ What each op becomes:
 
 | op | CUDA | CPU |
 |---|---|---|
-| linear layers, LM head | `kernels.matmul.linear`: one tile per dtype, no split-K | `F.linear` per row |
+| linear layers, LM head | `kernels.matmul.linear`: no split-K, BLOCK_K fixed per dtype, tiles proven bit-identical | `F.linear` per row |
 | RMSNorm | `kernels.rms_norm`: one program per row | `glue.rms_norm` per row |
 | RoPE, SiLU-and-mul | eager torch (elementwise: one formula per element) | per row |
-| attention | `kernels.paged_attention(batch_invariant=True)` for every step | `kernels.fixed_order.paged_attention_rows` |
+| attention | `kernels.paged_attention(batch_invariant=True)` for every step: KV split every 512 positions | `kernels.fixed_order.paged_attention_rows` |
 | sampling | per row | per row |
 
 Elementwise CUDA kernels apply one device function to every element, so they are
@@ -125,6 +127,39 @@ def make_batch_invariant(model: LlamaFamilyForCausalLM) -> None:
     model.logits_linear = batch_invariant_linear
     if on_cpu and model.rotary is not None:
         model.rotary = _RowWiseRotary(model.rotary)
+
+
+def warm_up_linear_tiles(model: LlamaFamilyForCausalLM, max_rows: int, max_logit_rows: int) -> int:
+    """Compile every GEMM tile the deterministic mode can pick for `model`'s layers, by running
+    kernels.matmul.linear on zeros once per (weight shape, bias, tile): the tile follows the
+    number of rows (kernels.matmul.tile_for), and the engine's warm-up steps need not reach
+    every band. Called once by the engine core at start-up (CUDA, after make_batch_invariant);
+    layers up to `max_rows` rows (the token budget), the LM head up to `max_logit_rows`.
+    Weights streamed from CPU memory are skipped (a resident layer of the same shape
+    compiles the same kernels). Returns the number of GEMMs run."""
+    from kernels.matmul import linear, row_counts_per_tile
+
+    logits_weight = model.model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+    layers = [(logits_weight, None, max_logit_rows)] + [
+        (module.weight, module.bias, max_rows)
+        for module in model.modules()
+        if isinstance(module, BatchInvariantLinear) and module.weight is not logits_weight
+    ]
+    seen: set[tuple] = set()
+    num_calls = 0
+    with torch.inference_mode():
+        for weight, bias, rows_bound in layers:
+            key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, rows_bound)
+            if weight.device != logits_weight.device or key in seen:
+                continue
+            seen.add(key)
+            num_cols, num_inner = weight.shape
+            for num_rows in row_counts_per_tile(weight.dtype, num_cols, max(1, rows_bound)):
+                linear(
+                    torch.zeros(num_rows, num_inner, dtype=weight.dtype, device=weight.device), weight, bias
+                )
+                num_calls += 1
+    return num_calls
 
 
 def attention_fn(device: torch.device) -> Callable[..., torch.Tensor] | None:

@@ -215,6 +215,13 @@ class EngineCore:
             # steps of up to this many tokens replay a graph: the step-time model's eager term
             self.step_times.graph_token_limit = mixed_graphs.buckets[-1]
         if args.warmup and self.device.type == "cuda" and self.pipeline is None:
+            if args.deterministic:  # its GEMM tile follows the rows: compile every band's tile
+                from engine.deterministic import warm_up_linear_tiles
+
+                num_spec = args.num_speculative_tokens if args.speculative else 0
+                warm_up_linear_tiles(
+                    self.model, args.max_num_batched_tokens, args.max_num_seqs * (1 + num_spec)
+                )
             warm_up(
                 self.runner,
                 WarmupLimits(

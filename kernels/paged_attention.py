@@ -24,11 +24,17 @@ lengths (CUDA graphs capture it once).
 
 Batch-invariant form (`batch_invariant=True`, the engine's deterministic mode): the
 tile shape is a constant of (group, dtype) instead of following the step's longest
-query, and there is no split-KV. Every query row then reduces its keys in the same
-order -- BLOCK_N-key tiles from position 0, one online softmax -- whether it sits in
-a prefill chunk (with any chunk boundaries), a decode or a speculative verification,
-and whatever the other sequences of the batch. Tiles past a row's own position are
-fully masked and leave its state bit-unchanged (scale 1, weights 0).
+query, and KV splits are fixed in token positions: a query's keys are cut every
+`kv_split_len` (512) positions, each range is reduced by its own online softmax in
+BLOCK_N-key tiles from the range's start, and the ranges are merged in position order
+by one function (_merge_split). Every query row then reduces its keys in the same order
+whether it sits in a prefill chunk (with any chunk boundaries), a decode or a
+speculative verification, and whatever the other sequences of the batch. Tiles past a
+row's own position are fully masked and leave its state bit-unchanged (scale 1,
+weights 0); ranges past it are not merged. Who runs the ranges is free: for
+decode-sized batches each range gets a program of its own (the GPU fills up as with
+flash-decoding) and _merge_positional_splits_kernel merges their partials; prefill
+tiles walk their ranges in turn in one program, merging as they go -- same bits.
 """
 
 from __future__ import annotations
@@ -43,6 +49,106 @@ from kernels import validation
 from kernels.launch import check_kernel_device, next_power_of_2
 
 _LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_keys(
+    query,  # [BLOCK_M, BLOCK_D]
+    query_pos,  # [BLOCK_M]
+    max_score,  # [BLOCK_M] float32, log2 domain
+    denominator,  # [BLOCK_M] float32
+    acc,  # [BLOCK_M, BLOCK_D] float32
+    kv_begin,
+    kv_end,
+    tables_row,
+    kv_head_ptr,
+    dims,
+    dim_mask,
+    scale_log2,
+    stride_kv_kind,
+    stride_kv_block,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    ROW_SUM_BY_DOT: tl.constexpr,
+):
+    """Online softmax over keys [kv_begin, kv_end) in BLOCK_N steps from kv_begin: the state after them.
+
+    ROW_SUM_BY_DOT (the batch-invariant form): a row's sum of weights is taken by the tensor
+    cores (a dot with ones, over the same 16-bit weights as the numerator) instead of a
+    register reduction, whose tree follows the tile's layout (its row count and warps); a
+    row's bits then depend on BLOCK_N and the MMA's own order, as a GEMM row's do."""
+    keys = tl.arange(0, BLOCK_N)
+    for key_start in range(kv_begin, kv_end, BLOCK_N):
+        key_pos = key_start + keys
+        key_mask = key_pos < kv_end
+        block_ids = tl.load(tables_row + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+        key_offsets = block_ids * stride_kv_block + (key_pos % PAGE_SIZE).to(tl.int64) * (
+            NUM_KV_HEADS * HEAD_DIM
+        )
+        key_t = tl.load(
+            kv_head_ptr + key_offsets[None, :] + dims[:, None],
+            mask=key_mask[None, :] & dim_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        if DOT_IN_FP32:
+            key_t = key_t.to(tl.float32)
+        scores = tl.dot(query, key_t, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = key_mask[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(max_score, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(max_score - new_max)
+        if not ROW_SUM_BY_DOT:
+            denominator = denominator * rescale + tl.sum(probs, axis=1)
+        value = tl.load(
+            kv_head_ptr + stride_kv_kind + key_offsets[:, None] + dims[None, :],
+            mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        probs = probs.to(value.dtype)
+        if DOT_IN_FP32:
+            probs = probs.to(tl.float32)
+            value = value.to(tl.float32)
+        if ROW_SUM_BY_DOT:
+            ones = tl.full([BLOCK_N, 16], 1.0, dtype=probs.dtype)
+            row_sum = tl.max(tl.dot(probs, ones, input_precision="ieee"), axis=1)  # 16 equal columns
+            denominator = denominator * rescale + row_sum
+        acc = acc * rescale[:, None] + tl.dot(probs, value, input_precision="ieee")
+        max_score = new_max
+    return max_score, denominator, acc
+
+
+@triton.jit
+def _split_partial(max_score, denominator, acc):
+    """-> (normalised partial output, log2-sum-exp) of one KV range; a row that saw no key
+    there has denominator 0: partial 0, lse -inf (weight 0 at a merge)."""
+    seen = denominator > 0.0
+    partial = acc / tl.where(seen, denominator, 1.0)[:, None]
+    lse = tl.where(seen, max_score + tl.log2(tl.where(seen, denominator, 1.0)), float("-inf"))
+    return partial, lse
+
+
+@triton.jit
+def _merge_split(merged_max, merged_acc, merged_denominator, partial, lse, take):
+    """Fold one KV range's (partial [R, D], lse [R]) into a running merge, rows where `take`;
+    the others keep their state. The start state is (-inf, 0, 0). The batch-invariant form
+    merges a row's positional ranges in order 0, 1, 2, ... with this one function, whether
+    one program walks them all or a merge kernel reads them back: explicit fma, so both
+    compile to the same roundings."""
+    # Rows not taken get a dummy max (0): no -inf - -inf = NaN on the way to tl.where.
+    new_max = tl.where(take, tl.maximum(merged_max, lse), 0.0)
+    old_scale = tl.exp2(merged_max - new_max)
+    weight = tl.exp2(lse - new_max)
+    new_acc = tl.fma(partial, weight[:, None], merged_acc * old_scale[:, None])
+    new_denominator = tl.fma(merged_denominator, old_scale, weight)
+    return (
+        tl.where(take, new_max, merged_max),
+        tl.where(take[:, None], new_acc, merged_acc),
+        tl.where(take, new_denominator, merged_denominator),
+    )
 
 
 # Batch sizes, split counts and block-table widths vary per step: Triton would otherwise compile one variant
@@ -77,6 +183,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,  # next power of 2 >= max(16, HEAD_DIM)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (Triton's CPU interpreter miscomputes bf16 dots)
     SPLIT: tl.constexpr,  # write per-split partial results (num_kv_splits > 1)
+    KV_SPLIT_LEN: tl.constexpr,  # batch-invariant form: KV ranges cut every KV_SPLIT_LEN positions; 0: off
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,51 +234,53 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, num_new)
     kv_begin = 0
     if SPLIT:
-        # Equal ranges of whole BLOCK_N steps; trailing splits of a short sequence are empty.
-        split_len = tl.cdiv(tl.cdiv(kv_end, num_kv_splits), BLOCK_N) * BLOCK_N
-        kv_begin = kv_split * split_len
-        kv_end = tl.minimum(kv_end, kv_begin + split_len)
+        if KV_SPLIT_LEN > 0:
+            # Positional: split s holds keys [s * KV_SPLIT_LEN, (s + 1) * KV_SPLIT_LEN), whatever the
+            # sequence's length; splits past the tile's keys are empty.
+            kv_begin = kv_split * KV_SPLIT_LEN
+            kv_end = tl.minimum(kv_end, kv_begin + KV_SPLIT_LEN)
+        else:
+            # Equal ranges of whole BLOCK_N steps; trailing splits of a short sequence are empty.
+            split_len = tl.cdiv(tl.cdiv(kv_end, num_kv_splits), BLOCK_N) * BLOCK_N
+            kv_begin = kv_split * split_len
+            kv_end = tl.minimum(kv_end, kv_begin + split_len)
     tables_row = block_tables_ptr + seq.to(tl.int64) * stride_tables_seq
     kv_head_ptr = kv_ptr + kv_head.to(tl.int64) * HEAD_DIM
-    keys = tl.arange(0, BLOCK_N)
-    for key_start in range(kv_begin, kv_end, BLOCK_N):
-        key_pos = key_start + keys
-        key_mask = key_pos < kv_end
-        block_ids = tl.load(tables_row + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-        key_offsets = block_ids * stride_kv_block + (key_pos % PAGE_SIZE).to(tl.int64) * (
-            NUM_KV_HEADS * HEAD_DIM
-        )
-        key_t = tl.load(
-            kv_head_ptr + key_offsets[None, :] + dims[:, None],
-            mask=key_mask[None, :] & dim_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        if DOT_IN_FP32:
-            key_t = key_t.to(tl.float32)
-        scores = tl.dot(query, key_t, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = key_mask[None, :] & (key_pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(max_score, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(max_score - new_max)
-        denominator = denominator * rescale + tl.sum(probs, axis=1)
-        value = tl.load(
-            kv_head_ptr + stride_kv_kind + key_offsets[:, None] + dims[None, :],
-            mask=key_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        probs = probs.to(value.dtype)
-        if DOT_IN_FP32:
-            probs = probs.to(tl.float32)
-            value = value.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs, value, input_precision="ieee")
-        max_score = new_max
+    if KV_SPLIT_LEN > 0 and not SPLIT:
+        # Batch-invariant, one program for all of a row's positional splits: each split's own
+        # online softmax, merged in split order, exactly as _merge_positional_splits_kernel does
+        # with the partials of one program per split.
+        merged_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        merged_denominator = tl.zeros([BLOCK_M], dtype=tl.float32)
+        merged_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for split_begin in range(0, kv_end, KV_SPLIT_LEN):
+            split_max, split_denominator, split_acc = _attend_keys(
+                query, query_pos, max_score, denominator, acc,
+                split_begin, tl.minimum(split_begin + KV_SPLIT_LEN, kv_end),
+                tables_row, kv_head_ptr, dims, dim_mask, scale_log2, stride_kv_kind, stride_kv_block,
+                NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32, KV_SPLIT_LEN > 0,
+            )  # fmt: skip
+            partial, lse = _split_partial(split_max, split_denominator, split_acc)
+            merged_max, merged_acc, merged_denominator = _merge_split(
+                merged_max,
+                merged_acc,
+                merged_denominator,
+                partial,
+                lse,
+                split_begin <= query_pos,  # the row sees a key of this split
+            )
+        acc = merged_acc
+        denominator = merged_denominator
+    else:
+        max_score, denominator, acc = _attend_keys(
+            query, query_pos, max_score, denominator, acc, kv_begin, kv_end,
+            tables_row, kv_head_ptr, dims, dim_mask, scale_log2, stride_kv_kind, stride_kv_block,
+            NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_IN_FP32, KV_SPLIT_LEN > 0,
+        )  # fmt: skip
 
     if SPLIT:
         # A row whose keys all lie in other splits has denominator 0: weight 0 at the merge.
-        seen = denominator > 0.0
-        partial = acc / tl.where(seen, denominator, 1.0)[:, None]
-        lse = tl.where(seen, max_score + tl.log2(tl.where(seen, denominator, 1.0)), float("-inf"))
+        partial, lse = _split_partial(max_score, denominator, acc)
         split_row = (token_index * (NUM_KV_HEADS * GROUP) + head) * num_kv_splits + kv_split
         tl.store(
             split_out_ptr + split_row[:, None] * HEAD_DIM + dims[None, :],
@@ -228,6 +337,49 @@ def _merge_kv_splits_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_kv_splits"])
+def _merge_positional_splits_kernel(
+    out_ptr,  # [num_new_tokens_total, num_heads, head_dim]
+    split_out_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits, head_dim]
+    split_lse_ptr,  # float32 [num_new_tokens_total, num_heads, num_kv_splits]
+    num_kv_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # a power of 2 >= NUM_HEADS
+    BLOCK_D: tl.constexpr,
+):
+    """One program per new token, rows = its heads: the batch-invariant merge. A row's
+    positional splits 0 .. position // KV_SPLIT_LEN (those with a finite lse; the later ones
+    saw none of its keys) are folded in order with _merge_split, as the one-program walk does."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_mask = heads < NUM_HEADS
+    dim_mask = dims < HEAD_DIM
+    first_row = (token * NUM_HEADS + heads) * num_kv_splits  # [BLOCK_H]
+    merged_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    merged_denominator = tl.zeros([BLOCK_H], dtype=tl.float32)
+    merged_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_kv_splits):
+        lse = tl.load(split_lse_ptr + first_row + split, mask=head_mask, other=float("-inf"))
+        partial = tl.load(
+            split_out_ptr + (first_row + split)[:, None] * HEAD_DIM + dims[None, :],
+            mask=head_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        merged_max, merged_acc, merged_denominator = _merge_split(
+            merged_max, merged_acc, merged_denominator, partial, lse, lse > float("-inf")
+        )
+    merged = merged_acc / tl.where(head_mask, merged_denominator, 1.0)[:, None]
+    tl.store(
+        out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+        merged.to(out_ptr.dtype.element_ty),
+        mask=head_mask[:, None] & dim_mask[None, :],
+    )
+
+
 # Split-KV sizing: aim for about this many programs per SM, and give each at least
 # this many keys (shorter ranges cost more in the merge than they save).
 _PROGRAMS_PER_SM = 2
@@ -258,10 +410,61 @@ def launch_config(group: int, max_query_len: int, dtype: torch.dtype) -> tuple[i
     return block_q, block_m, block_n
 
 
-def batch_invariant_launch_config(group: int, dtype: torch.dtype) -> tuple[int, int, int]:
+#: The batch-invariant form's tile. False: one tile per (group, dtype) for every step, the
+#: prefill tile (a decode token fills one row group of a 64-row tile). True: the tile follows
+#: the step's longest query as in the default mode, so decode steps use 16-row tiles, a
+#: quarter of the tensor-core work. A row's bits then stay the same only if the tensor cores
+#: round a row's dot alike in every tile shape -- true of the GEMM on the H100, where all
+#: tiles (wgmma of any N, mma.sync) gave the same bits (benchmarks/gemm_configs.py) -- and
+#: the row sums are made by the tensor cores too (ROW_SUM_BY_DOT). CUDA only (the CPU
+#: interpreter's dots are BLAS calls). Switch it on only after
+#: tests/kernels/test_gpu_batch_invariant.py passed on that GPU (it runs both settings).
+BATCH_INVARIANT_TILE_FOLLOWS_QUERIES = False
+
+
+def batch_invariant_launch_config(
+    group: int, dtype: torch.dtype, max_query_len: int | None = None
+) -> tuple[int, int, int]:
     """-> (BLOCK_Q, BLOCK_M, BLOCK_N) of the batch-invariant form: the prefill tile of
-    `launch_config`, for every step (a decode token fills one row group of it)."""
-    return launch_config(group, 1 << 30, dtype)
+    `launch_config` for every step, or, given `max_query_len` (see
+    BATCH_INVARIANT_TILE_FOLLOWS_QUERIES), `launch_config`'s tile for it (same BLOCK_N)."""
+    return launch_config(group, 1 << 30 if max_query_len is None else max_query_len, dtype)
+
+
+#: The batch-invariant form cuts each query's keys into ranges at multiples of this many
+#: positions -- whatever the batch, the chunking or the step kind -- reduces each range with
+#: its own online softmax and merges them in position order (_merge_split). A multiple of
+#: every BLOCK_N (64 and 16).
+BATCH_INVARIANT_KV_SPLIT_LEN = 512
+#: Running those ranges in programs of their own keeps a float32 partial per (token, head,
+#: range); above this many bytes one program walks them all instead (the same bits).
+_MAX_SPLIT_PARTIAL_BYTES = 256 << 20
+
+
+def batch_invariant_num_kv_splits(
+    num_seqs: int,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    kv_split_len: int,
+    device: torch.device,
+) -> int:
+    """Programs per query tile in the batch-invariant form, for a batch whose sequences each
+    fit one tile (decode, verification): one per positional range of the longest sequence
+    when the tiles alone would leave SMs idle (and the partials fit), else 1 (one program
+    walks its ranges in turn). Either way each row's bits are the same: this is speed only.
+    On CPU (the interpreter tests) the ranges always get programs of their own."""
+    num_ranges = -(-max_seq_len // kv_split_len)
+    if num_ranges <= 1:
+        return 1
+    if num_tokens * num_heads * num_ranges * (head_dim + 1) * 4 > _MAX_SPLIT_PARTIAL_BYTES:
+        return 1
+    if device.type != "cuda":
+        return num_ranges
+    target = _PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
+    return num_ranges if num_seqs * num_kv_heads < target else 1
 
 
 def choose_num_kv_splits(
@@ -318,6 +521,7 @@ def paged_attention(
     check_inputs: bool = True,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    kv_split_len: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention over paged KV; returns [num_new_tokens_total, num_heads, head_dim] in query's dtype.
 
@@ -333,9 +537,13 @@ def paged_attention(
     engine checks them at a step's first layer; the other layers pass the same kinds).
     `out`, when given, receives the result (a tensor shaped and typed like query whose
     head_dim is contiguous, e.g. a slice of a larger output) and is returned.
-    `batch_invariant` fixes the tile shape and turns split-KV off: each query row's
-    result is then bit-identical whatever the batch, the chunking or the step kind
-    (`num_kv_splits` must be None or 1).
+    `batch_invariant` fixes the tile shape and splits KV at fixed positions only: each
+    query's keys are cut every `kv_split_len` positions (None: BATCH_INVARIANT_KV_SPLIT_LEN;
+    a multiple of the tile's BLOCK_N), each range reduced alone and the ranges merged in
+    order, so each query row's result is bit-identical whatever the batch, the chunking
+    or the step kind. Whether the ranges run in programs of their own (decode-sized
+    batches, to fill the GPU) or one after the other in one program changes no bit;
+    `num_kv_splits` must be None (choose) or 1 (one program).
     """
     if check_inputs:
         validation.check_attention_inputs(query, kv_layer, block_tables, seq_lens, query_start_loc)
@@ -345,7 +553,12 @@ def paged_attention(
     if num_kv_splits is not None and not 1 <= num_kv_splits <= 1024:
         raise ValueError(f"num_kv_splits must be in [1, 1024], got {num_kv_splits}")
     if batch_invariant and num_kv_splits not in (None, 1):
-        raise ValueError(f"batch_invariant attention has no split-KV, got num_kv_splits={num_kv_splits}")
+        raise ValueError(
+            "batch_invariant attention splits KV at fixed positions (kv_split_len) only: "
+            f"num_kv_splits must be None or 1, got {num_kv_splits}"
+        )
+    if kv_split_len is not None and not batch_invariant:
+        raise ValueError("kv_split_len applies to batch_invariant attention only")
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
     if check_values:
@@ -370,8 +583,27 @@ def paged_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
     if batch_invariant:
-        block_q, block_m, block_n = batch_invariant_launch_config(group, query.dtype)
-        num_kv_splits = 1
+        follows = BATCH_INVARIANT_TILE_FOLLOWS_QUERIES and query.device.type == "cuda"
+        block_q, block_m, block_n = batch_invariant_launch_config(
+            group, query.dtype, max_query_len if follows else None
+        )
+        kv_split_len = BATCH_INVARIANT_KV_SPLIT_LEN if kv_split_len is None else kv_split_len
+        if kv_split_len < block_n or kv_split_len % block_n:
+            raise ValueError(f"kv_split_len must be a positive multiple of {block_n}, got {kv_split_len}")
+        if max_query_len <= block_q and num_kv_splits is None:
+            if max_seq_len is None:
+                max_seq_len = int(seq_lens.max())
+            num_kv_splits = batch_invariant_num_kv_splits(
+                num_seqs,
+                num_tokens,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                max_seq_len,
+                kv_split_len,
+                query.device,
+            )
+        num_kv_splits = num_kv_splits or 1
     else:
         block_q, block_m, block_n = launch_config(group, max_query_len, query.dtype)
     if num_kv_splits is None:
@@ -423,10 +655,25 @@ def paged_attention(
         BLOCK_D=block_d,
         DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         SPLIT=split,
+        KV_SPLIT_LEN=kv_split_len if batch_invariant else 0,
         num_warps=4,
         num_stages=2,
     )
-    if split:
+    if split and batch_invariant:
+        _merge_positional_splits_kernel[(num_tokens,)](
+            out,
+            split_out,
+            split_lse,
+            num_kv_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=next_power_of_2(num_heads),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    elif split:
         _merge_kv_splits_kernel[(num_tokens, num_heads)](
             out,
             split_out,

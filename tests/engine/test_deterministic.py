@@ -188,6 +188,39 @@ def test_every_layer_gives_a_sequence_the_same_bits_in_any_batch(model_dir, dtyp
     assert torch.equal(logits_alone, logits_batched)
 
 
+def test_the_start_up_warm_up_compiles_every_tile_a_layer_can_meet(model_dir, monkeypatch):
+    """warm_up_linear_tiles runs each (weight shape, tile) that any row count up to the
+    bounds would pick -- layers up to the token budget, the LM head up to its rows -- once."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from engine.deterministic import warm_up_linear_tiles
+    from kernels import matmul
+
+    if not isinstance(matmul._linear_kernel, InterpretedFunction):
+        pytest.skip("the Triton GEMM runs on CPU through the interpreter only (TRITON_INTERPRET=1)")
+    model = load_model(ModelConfig.from_dir(model_dir), model_dir, torch.device("cpu"), torch.bfloat16)
+    make_batch_invariant(model)
+    calls = []
+    real_linear = matmul.linear
+
+    def recording_linear(x, weight, bias=None, **kwargs):
+        calls.append((tuple(weight.shape), matmul.tile_for(x.dtype, x.shape[0], weight.shape[0])))
+        return real_linear(x, weight, bias, **kwargs)
+
+    monkeypatch.setattr(matmul, "linear", recording_linear)
+    max_rows, max_logit_rows = 1100, 20
+    assert warm_up_linear_tiles(model, max_rows, max_logit_rows) == len(calls)
+    vocab = model.config.hf_config.vocab_size
+    expected = set()
+    for module in model.modules():
+        if isinstance(module, BatchInvariantLinear):
+            bound = max_logit_rows if module.weight.shape[0] == vocab else max_rows
+            shape = tuple(module.weight.shape)
+            expected |= {(shape, matmul.tile_for(torch.bfloat16, m, shape[0])) for m in range(1, bound + 1)}
+    assert len(calls) == len(set(calls)) and set(calls) == expected
+    assert len({tile for _, tile in calls}) >= 3  # the plan's bands: decode, narrow, big
+
+
 def test_the_cli_flag_reaches_engine_args():
     import click
     from click.testing import CliRunner

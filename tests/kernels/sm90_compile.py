@@ -171,6 +171,7 @@ def attention_cases():
                 "BLOCK_D": max(16, next_power_of_2(head_dim)),
                 "DOT_IN_FP32": False,
                 "SPLIT": split,
+                "KV_SPLIT_LEN": 0,
             },
             num_warps=4,
             num_stages=2,

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 import kernels
 from engine.models import glue
-from kernels import fixed_order, reference
+from kernels import fixed_order, matmul, reference
 from kernels.matmul import linear
+from kernels.paged_attention import batch_invariant_num_kv_splits
 from kernels.rms_norm import rms_norm
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 
@@ -55,6 +56,95 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype, with_bias):
     for row in (0, 77, 129):
         for batch, index in _batches_holding(x, row, seed=3 + row):
             assert torch.equal(linear(batch, weight, bias)[index], full[row]), (row, batch.shape[0])
+
+
+def _candidate_tiles():
+    return [(torch.bfloat16, tile) for tile in matmul.CANDIDATE_TILES_16BIT] + [
+        (torch.float32, tile) for tile in matmul.CANDIDATE_TILES_FP32
+    ]
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype,tile", _candidate_tiles(), ids=lambda v: getattr(v, "name", str(v)))
+def test_every_candidate_tile_gives_the_baseline_rows(dtype, tile):
+    """Each tile benchmarks/gemm_configs.py sweeps computes the same product (TMA loads, the
+    persistent loop, ragged edges in M, N and K), row for row as the baseline tile, alone or
+    in a batch. (On a GPU the bits may still differ by tensor-core instruction: the
+    benchmark and the GPU test check that.)"""
+    x = _rows(70, 136, dtype, seed=20)
+    weight = random_kv((72, 136), dtype, "cpu", seed=21)
+    bias = random_kv((72,), dtype, "cpu", seed=22)
+    baseline = linear(x, weight, bias, tile=matmul.BASELINE_TILES[dtype])
+    assert torch.equal(linear(x, weight, bias, tile=tile), baseline)
+    assert torch.equal(linear(x[33:34], weight, bias, tile=tile)[0], baseline[33])
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_tile_plan_picks_a_tile_by_size_only_when_switched_on(monkeypatch):
+    small, narrow, large = (
+        matmul.GemmTile(64, 32, 64, 4, 6),
+        matmul.GemmTile(64, 128, 64, 4, 4, tma=True),
+        matmul.GemmTile(128, 256, 64, 8, 3, persistent=True, tma=True),
+    )
+    plan = matmul.TilePlan(
+        (
+            matmul.TileRule(64, None, small),
+            matmul.TileRule(1024, 48, narrow),
+            matmul.TileRule(None, None, large),
+        )
+    )
+    assert [plan.tile_for(m, 40) for m in (1, 64, 65, 1024, 1025)] == [small, small, narrow, narrow, large]
+    assert plan.tile_for(65, 49) == large
+    assert plan.tiles == (small, narrow, large)
+    monkeypatch.setattr(matmul, "PROVEN_TILE_PLANS", {torch.bfloat16: plan})
+    monkeypatch.setattr(matmul, "USE_TILE_PLAN", False)
+    assert matmul.tile_for(torch.bfloat16, 1, 40) == matmul.BASELINE_TILES[torch.bfloat16]
+    monkeypatch.setattr(matmul, "USE_TILE_PLAN", True)
+    assert matmul.tile_for(torch.bfloat16, 1, 40) == small
+    assert matmul.tile_for(torch.bfloat16, 65, 40) == narrow
+    assert matmul.tile_for(torch.float32, 65, 40) == matmul.BASELINE_TILES[torch.float32]
+    # with the plan on, rows still match across M (here: across the rules' boundary)
+    x = _rows(70, 72, torch.bfloat16, seed=23)
+    weight = random_kv((40, 72), torch.bfloat16, "cpu", seed=24)
+    full = linear(x, weight)
+    assert torch.equal(linear(x[:3], weight), full[:3])
+
+
+def test_row_counts_per_tile_reach_every_tile_the_plan_picks():
+    for dtype in (torch.bfloat16, torch.float32):
+        for num_cols in (40, 4096, 6144, 128256):
+            for max_rows in (1, 64, 300, 2100):
+                counts = matmul.row_counts_per_tile(dtype, num_cols, max_rows)
+                reached = [matmul.tile_for(dtype, m, num_cols) for m in counts]
+                every = {matmul.tile_for(dtype, m, num_cols) for m in range(1, max_rows + 1)}
+                assert set(reached) == every and len(reached) == len(every), (dtype, num_cols, max_rows)
+                assert all(1 <= m <= max_rows for m in counts)
+
+
+def test_the_proven_plans_hold_candidate_tiles_of_one_reduction_order():
+    for dtype, plan in matmul.PROVEN_TILE_PLANS.items():
+        assert set(plan.tiles) <= set(matmul.CANDIDATE_TILES_16BIT), dtype
+        assert {tile.block_k for tile in plan.tiles} == {matmul.BASELINE_TILES[dtype].block_k}
+
+
+def test_tile_plans_reject_mixed_reduction_orders_and_no_catch_all():
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        matmul.TilePlan(
+            (
+                matmul.TileRule(64, None, matmul.GemmTile(64, 64, 32, 4, 2)),
+                matmul.TileRule(None, None, matmul.GemmTile(64, 64, 64, 4, 2)),
+            )
+        )
+    with pytest.raises(ValueError, match="every size"):
+        matmul.TilePlan((matmul.TileRule(64, None, matmul.GemmTile(64, 64, 64, 4, 2)),))
+    with pytest.raises(ValueError, match="every size"):
+        matmul.TilePlan(())
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_linear_rejects_a_tile_with_another_block_k():
+    with pytest.raises(ValueError, match="another order"):
+        linear(torch.zeros(2, 8), torch.zeros(3, 8), tile=matmul.GemmTile(64, 64, 64, 4, 2))
 
 
 @pytest.mark.usefixtures("interpreted")
@@ -131,6 +221,18 @@ def _batch_invariant_kernel(*args):
     return kernels.paged_attention(*args, batch_invariant=True)
 
 
+def _split_every(kv_split_len: int, *, one_program: bool = False):
+    """The batch-invariant kernel with keys cut every `kv_split_len` positions; decode-sized
+    calls run the ranges in programs of their own (CPU) unless `one_program`."""
+
+    def attention(*args):
+        return kernels.paged_attention(
+            *args, batch_invariant=True, kv_split_len=kv_split_len, num_kv_splits=1 if one_program else None
+        )
+
+    return attention
+
+
 def _assert_every_way_agrees(attention, dtype):
     seq = _Sequence(dtype)
     whole = seq.run(attention, 0, SEQ_LEN, [])
@@ -166,25 +268,80 @@ def test_batch_invariant_attention_is_the_same_in_any_chunk_decode_or_verificati
     _assert_every_way_agrees(_batch_invariant_kernel, dtype)
 
 
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(
+    "dtype,kv_split_len,one_program",
+    [
+        (torch.bfloat16, 64, False),  # 2 ranges of SEQ_LEN 100 (BLOCK_N 64)
+        (torch.float32, 32, False),  # 4 ranges (BLOCK_N 16)
+        (torch.float32, 16, True),  # 7 ranges, all walked by one program
+    ],
+)
+def test_split_kv_at_fixed_positions_is_the_same_in_any_chunk_decode_or_verification(
+    dtype, kv_split_len, one_program
+):
+    """Keys cut every kv_split_len positions: prefill chunks walk their ranges in one program,
+    decodes and verifications of a few sequences run one program per range and merge after;
+    every query's bits agree (and agree with the reference within tolerance)."""
+    assert batch_invariant_num_kv_splits(
+        4, 4, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SEQ_LEN, kv_split_len, torch.device("cpu")
+    ) == -(-SEQ_LEN // kv_split_len)
+    _assert_every_way_agrees(_split_every(kv_split_len, one_program=one_program), dtype)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_program_and_one_program_per_range_give_the_same_bits(dtype):
+    """The same decode batch (several sequences, positions in several ranges) through both
+    ways of running the positional ranges."""
+    seq = _Sequence(dtype)
+    num_seqs = 4
+    seq_lens = torch.tensor([SEQ_LEN, *seq.other_lens], dtype=torch.int32)
+    queries = torch.cat([seq.query[SEQ_LEN - 1 :], seq.other_queries[: num_seqs - 1]])
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    runs = [
+        kernels.paged_attention(
+            queries,
+            seq.kv_layer,
+            seq.tables,
+            seq_lens,
+            starts,
+            0.2,
+            batch_invariant=True,
+            kv_split_len=kv_split_len,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        for kv_split_len in (64, 128)
+        for num_kv_splits in (None, 1)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[2], runs[3])
+    # 64-key ranges are a different reduction than one range over the 100 keys (a real split)
+    assert not torch.equal(runs[0], runs[2])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fixed_order_cpu_attention_is_the_same_in_any_chunk_decode_or_verification(dtype):
     _assert_every_way_agrees(fixed_order.paged_attention_rows, dtype)
 
 
 @pytest.mark.usefixtures("interpreted")
-def test_batch_invariant_attention_has_no_split_kv():
+def test_batch_invariant_attention_splits_only_at_fixed_positions():
     seq = _Sequence(torch.float32)
-    with pytest.raises(ValueError, match="no split-KV"):
-        kernels.paged_attention(
-            seq.query[:1],
-            seq.kv_layer,
-            seq.tables[:1],
-            torch.tensor([1], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32),
-            0.25,
-            num_kv_splits=2,
-            batch_invariant=True,
-        )
+    args = (
+        seq.query[:1],
+        seq.kv_layer,
+        seq.tables[:1],
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        0.25,
+    )
+    with pytest.raises(ValueError, match="fixed positions"):
+        kernels.paged_attention(*args, num_kv_splits=2, batch_invariant=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.paged_attention(*args, batch_invariant=True, kv_split_len=24)
+    with pytest.raises(ValueError, match="batch_invariant attention only"):
+        kernels.paged_attention(*args, kv_split_len=32)
 
 
 def test_pairwise_sum_ignores_zero_padding_and_matches_sum():

@@ -23,6 +23,9 @@ kernels on CUDA in bf16) and measures, median of `--repeats`:
   any mix where the engine captures them). The eager rows remove every captured graph
   from the runner for their steps.
 
+On CUDA it also prints the host microseconds per call of each op a layer issues (the
+glue kernels, their eager torch forms, one aten op, a GEMM), back to back on one token.
+
 Shapes: decode at batch 1 and 8 (contexts of `--decode-context` tokens) and a chunk of
 `--chunk` new tokens over a `--prefix`-token prefix held in the GPU prefix cache.
 
@@ -328,6 +331,53 @@ def profiled_step(one_step, limit: int) -> dict:
     return result
 
 
+def launch_costs(
+    device: torch.device, dtype: torch.dtype, hidden: int, num_calls: int = 300
+) -> dict[str, float]:
+    """Host microseconds per call of the ops one layer issues, back to back on one-token
+    inputs (the device keeps up, so the time is the host's): what an eager step's ~10
+    launches per layer cost. CUDA only."""
+    import torch.nn.functional as F
+
+    from engine.models import glue
+    from kernels.rms_norm import rms_norm
+
+    try:
+        from kernels.elementwise import rotary_qk, silu_and_mul
+    except ImportError:  # a tree before the glue kernels (the "before" run of this script)
+        rotary_qk = silu_and_mul = None
+
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    weight = torch.ones(hidden, device=device, dtype=dtype)
+    matrix = torch.randn(hidden, hidden, device=device, dtype=dtype)
+    qkv = torch.randn(1, 48 * 128, device=device, dtype=dtype)
+    query, key = qkv[:, : 32 * 128].view(1, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(1, 8, 128)
+    cos = torch.randn(1, 128, device=device, dtype=dtype)
+    gate_up = torch.randn(1, 2 * hidden, device=device, dtype=dtype)
+    gate, up = gate_up.split(hidden, dim=-1)
+    ops = {
+        "rms_norm kernel": lambda: rms_norm(x, weight, 1e-5),
+        "rms_norm eager torch": lambda: glue.rms_norm(x, weight, 1e-5),
+        "rotary_qk eager torch": lambda: glue.rotary_qk(query, key, cos, cos),
+        "add (one aten op)": lambda: x + x,
+        "linear (cuBLAS)": lambda: F.linear(x, matrix),
+    }
+    if rotary_qk is not None:
+        ops["rotary_qk kernel"] = lambda: rotary_qk(query, key, cos, cos)
+        ops["silu_and_mul kernel"] = lambda: silu_and_mul(gate, up)
+    costs = {}
+    for name, op in ops.items():
+        for _ in range(20):
+            op()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(num_calls):
+            op()
+        costs[name] = (time.perf_counter() - start) / num_calls * 1e6
+        synchronize(device)
+    return costs
+
+
 def calibrate_sleep(device: torch.device, target_ms: float) -> int:
     """Cycles of `torch.cuda._sleep` that last about `target_ms`."""
     cycles = 10_000_000
@@ -447,11 +497,17 @@ def main(argv=None) -> dict:
     shapes.drain()
     rows.append(measure_shape(llm, clock, shapes, "chunk", args, 1, prefix))
     clock.remove()
+    costs = launch_costs(device, engine.dtype, engine.model_config.hidden_size) if on_cuda else {}
     print(
         f"eager steps ({'Llama-3.1-8B shape' if not args.tiny else '32 layers, tiny width'}, {args.dtype}, "
         f"{device}, {len(engine.model.model.layers)} layers), median of {args.repeats}:"
     )
     print_table(rows, on_cuda)
+    if costs:
+        print(
+            "host us per call, back to back, one token: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in costs.items())
+        )
     result = {
         "benchmark": "eager_step",
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu",
@@ -464,6 +520,7 @@ def main(argv=None) -> dict:
         "prefix": args.prefix,
         "chunk": args.chunk,
         "rows": rows,
+        "launch_costs_us": costs,
     }
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

@@ -512,8 +512,11 @@ class ModelRunner:
         kv_layer = self.kv_cache[layer_idx]
         if self._on_cuda:
             # The metadata was built here from the scheduler's plan: skip the kernels'
-            # value checks, which would sync the stream once per layer.
-            self._reshape_and_cache(key, value, kv_layer, md.slot_mapping, check_values=False)
+            # value checks, which would sync the stream once per layer; the input checks
+            # run at a pass's first layer (every layer passes the same kinds of tensors).
+            self._reshape_and_cache(
+                key, value, kv_layer, md.slot_mapping, check_values=False, check_inputs=layer_idx == 0
+            )
             out = attention.attend(
                 query, key, value, kv_layer, md, self.scale, batch_invariant=self.deterministic
             )

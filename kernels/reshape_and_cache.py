@@ -56,6 +56,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = skip
     *,
     check_values: bool = True,
+    check_inputs: bool = True,
 ) -> None:
     """Write token t's key/value into slot slot_mapping[t] of `kv_layer`; slot -1 is skipped.
 
@@ -63,22 +64,25 @@ def reshape_and_cache(
     head_dim is contiguous. `check_values` reads slot_mapping to validate its range (a
     stream sync on CUDA); callers that built the slots themselves may pass False, in
     which case out-of-range slots are skipped by the kernel instead of reported.
+    `check_inputs=False` skips the shape, dtype and device checks (the engine checks them
+    at a step's first layer; the other layers pass the same kinds of tensors).
     """
-    validation.check_kv_layer(kv_layer)
-    for name, tensor in (("key", key), ("value", value)):
-        validation.check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
-        validation.check_same(name, tensor, "kv_layer", kv_layer)
-        if tuple(tensor.shape[1:]) != tuple(kv_layer.shape[3:]):
-            raise ValueError(
-                f"{name} shape {tuple(tensor.shape)} must be [num_tokens, {kv_layer.shape[3]}, "
-                f"{kv_layer.shape[4]}] to match kv_layer"
-            )
-        if tensor.shape[2] > 1 and tensor.stride(2) != 1:
-            raise ValueError(f"{name} must be contiguous along head_dim, got strides {tensor.stride()}")
-    if key.shape[0] != value.shape[0]:
-        raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
-    check_kernel_device("kv_layer", kv_layer, _reshape_and_cache_kernel)
-    validation.check_slot_mapping(slot_mapping, key.shape[0], kv_layer.device)
+    if check_inputs:
+        validation.check_kv_layer(kv_layer)
+        for name, tensor in (("key", key), ("value", value)):
+            validation.check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
+            validation.check_same(name, tensor, "kv_layer", kv_layer)
+            if tuple(tensor.shape[1:]) != tuple(kv_layer.shape[3:]):
+                raise ValueError(
+                    f"{name} shape {tuple(tensor.shape)} must be [num_tokens, {kv_layer.shape[3]}, "
+                    f"{kv_layer.shape[4]}] to match kv_layer"
+                )
+            if tensor.shape[2] > 1 and tensor.stride(2) != 1:
+                raise ValueError(f"{name} must be contiguous along head_dim, got strides {tensor.stride()}")
+        if key.shape[0] != value.shape[0]:
+            raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
+        check_kernel_device("kv_layer", kv_layer, _reshape_and_cache_kernel)
+        validation.check_slot_mapping(slot_mapping, key.shape[0], kv_layer.device)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
     if check_values:
         validation.check_slot_values(slot_mapping, num_blocks * block_size)

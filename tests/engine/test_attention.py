@@ -209,3 +209,31 @@ def test_cpu_attention_is_the_reference_bit_for_bit_and_validates_once(dtype, mo
     bad = dataclasses.replace(metadata, slot_mapping=slot_mapping + 10**6)
     with pytest.raises(ValueError, match="slot_mapping values"):
         attention.attend_reference(0, query, key, value, kv_layer, bad, HEAD_DIM**-0.5)
+
+
+@pytest.mark.parametrize("device", _device_cases()[:1])
+def test_runner_checks_cache_write_inputs_once_per_pass(device, tiny_model_dir, monkeypatch):
+    """The runner's CUDA path (Triton kernels interpreted on CPU) checks the cache write's
+    inputs at each pass's first layer only; tokens stay those of the CPU path."""
+    from engine import LLM, SamplingParams
+    from kernels import validation
+    from tests.engine.hf_reference import random_prompt
+
+    prompts = [random_prompt(23, seed=700), random_prompt(5, seed=701)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    expected = [
+        o.token_ids
+        for o in LLM(tiny_model_dir("llama"), dtype="float32", device="cpu").generate(prompts, params)
+    ]
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "_on_cuda", True)
+    monkeypatch.setattr(runner, "_reshape_and_cache", reshape_and_cache)
+    checks, passes = [], []
+    check = validation.check_slot_mapping
+    monkeypatch.setattr(validation, "check_slot_mapping", lambda *a: checks.append(1) or check(*a))
+    handle = llm.engine.model.register_forward_hook(lambda *_: passes.append(1))
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    handle.remove()
+    assert outputs == expected
+    assert llm.engine.model_config.num_layers > 1 and len(passes) >= 3 and len(checks) == len(passes)

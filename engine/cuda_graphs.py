@@ -33,6 +33,38 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
+class CapturedPasses:
+    """Captured forward passes keyed by their padded size (a decode batch size, a token
+    bucket), sharing one memory pool. Owned by `DecodeGraphs` and `MixedGraphs`; used on
+    the step thread only."""
+
+    def __init__(self, device: torch.device, pool=None) -> None:
+        self.device = device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool
+
+    def capture(self, size: int, forward: Callable, args: tuple) -> None:
+        """Record `forward(*args)` (reading the owner's static buffers) for `size`."""
+        forward(*args)  # warm-up: compiles kernels and settles allocator state outside the capture
+        torch.cuda.synchronize(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = forward(*args)
+        self.graphs[size] = graph
+        # The first replay uploads the graph: no request pays it. The buffers still hold the
+        # capture's inputs, which write no KV.
+        graph.replay()
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the pass captured for `size` over the buffers' current contents -> its
+        output (a view: read it before the next replay)."""
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+
 class DecodeGraphs:
     """Static input buffers and one captured graph per batch size.
 
@@ -63,9 +95,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len  # split-KV sizing is fixed at capture: size it for the longest
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._pool = pool
+        self._passes = CapturedPasses(device, pool)
         with torch.inference_mode():
             self._capture_all(forward, metadata_type)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
@@ -84,23 +114,11 @@ class DecodeGraphs:
             self._capture(size, forward, (self.input_ids[:size], self.positions[:size], metadata))
 
     def _capture(self, size: int, forward: Callable, args: tuple) -> None:
-        """Record `forward(*args)` reading the static buffers, for batch size `size`."""
-        forward(*args)  # warm-up: compiles kernels and settles allocator state outside the capture
-        torch.cuda.synchronize(self.device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[size] = forward(*args)
-        self.graphs[size] = graph
-        # The first replay uploads the graph: no request pays it. The buffers still hold the
-        # capture's inputs, which write no KV.
-        graph.replay()
+        """Record the pass for `size` (CPU tests swap this and `_replay` for eager calls)."""
+        self._passes.capture(size, forward, args)
 
     def _replay(self, size: int) -> torch.Tensor:
-        """Run the captured pass over the current buffer contents -> hidden [size, hidden]."""
-        self.graphs[size].replay()
-        return self.outputs[size]
+        return self._passes.replay(size)
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.sizes[-1] and max_blocks <= self.max_blocks_per_seq

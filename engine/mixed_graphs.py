@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cuda_graphs import CapturedPasses
 from engine.host_copy import staged
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,7 @@ class MixedGraphs:
         self.seq_lens = torch.zeros(max_seats, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(max_seats + 1, dtype=torch.int32, device=device)
         self.max_seq_len = max(max_seq_len, largest)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._pool = pool
+        self._passes = CapturedPasses(device, pool)
         with torch.inference_mode():
             self._capture_all(forward, metadata_type)
 
@@ -198,23 +197,11 @@ class MixedGraphs:
             )
 
     def _capture(self, num_tokens: int, forward: Callable, args: tuple) -> None:
-        """Record `forward(*args)` reading the static buffers, for bucket `num_tokens`."""
-        forward(*args)  # warm-up: compiles kernels and settles allocator state outside the capture
-        torch.cuda.synchronize(self.device)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[num_tokens] = forward(*args)
-        self.graphs[num_tokens] = graph
-        # The first replay uploads the graph: no request pays it. The buffers still hold the
-        # capture's inputs, which write no KV.
-        graph.replay()
+        """Record the pass for `num_tokens` (CPU tests swap this and `_replay` for eager calls)."""
+        self._passes.capture(num_tokens, forward, args)
 
     def _replay(self, num_tokens: int) -> torch.Tensor:
-        """Run the captured pass over the current buffer contents -> hidden [num_tokens, hidden]."""
-        self.graphs[num_tokens].replay()
-        return self.outputs[num_tokens]
+        return self._passes.replay(num_tokens)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The bucket a step of `num_tokens` tokens replays, None when none is large enough."""

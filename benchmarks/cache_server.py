@@ -488,7 +488,11 @@ def main() -> int:
     cells = [] if args.load_only else [(s * KIB, c) for s in args.sizes_kib for c in args.clients]
     ops = {cell: max(args.min_ops, args.mib_per_cell * MIB // (cell[0] * cell[1])) for cell in cells}
     most_bytes = max((size * clients * ops[(size, clients)] for size, clients in cells), default=0)
-    memory_gb = 2 * most_bytes / (1 << 30) + 0.25
+    # A cell stores its keys twice (single Puts, then put_many's own keys), and the values of
+    # the pipelines in flight count too: Redis counts its clients' query buffers in its used
+    # memory (refusing SETs past maxmemory), the cache server its uploads in flight.
+    most_in_flight = max((size * clients * args.put_batch for size, clients in cells), default=0)
+    memory_gb = (2 * most_bytes + most_in_flight) / (1 << 30) + 0.25
 
     load_bytes = args.load_mib * MIB
     server_memory_gb = memory_gb + 2 * load_bytes / (1 << 30)

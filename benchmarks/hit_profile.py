@@ -60,7 +60,7 @@ def top_ops(profile, key: str, limit: int) -> list[dict]:
     ]
 
 
-def profiled_hit(llm: LLM, prompt: list[int], limit: int) -> dict:
+def profiled_hit(llm: LLM, prompt: list[int], limit: int, trace_path: Path | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -68,8 +68,11 @@ def profiled_hit(llm: LLM, prompt: list[int], limit: int) -> dict:
         activities.append(ProfilerActivity.CUDA)
     llm.flush_kv_offload()
     llm.reset_prefix_cache()
-    with profile(activities=activities) as prof:
+    # with a trace, Python calls too (slower, but the timeline shows where the host waits)
+    with profile(activities=activities, with_stack=trace_path is not None) as prof:
         seconds, _ = ttft(llm, prompt)
+    if trace_path is not None:  # a timeline (chrome://tracing, Perfetto) of the whole hit
+        prof.export_chrome_trace(str(trace_path))
     device_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     return {
         "ttft_ms_under_profiler": seconds * 1e3,
@@ -89,12 +92,23 @@ def main() -> None:
     parser.add_argument("--suffixes", default="1,16,80,128,512", help="new tokens after the prefix")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="torch.profiler on one hit per suffix")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="with --profile: write each hit's Chrome trace into this folder",
+    )
     parser.add_argument("--top", type=int, default=12, help="operations listed per profile")
     parser.add_argument(
         "--max-graph-tokens",
         type=int,
         default=None,
         help="the engine's max_graph_tokens (default: the engine's; 0: suffixes run eagerly, as before mixed graphs)",
+    )
+    parser.add_argument(
+        "--staged-loads",
+        action="store_true",
+        help="load through the staging buffers (OffloadConfig.direct_host_loads=False), as before direct loads",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -116,7 +130,9 @@ def main() -> None:
         max_num_batched_tokens=max(8192, max_len),
         num_gpu_blocks=(max_len + 1024) // 16 * 2,
         max_num_seqs=4,
-        kv_offload=OffloadConfig(cpu_bytes=4 * max_len * bytes_per_token),
+        kv_offload=OffloadConfig(
+            cpu_bytes=4 * max_len * bytes_per_token, direct_host_loads=not args.staged_loads
+        ),
         **({} if args.max_graph_tokens is None else {"max_graph_tokens": args.max_graph_tokens}),
     )
     h2d = pinned_h2d_gbps(device)
@@ -154,7 +170,11 @@ def main() -> None:
             prefix = random_prompt(prefix_len, config.vocab_size, seed=99_991 + suffix)
             ttft(llm, prefix)
             tail = random_prompt(suffix, config.vocab_size, seed=99_989 + suffix)
-            profiles[suffix] = profiled_hit(llm, prefix + tail, args.top)
+            trace_path = None
+            if args.trace is not None:
+                args.trace.mkdir(parents=True, exist_ok=True)
+                trace_path = args.trace / f"hit_suffix{suffix}.json"
+            profiles[suffix] = profiled_hit(llm, prefix + tail, args.top, trace_path)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"hit profile: {prefix_len}-token prefix, {dtype} on {name}; pinned H2D {h2d or 0:.1f} GB/s")

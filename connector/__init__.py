@@ -65,6 +65,7 @@ def create_cache_engine(
         token_db, tiers, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
     engine.cpu_async_moves = config.cpu_async_moves
+    engine.direct_host_loads = config.direct_host_loads
     weakref.finalize(engine, tiers.close)
     return engine
 

@@ -74,6 +74,8 @@ class CacheEngine:
         self._mover: KVMover | None = None
         #: CPU moves on a worker thread (``OffloadConfig.cpu_async_moves``: CI runs the async paths)
         self.cpu_async_moves = False
+        #: CUDA loads from pinned slots read the host memory in the kernel (``OffloadConfig.direct_host_loads``)
+        self.direct_host_loads = True
         self.num_corrupt_chunks = 0
         # Stores whose device→host copies are queued but maybe not done, oldest first:
         # (event after their copies or None on CPU, the store, called with its token count).
@@ -142,7 +144,11 @@ class CacheEngine:
         """The mover for the KV tensor's device (made on first use)."""
         if self._mover is None or self._mover.device != kv_caches.device:
             self._mover = KVMover(
-                kv_caches.device, self.dtype, self.chunk_shape, cpu_worker_thread=self.cpu_async_moves
+                kv_caches.device,
+                self.dtype,
+                self.chunk_shape,
+                cpu_worker_thread=self.cpu_async_moves,
+                direct_host_loads=self.direct_host_loads,
             )
         return self._mover
 
@@ -199,6 +205,15 @@ class CacheEngine:
         mover = self.mover(kv_caches)
         for chunk, slots in zip(plan.chunks, plan.slot_mappings, strict=True):
             mover.load(chunk, kv_caches, slots, layer, layers=layers)
+
+    def move_loads(
+        self, plans: Sequence[LoadPlan], kv_caches: torch.Tensor, layer_ranges: Sequence[tuple[int, int]]
+    ) -> list:
+        """Queue every plan's moves, range of layers by range, on the mover (CUDA);
+        -> one event per range, done once that range of every plan is in place."""
+        chunks = [chunk for plan in plans for chunk in plan.chunks]
+        slot_mappings = [slots for plan in plans for slots in plan.slot_mappings]
+        return self.mover(kv_caches).load_chunks(chunks, slot_mappings, kv_caches, layer_ranges)
 
     def finish_load(self, plan: LoadPlan) -> None:
         """Wait for the plan's moves and drop its CPU-tier read pins."""

@@ -84,6 +84,10 @@ class OffloadConfig:
     #: on CPU, run KV moves on a worker thread so stores publish and loads complete
     #: asynchronously as on CUDA (tests and CI exercise those paths; slower, not for production)
     cpu_async_moves: bool = False
+    #: on CUDA, loads from pinned CPU-tier slots are unpacked by a kernel that reads the host
+    #: memory directly (one launch per layer for all of a step's chunks, no staging buffer),
+    #: so the forward pass waits per layer; off: host->device copies through staging buffers
+    direct_host_loads: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -105,7 +109,14 @@ class OffloadConfig:
                 )
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        for name in ("save_partial_chunks", "layerwise", "async_loads", "pipelined_loads", "cpu_async_moves"):
+        for name in (
+            "save_partial_chunks",
+            "layerwise",
+            "async_loads",
+            "pipelined_loads",
+            "cpu_async_moves",
+            "direct_host_loads",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.save_queue_size, bool) or not isinstance(self.save_queue_size, int):

@@ -78,6 +78,7 @@ class KVMover:
         chunk_shape: tuple[int, ...],  # [num_layers, 2, chunk_size, num_kv_heads, head_dim]
         *,
         cpu_worker_thread: bool = False,
+        direct_host_loads: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
@@ -91,6 +92,8 @@ class KVMover:
 
             self._pack, self._unpack = kernels.pack_kv, kernels.unpack_kv
             self._unpack_layer = kernels.unpack_kv_layer
+            #: loads of pinned chunks read the host memory in the kernel (kernels.host_unpack)
+            self.direct_host_loads = direct_host_loads
             self.layers_per_piece = (chunk_shape[0] + 1) // 2
             piece_numel = self.layers_per_piece * math.prod(chunk_shape[1:])
             self.load_lane = _Lane(self.device, dtype, piece_numel)
@@ -100,6 +103,7 @@ class KVMover:
 
             self._pack, self._unpack = reference.pack_kv_ref, reference.unpack_kv_ref
             self._unpack_layer = reference.unpack_kv_layer_ref
+            self.direct_host_loads = False
 
     def _run(self, move, *args) -> None:
         """A CPU move: now, or queued on the worker thread."""
@@ -162,6 +166,50 @@ class KVMover:
             unpacked = torch.cuda.Event()
             unpacked.record(lane.kernel_stream)
             lane.buffer_free[index] = unpacked
+
+    def loads_directly(self, chunks: list[torch.Tensor]) -> bool:
+        """Whether `load_chunks` moves these chunks with the direct kernel: on CUDA, with
+        ``direct_host_loads``, when every chunk is pinned host memory (CPU-tier slots)
+        starting 16-byte aligned."""
+        return (
+            self.on_cuda
+            and self.direct_host_loads
+            and all(chunk.is_pinned() and chunk.data_ptr() % 16 == 0 for chunk in chunks)
+        )
+
+    def load_chunks(
+        self,
+        chunks: list[torch.Tensor],  # host [num_layers, 2, num_tokens_i, num_kv_heads, head_dim]
+        slot_mappings: list[torch.Tensor],  # int64 [num_tokens_i] on kv_cache's device (`to_device`)
+        kv_cache: torch.Tensor,
+        layer_ranges: list[tuple[int, int]],
+    ) -> list[torch.cuda.Event | None]:
+        """Write every chunk into its slots, range of layers by range (in the order given);
+        -> per range an event recorded once that range of every chunk is in place (None
+        on CPU, where the moves are done or queued on the worker thread in order).
+
+        Pinned chunks (see `loads_directly`) go through one kernel launch per range that
+        reads them over PCIe; others through the staging buffers, chunk by chunk. Keep
+        the chunks alive until :meth:`synchronize_loads`. Called by the cache engine once
+        per step with loads (from the worker side's ``start_load_kv``)."""
+        if not chunks or not self.loads_directly(chunks):
+            events = []
+            for first, last in layer_ranges:
+                for chunk, slots in zip(chunks, slot_mappings, strict=True):
+                    self.load(chunk, kv_cache, slots, layers=(first, last))
+                events.append(self.record())
+            return events
+        from kernels.host_unpack import chunk_table, unpack_kv_from_host
+
+        lane = self.load_lane
+        table = self.to_device(chunk_table(chunks, slot_mappings))
+        max_tokens = max(chunk.shape[2] for chunk in chunks)
+        events = []
+        with torch.cuda.stream(lane.kernel_stream):
+            for first, last in layer_ranges:
+                unpack_kv_from_host(table, kv_cache, max_tokens, (first, last))
+                events.append(self.record())
+        return events
 
     def store(
         self,
@@ -226,10 +274,11 @@ class KVMover:
         event.record(self.store_lane.copy_stream)
         return event
 
-    def record_start(self) -> torch.cuda.Event:
-        """A timing event before the next load's first copy (CUDA only)."""
+    def record_start(self, direct: bool = False) -> torch.cuda.Event:
+        """A timing event before the next load's first copy (its first kernel when
+        ``direct``: that one waits for the compute queued before it). CUDA only."""
         event = torch.cuda.Event(enable_timing=True)
-        event.record(self.load_lane.copy_stream)
+        event.record(self.load_lane.kernel_stream if direct else self.load_lane.copy_stream)
         return event
 
     def synchronize_loads(self) -> None:

@@ -151,22 +151,21 @@ class OffloadWorker(KVConnectorWorker):
             return
         # Blocks being loaded may have been read by kernels still queued on the compute stream.
         mover.wait_for_compute()
-        start_event = mover.record_start()
-        if self.layerwise:
-            for layer in range(engine.num_layers):
-                for load in self._loads:
-                    engine.move_load(load.plan, self.kv_cache, layer)
-                self._layer_to_event[layer] = mover.record()
+        plans = [load.plan for load in self._loads]
+        direct = mover.loads_directly([chunk for plan in plans for chunk in plan.chunks])
+        start_event = mover.record_start(direct)
+        # Layer by layer (layerwise, or direct loads: one launch per layer for every chunk),
+        # else piece by piece of layers: a pass that waits per layer (the eager hooks, a
+        # mixed graph's per-layer event waits) computes the first layers while the later
+        # ones still load.
+        if self.layerwise or direct:
+            layer_ranges = [(layer, layer + 1) for layer in range(engine.num_layers)]
         else:
-            # Piece by piece of layers, every load's chunks in each: a pass that waits per
-            # layer (the eager hooks, a mixed graph's per-layer event waits) computes the
-            # first layers while the later ones still load.
-            for first, last in load_layer_pieces(engine.num_layers):
-                for load in self._loads:
-                    engine.move_load(load.plan, self.kv_cache, layers=(first, last))
-                event = mover.record()
-                for layer in range(first, last):
-                    self._layer_to_event[layer] = event
+            layer_ranges = load_layer_pieces(engine.num_layers)
+        events = engine.move_loads(plans, self.kv_cache, layer_ranges)
+        for (first, last), event in zip(layer_ranges, events, strict=True):
+            for layer in range(first, last):
+                self._layer_to_event[layer] = event
         self._timing = (start_event, mover.record(timing=True))
 
     def _move_on_cpu(self, layer: int | None) -> None:

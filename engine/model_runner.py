@@ -422,9 +422,23 @@ class ModelRunner:
         num_seqs = len(host.seq_lens)
         width = host.block_tables.shape[1]
         decode = self.decode_graphs
-        if decode is not None and host.max_query_len == 1 and decode.can_run(num_seqs, width):
-            return decode
         mixed = self.mixed_graphs
+        # A step with loads replays a mixed graph where one fits: it waits for each layer's
+        # load, where a decode graph would wait for the whole load before its first layer.
+        loads_per_layer = (
+            connector is not None
+            and bool(plan.connector_meta.loads)
+            and self._layer_loaded_events is not None
+            and mixed is not None
+            and mixed.can_run(len(host.input_ids), num_seqs, width)
+        )
+        if (
+            decode is not None
+            and host.max_query_len == 1
+            and not loads_per_layer
+            and decode.can_run(num_seqs, width)
+        ):
+            return decode
         if mixed is not None and mixed.can_run(len(host.input_ids), num_seqs, width):
             return mixed
         return None

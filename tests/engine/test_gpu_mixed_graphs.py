@@ -56,14 +56,20 @@ def test_default_budget_uses_graphs_for_small_steps_only(tiny_model_dir):
     assert kinds["eager"] == 1 and kinds["mixed_graph"] == 1
 
 
-@pytest.mark.parametrize("layerwise", [False, True])
-def test_suffix_after_a_cpu_tier_hit_matches_eager(tiny_model_dir, layerwise):
+@pytest.mark.parametrize("layerwise,direct_host_loads", [(False, True), (False, False), (True, True)])
+def test_suffix_after_a_cpu_tier_hit_matches_eager(tiny_model_dir, layerwise, direct_host_loads):
+    """A suffix of 80, 3 or 1 token(s) after a CPU-tier hit replays a mixed graph (that
+    waits per layer; even the one-token step, which a decode graph would run after the
+    whole load) with the same tokens as eager steps, loaded directly from the pinned
+    slots or through the staging buffers."""
     model_dir = tiny_model_dir("llama")
     prefix = random_prompt(512, seed=820)
-    prompts = [prefix + random_prompt(n, seed=821 + n) for n in (80, 3)]
+    prompts = [prefix + random_prompt(n, seed=821 + n) for n in (80, 3, 1)]
 
     def run(**kwargs) -> tuple[list[list[int]], LLM]:
-        offload = OffloadConfig(cpu_bytes=256 << 20, chunk_size=64, layerwise=layerwise)
+        offload = OffloadConfig(
+            cpu_bytes=256 << 20, chunk_size=64, layerwise=layerwise, direct_host_loads=direct_host_loads
+        )
         llm = LLM(model_dir, kv_offload=offload, **FAST, **kwargs)
         llm.generate([prefix], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         llm.flush_kv_offload()

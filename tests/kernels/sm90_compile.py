@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import pack
+from kernels import host_unpack, pack
 from kernels.launch import next_power_of_2
 from kernels.paged_attention import _merge_kv_splits_kernel, _paged_attention_kernel
 from kernels.paged_attention import launch_config as attention_launch_config
@@ -201,8 +201,42 @@ def merge_splits_case():
     return describe("merge kv splits bf16", compiled)
 
 
+def host_unpack_case():
+    compiled = compile_for_h100(
+        host_unpack._unpack_from_host_kernel,
+        {
+            "paged_ptr": "*bf16",
+            "table_ptr": "*i64",
+            "num_chunks": "i32",
+            "num_slots": "i32",
+            "first_layer": "i32",
+            "num_planes": "i32",
+            "num_items": "i32",
+            "stride_paged_layer": "i64",
+            "stride_paged_kind": "i32",
+        },
+        {
+            "ROW": 8 * 128,
+            "TILES_PER_CHUNK": 16,
+            "BLOCK_T": host_unpack._BLOCK_T,
+            "BLOCK_ROW": 1024,
+            "ELEMENT_BYTES": 2,
+        },
+        num_warps=4,
+        num_stages=3,
+    )
+    return describe("host_unpack bf16", compiled)
+
+
 def main() -> None:
-    for result in (*pack_cases(), reshape_and_cache_case(), *attention_cases(), merge_splits_case()):
+    cases = (
+        *pack_cases(),
+        reshape_and_cache_case(),
+        *attention_cases(),
+        merge_splits_case(),
+        host_unpack_case(),
+    )
+    for result in cases:
         print(json.dumps(result), flush=True)
 
 

@@ -22,7 +22,7 @@ def results() -> dict[str, dict]:
 
 
 def test_every_configuration_compiled(results):
-    assert len(results) == 4 + 1 + 7 + 1
+    assert len(results) == 4 + 1 + 7 + 1 + 1
 
 
 @pytest.mark.parametrize("name", ["pack bf16", "unpack bf16", "pack fp32", "unpack fp32"])
@@ -48,3 +48,9 @@ def test_attention_fits_an_h100(results):
 def test_merge_of_kv_splits_does_not_spill(results):
     row = results["merge kv splits bf16"]
     assert row["stack"] <= 64 and row["local"] == 0, row
+
+
+def test_host_unpack_compiles_with_16_byte_stores_and_no_spills(results):
+    row = results["host_unpack bf16"]
+    assert row["stack"] == 0 and row.get("local", 0) == 0
+    assert row["st_v4"] > 0

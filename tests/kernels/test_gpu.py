@@ -75,6 +75,32 @@ def test_pinned_host_chunks(check_values):
     assert torch.equal(layer_out[:, slots.cpu() >= 0], chunk[7][:, slots.cpu() >= 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpack_from_pinned_host_memory_matches_reference(dtype):
+    """kernels.host_unpack reads pinned host chunks over PCIe (no staging), layer by layer,
+    chunks of several lengths in one launch."""
+    from kernels.host_unpack import chunk_table, unpack_kv_from_host
+
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim = 32, 256, 16, 8, 128
+    kv_cache = random_kv((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, "cuda", 0)
+    lengths = [256, 256, 256, 77]
+    chunks = [
+        random_kv((num_layers, 2, n, num_kv_heads, head_dim), dtype, "cpu", 10 + i).pin_memory()
+        for i, n in enumerate(lengths)
+    ]
+    slots = shuffled_slots(num_blocks, block_size, sum(lengths), num_skipped=29, seed=3, device="cuda")
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    slot_mappings = [slots[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    expected = kv_cache.clone()
+    for chunk, chunk_slots in zip(chunks, slot_mappings, strict=True):
+        reference.unpack_kv_ref(chunk.cuda(), expected, chunk_slots)
+    table = chunk_table(chunks, slot_mappings).cuda()
+    for layer in range(num_layers):
+        unpack_kv_from_host(table, kv_cache, 256, (layer, layer + 1))
+    torch.cuda.synchronize()
+    assert torch.equal(kv_cache, expected)
+
+
 def test_pageable_host_out_is_rejected():
     kv_cache = torch.zeros(1, 2, 4, 16, 1, 16, device="cuda")
     with pytest.raises(ValueError, match="pinned host memory"):

@@ -308,3 +308,45 @@ def test_a_cpu_prefix_cut_short_then_a_head_recomputed_while_the_tail_is_fetched
         assert engine.connector.estimate_load_seconds(num) <= engine.budget_s or num <= CHUNK_SIZE, pieces
     engine.close()
     assert engine.cpu_pins() == {}
+
+
+@pytest.mark.parametrize("name", ["cpu", "disk"])
+def test_with_nothing_decoding_a_hit_still_loads_in_one_step(model_dir, tmp_path, name):
+    tier, prompt, make = make_source(name, model_dir, tmp_path)
+    engine = make()  # the cap is on, but only applies while another request decodes
+    engine.engine.add_request("hit", prompt, PARAMS)
+    output = engine.run_hit()
+    assert [num for num, _ in engine.hit_loads] == [PROMPT_LEN - 1]
+    assert output.metrics.tier_to_loaded_tokens == {tier: PROMPT_LEN - 1}
+    engine.close()
+    assert engine.cpu_pins() == {}
+
+
+def test_fit_load_tokens_takes_whole_chunks_within_the_time_and_at_least_the_first():
+    import torch
+
+    from connector import create_kv_connector
+
+    scheduler, worker = create_kv_connector(
+        cpu_config(),
+        model_id="fit-load-tokens",
+        dtype=torch.float32,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=16,
+        device=torch.device("cpu"),
+    )
+    # a CPU tier that loads 1,000 tokens per second (its prior: nothing measured yet)
+    scheduler.planner.tier_priors["cpu"] = 1_000 * scheduler.cache_engine.bytes_per_token
+    assert scheduler.estimate_load_seconds(500) == pytest.approx(0.5)
+    fit = scheduler.fit_load_tokens
+    assert fit(0, 500, None) == 500  # no time cap: all of it
+    assert fit(0, 500, 0.5) == 500  # it all fits
+    assert fit(0, 500, 0.1) == 3 * CHUNK_SIZE  # 100 tokens fit: three whole chunks
+    assert fit(48, 500, 0.1) == 128 - 48  # from mid-chunk: up to a chunk boundary (148 fit)
+    assert fit(0, 500, 0.0) == CHUNK_SIZE  # nothing fits: the first chunk
+    assert fit(48, 500, 0.0) == 64 - 48  # the rest of the first chunk
+    assert fit(48, 10, 0.0) == 10  # all it has is within its first chunk
+    assert fit(0, 0, 0.0) == 0
+    worker.close()

@@ -11,7 +11,11 @@ fresh prompt nothing holds) and against a lone recompute (no decode running), pl
 what the planner loaded per tier and recomputed. Each figure is the median over
 ``--repeats`` fresh prompts. Every figure is taken twice in the same engine, with
 the scheduler's prefill cap off and at ``--max-decode-gap-ms`` (engine.prefill_cap:
-while a request decodes, other prompts' chunks are sized to keep its gap short).
+while a request decodes, other prompts' chunks are sized to keep its gap short, and so
+are the hit's loads from the CPU tier: whole chunks that fit the step's time, the rest in
+the next steps). Per step of the window it records the hit's loaded tokens: the table
+shows the most one step loaded and what the steps of the longest gap loaded (JSON: every
+step's time and loads). ``--tiers cpu`` measures a hit that stays in the CPU tier.
 
     python benchmarks/head_of_line.py --out hol.json          # GPU: Llama-3.1-8B shape, bf16, 16,384 tokens
     python benchmarks/head_of_line.py --tiny --out /tmp/hol.json   # CPU: tiny model, redis behind a throttled proxy
@@ -70,13 +74,48 @@ def lone_round(llm: LLM, prompt: list[int], seed: int) -> dict:
     return {"ttft_ms": output.metrics.ttft_s * 1e3}
 
 
-def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, disk: bool, seed: int) -> dict:
-    """Run a decoding request, submit ``prompt``; figures of that window."""
+class HitLoadRecorder:
+    """Counts the tokens of ``request_id`` that each scheduled step loads (its connector
+    metadata's loads): wraps the scheduler's ``schedule`` while in a ``with`` block."""
+
+    def __init__(self, llm: LLM, request_id: str) -> None:
+        self.scheduler = llm.engine.scheduler
+        self.request_id = request_id
+        self.num_loaded = 0  # since the last ``take``
+
+    def __enter__(self) -> HitLoadRecorder:
+        schedule = self.scheduler.schedule
+
+        def recording_schedule(*args, **kwargs):
+            plan = schedule(*args, **kwargs)
+            meta = plan.connector_meta
+            for spec in meta.loads if meta is not None else ():
+                if spec.request_id == self.request_id:
+                    self.num_loaded += spec.num_load_end - spec.num_load_start
+            return plan
+
+        self.scheduler.schedule = recording_schedule
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.scheduler.schedule  # the class's method again
+
+    def take(self) -> int:
+        num_loaded, self.num_loaded = self.num_loaded, 0
+        return num_loaded
+
+
+def one_round(
+    llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, disk: bool, seed: int, evict: bool = True
+) -> dict:
+    """Run a decoding request, submit ``prompt``; figures of that window, with per step of
+    it: its time, the prompt's tokens it loaded, whether the decode got a token."""
     engine = llm.engine
     if stored:
         llm.generate([prompt], FIRST_TOKEN)  # stores its KV (CPU + write-through)
         llm.flush_kv_offload()
-        evict_cpu_tier(llm)
+        if evict:
+            evict_cpu_tier(llm)
     llm.reset_prefix_cache()
     page_cache_dropped = drop_page_cache() if disk else None
     decode_id, hit_id = f"decode-{seed}", f"long-{seed}"
@@ -94,13 +133,26 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
     first_token_at = None
     hit_output = None
     loaded_ends: list[int] = []  # the hit's KV length after each step that loaded part of it
+    steps: list[dict] = []  # the window's steps until the prompt's first token
+    recorder = HitLoadRecorder(llm, hit_id)
     while first_token_at is None or len(decode_times) < 3 or decode_times[-1] <= first_token_at:
-        for output in engine.step():
+        began = time.perf_counter()
+        with recorder:
+            outputs = engine.step()
+        decoded = False
+        for output in outputs:
             if output.request_id == decode_id:
                 decode_times.append(time.perf_counter())
+                decoded = True
             elif output.request_id == hit_id and output.finished:
                 first_token_at = time.perf_counter()
                 hit_output = output
+        num_loaded = recorder.take()
+        if first_token_at is None or not steps or steps[-1]["end"] < first_token_at:
+            ended = time.perf_counter()
+            steps.append(
+                {"end": ended, "ms": (ended - began) * 1e3, "loaded": num_loaded, "decoded": decoded}
+            )
         hit_request = engine.requests.get(hit_id)
         num_done = (
             0 if hit_request is None or hit_request.output_token_ids else hit_request.num_computed_tokens
@@ -112,6 +164,10 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
         engine.step()
     window = [t for t in decode_times if t >= submitted]
     window_gaps = [b - a for a, b in zip([submitted, *window[:-1]], window, strict=True)]
+    # the steps that ended inside the longest gap (the last one gave the decode its token)
+    longest = max(range(len(window_gaps)), key=window_gaps.__getitem__)
+    gap_begin, gap_end = ([submitted, *window][longest], window[longest])
+    gap_steps = [step for step in steps if gap_begin < step["end"] <= gap_end]
     steady_gaps = [b - a for a, b in zip(decode_times[:7], decode_times[1:8], strict=True)]
     metrics = hit_output.metrics
     return {
@@ -122,6 +178,12 @@ def one_round(llm: LLM, prompt: list[int], vocab_size: int, *, stored: bool, dis
         # steps that advanced the prompt before its last one (pipelined loads: one per piece
         # of the fetch loaded as it arrived; recomputed chunks count too)
         "prompt_steps_before_last": len(loaded_ends),
+        # the prompt's loads per step (tokens) and the steps of the decode's longest gap
+        "max_loaded_per_step": max((step["loaded"] for step in steps), default=0),
+        "num_load_steps": sum(1 for step in steps if step["loaded"]),
+        "longest_gap_loaded": sum(step["loaded"] for step in gap_steps),
+        "longest_gap_steps": len(gap_steps),
+        "steps": [{k: v for k, v in step.items() if k != "end"} for step in steps],
         "ext_tokens": metrics.num_external_cached_tokens,
         "tier_to_loaded_tokens": metrics.tier_to_loaded_tokens,
         "planned_recompute_tokens": metrics.num_planned_recompute_tokens,
@@ -154,7 +216,15 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
                     runs[kind].append(lone_round(llm, prompt, seed))
                     continue
                 runs[kind].append(
-                    one_round(llm, prompt, vocab, stored=kind == "hit", disk=name == "disk", seed=seed)
+                    one_round(
+                        llm,
+                        prompt,
+                        vocab,
+                        stored=kind == "hit",
+                        disk=name == "disk",
+                        seed=seed,
+                        evict=name != "cpu",
+                    )
                 )
     planner = llm.engine.scheduler.connector.planner
     rates = planner.snapshot() if planner is not None else {}
@@ -181,6 +251,9 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
                 "decode_median_gap_ms": median("hit", "decode_median_gap_ms"),
                 "decode_tokens_while_waiting": median("hit", "decode_tokens_while_waiting"),
                 "hit_prompt_steps_before_last": median("hit", "prompt_steps_before_last"),
+                "hit_max_loaded_per_step": median("hit", "max_loaded_per_step"),
+                "hit_num_load_steps": median("hit", "num_load_steps"),
+                "hit_longest_gap_loaded": median("hit", "longest_gap_loaded"),
                 "tier_to_loaded_tokens": last_hit["tier_to_loaded_tokens"],
                 "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
                 "page_cache_dropped": last_hit["page_cache_dropped"],
@@ -194,8 +267,8 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'tier':<7} {'cap ms':>6} {'TTFT hit':>9} {'TTFT rec':>9} {'hit/rec':>7} {'TTFT lone':>9} "
-        f"{'gap hit':>8} {'gap rec':>8} {'gap med':>8} {'dec toks':>8} {'pieces':>6}  "
-        "loaded per tier / recomputed"
+        f"{'gap hit':>8} {'gap rec':>8} {'gap med':>8} {'dec toks':>8} {'pieces':>6} "
+        f"{'max ld':>6} {'ld stp':>6} {'gap ld':>6}  loaded per tier / recomputed"
     )
     print(header)
     print("-" * len(header))
@@ -207,13 +280,17 @@ def print_table(rows: list[dict]) -> None:
             f"{row['hit_ttft_ms'] / row['recompute_ttft_ms']:>7.2f} {row['lone_recompute_ttft_ms']:>9.1f} "
             f"{row['hit_decode_max_gap_ms']:>8.1f} {row['recompute_decode_max_gap_ms']:>8.1f} "
             f"{row['decode_median_gap_ms']:>8.2f} {row['decode_tokens_while_waiting']:>8.0f} "
-            f"{row['hit_prompt_steps_before_last']:>6.0f}  "
+            f"{row['hit_prompt_steps_before_last']:>6.0f} {row['hit_max_loaded_per_step']:>6.0f} "
+            f"{row['hit_num_load_steps']:>6.0f} {row['hit_longest_gap_loaded']:>6.0f}  "
             f"{loaded} / {row['planned_recompute_tokens']}"
         )
     print(
         "(ms; gap = a co-running decode's longest gap between tokens while the long prompt waits;"
         " TTFT lone = recompute with nothing decoding; cap = the engine's max_decode_gap_ms;"
-        " pieces = the hit's steps before its last: loads of the chunks that had arrived, or head chunks)"
+        " pieces = the hit's steps before its last: loads of the chunks that had arrived, or head chunks;"
+        " max ld = the most tokens of the hit one step loaded, ld stp = its steps that loaded,"
+        " gap ld = its tokens loaded in the steps of the hit's longest gap: with the cap a load takes"
+        " the whole chunks that fit the step's time)"
     )
 
 
@@ -225,7 +302,7 @@ def main() -> None:
         "--tiny", action="store_true", help="tiny model on CPU, redis behind a throttled proxy"
     )
     parser.add_argument("--length", type=int, default=None, help="long prompt tokens (16384 GPU, 3000 tiny)")
-    parser.add_argument("--tiers", default=None, help="comma-separated: disk, redis, grpc")
+    parser.add_argument("--tiers", default=None, help="comma-separated: cpu, disk, redis, grpc")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--proxy-rate", type=float, default=200_000, help="CPU mode: proxy bytes/s")
     parser.add_argument(
@@ -277,7 +354,9 @@ def main() -> None:
         fields = dict(
             cpu_bytes=2 * kv_bytes, load_policy=args.load_policy, pipelined_loads=not args.no_pipelined_loads
         )
-        if tier == "disk":
+        if tier == "cpu":  # the hit stays in the CPU tier: loaded in the admitting step(s)
+            rows += measure(tier, OffloadConfig(**fields), config, engine_args, args, length)
+        elif tier == "disk":
             rows += measure(
                 tier,
                 OffloadConfig(**fields, disk_path=str(disk_root / "disk"), disk_bytes=4 * kv_bytes),
@@ -312,7 +391,7 @@ def main() -> None:
             finally:
                 server.close()
         else:
-            parser.error(f"unknown tier {tier!r}: choose disk, redis, grpc")
+            parser.error(f"unknown tier {tier!r}: choose cpu, disk, redis, grpc")
     if args.disk_path is None:
         shutil.rmtree(disk_root, ignore_errors=True)
     device_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"

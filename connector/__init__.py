@@ -99,6 +99,16 @@ def create_kv_connector(
     registry = TransferRegistry()
     tiers = cache_engine.tiers
     lookups = planner = fetcher = None
+    if tiers.cpu is not None and (config.async_loads or not tiers.lower):
+        # Every load then reads the CPU tier: the planner measures its rate from them (the
+        # scheduler's prefill cap sizes loads by it, a CPU tier alone too) and plans fetches.
+        planner = LoadPlanner(
+            bytes_per_token=cache_engine.bytes_per_token,
+            deadline_fraction=config.fetch_deadline_fraction,
+            always_load=config.load_policy == "always",
+            step_times=step_times,
+            probe_interval_s=config.tier_probe_interval_s,
+        )
     if config.async_loads and tiers.cpu is not None and tiers.lower:
         name_to_breaker = {
             tier.name: CircuitBreaker(tier.name, backoff_s=config.breaker_backoff_s) for tier in tiers.lower
@@ -106,13 +116,6 @@ def create_kv_connector(
         tiers.breakers = name_to_breaker
         lookups = TierLookups(
             tiers, name_to_breaker, wait_s=config.lookup_wait_s, timeout_s=config.lookup_timeout_s
-        )
-        planner = LoadPlanner(
-            bytes_per_token=cache_engine.bytes_per_token,
-            deadline_fraction=config.fetch_deadline_fraction,
-            always_load=config.load_policy == "always",
-            step_times=step_times,
-            probe_interval_s=config.tier_probe_interval_s,
         )
         fetcher = ChunkFetcher(
             tiers.cpu,

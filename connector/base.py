@@ -84,7 +84,8 @@ class TailLoad(NamedTuple):
     #: tokens loadable from the request's compute limit on (its fetch's ready chunks)
     num_tokens: int
     #: True: its fetch ended, it computes on after this load; False: more chunks are still
-    #: coming (pipelined loads), it loads these and computes nothing this step
+    #: coming (pipelined loads), or the step's time holds only these, it loads them and
+    #: computes nothing this step
     final: bool
 
 
@@ -131,7 +132,11 @@ class KVConnectorScheduler(abc.ABC):
         """Called once per admission: when blocks for the request's scheduling were
         allocated (records the load to put in the next metadata; ``num_external_tokens``
         may be 0), or with no blocks when ``get_num_new_matched_tokens`` said
-        ``load_async`` (records the fetch to start)."""
+        ``load_async`` (records the fetch to start). ``num_external_tokens`` fewer than
+        offered (but not 0) means the step's time had room for only that part
+        (``fit_load_tokens``): the request computes nothing in this step, the connector
+        keeps the rest for it (pinned) and it is loaded in the next steps at the request's
+        compute limit (``get_num_tail_tokens``)."""
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
@@ -155,8 +160,8 @@ class KVConnectorScheduler(abc.ABC):
 
     def get_compute_limit(self, request: ConnectorRequest) -> int | None:
         """The prompt position a request must not compute past yet: its head is recomputed
-        while the chunks from there on are fetched, or (pipelined loads) the end of the part
-        of its fetch it has loaded (None: no limit). Called per step for running requests
+        while the chunks from there on are fetched, or the end of the part of a load it has
+        loaded (pipelined loads: of its fetch; a step's time cap: of any load; None: no limit). Called per step for running requests
         still in their prompt, and at admission right after ``get_num_new_matched_tokens``:
         a limit there equal to the GPU hit plus the external tokens means the request is
         admitted to load those and compute nothing while the rest of its fetch comes in.
@@ -169,12 +174,25 @@ class KVConnectorScheduler(abc.ABC):
         time). Side-effect free; 0.0 when unknown."""
         return 0.0
 
+    def fit_load_tokens(self, num_start: int, num_tokens: int, seconds_left: float | None) -> int:
+        """How many of ``num_tokens`` tokens loadable from the CPU tier from prompt position
+        ``num_start`` on one step loads, when the step may still grow by ``seconds_left``
+        (the prefill cap's time left; None: no time cap, all of them): the whole chunks whose
+        load ``estimate_load_seconds`` expects to fit, and at least the first chunk (or all
+        of them when fewer), so that a load always progresses. The scheduler asks it for an
+        admission's load and for a tail; the rest is loaded in the following steps.
+        Side-effect free."""
+        return num_tokens
+
     def get_num_tail_tokens(self, request: ConnectorRequest) -> TailLoad | None:
         """For a request at its compute limit: the tokens from there that can be loaded now
         and whether its fetch ended (``final``; 0 tokens then: it got nothing more and
         recomputes on). Not final (pipelined loads): the chunks that arrived so far, loaded
         this step while the rest keeps coming; the request computes nothing. None while
-        nothing new arrived (the request skips the step; the others go on). Side-effect free."""
+        nothing new arrived (the request skips the step; the others go on). The rest of an
+        admission's load that a step's time cut short comes here too. The scheduler may load
+        fewer tokens than offered (``fit_load_tokens``): it then passes the answer to
+        ``update_state_after_tail_alloc`` with ``final`` False. Side-effect free."""
         return TailLoad(0, True)
 
     def update_state_after_tail_alloc(  # noqa: B027

@@ -44,6 +44,7 @@ class PinKind(str, enum.Enum):
     READ = "read"  # a load reading the slot's zero-copy view
     WRITE_THROUGH = "write_through"  # a write to the lower tiers reading the slot
     FETCH = "fetch"  # a request waiting on its background fetch
+    DEFERRED = "deferred"  # an admitted request's CPU-tier chunks a step's time cap left for later steps
 
 
 @dataclass(eq=False)
@@ -181,7 +182,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         entry.num_pins += count
 
     def pin_counts(self) -> dict[str, int]:
-        """Pins held now, per kind (``lookup``, ``read``, ``write_through``, ``fetch``)."""
+        """Pins held now, per kind (``lookup``, ``read``, ``write_through``, ``fetch``, ``deferred``)."""
         with self._lock:
             totals: Counter[str] = Counter()
             for kinds in self._key_to_pin_kinds.values():

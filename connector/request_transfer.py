@@ -16,7 +16,9 @@ Phases::
 An ADMITTED request with ``tail_pending`` still owns its fetch: it computes up to
 ``compute_limit`` (a head recomputed while the tail is fetched), or nothing (admitted
 from FETCHING: it loads its fetch's chunks as they arrive, and computes once the fetch
-ended).
+ended). A step whose time (the scheduler's prefill cap) holds only part of an
+admission's load leaves the rest at ``compute_limit`` too: the CPU tier's chunks
+(``num_deferred_end``, pinned for it) or its fetch's, loaded in the next steps.
     any ──(finished or aborted)──> SENDING (saves still read its blocks) ──> gone
 
 The scheduler side never touches tensors: a fetch is described here (keys,
@@ -111,6 +113,12 @@ class RequestTransfer:
     #: the prompt position the request computes no further than while ``tail_pending`` (or
     #: while it is admitted from FETCHING): the head's end, or the end of what it loaded
     compute_limit: int | None = None
+    #: the end of the CPU-tier load of its admission when a step's time cap cut that load
+    #: short: tokens [compute_limit, num_deferred_end) are loaded in the next steps (None: none)
+    num_deferred_end: int | None = None
+    #: chunks of that rest pinned for it in the CPU tier (``PinKind.DEFERRED``), released as
+    #: each piece's load takes them over, or at an abort or a preemption
+    deferred_keys: list[str] = field(default_factory=list)
     finished: bool = False
 
 
@@ -201,6 +209,8 @@ class TransferRegistry:
             transfer.fetch = None
             transfer.tail_pending = False
             transfer.compute_limit = None
+            transfer.num_deferred_end = None
+            transfer.deferred_keys = []
 
     def finish(self, request_id: str) -> tuple[RequestTransfer | None, bool]:
         """A request finished or was aborted: returns its state (the caller releases

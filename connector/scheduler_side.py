@@ -25,6 +25,7 @@ from connector.base import (
     TailLoad,
 )
 from connector.cache_engine import CacheEngine
+from connector.cpu_tier import PinKind
 from connector.fetcher import ChunkFetcher, FetchJob
 from connector.lookup import TierLookups
 from connector.planner import TIER_PROBE_DEADLINE_S, LoadPlanner
@@ -91,8 +92,7 @@ class OffloadScheduler(KVConnectorScheduler):
         prompt = self._prompt(request)
         transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
         if transfer.phase is TransferPhase.ADMITTED:
-            if transfer.fetch is not None and self.fetcher is not None:
-                self.fetcher.release(transfer.fetch)  # a tail fetch of the preempted admission
+            self._release_held(transfer)  # a tail fetch or deferred load of the preempted admission
             self.registry.preempted(transfer)  # back in the queue: ask again
         num_loadable_end = request.num_prompt_tokens - 1
         if transfer.phase is TransferPhase.FETCHED:
@@ -208,7 +208,9 @@ class OffloadScheduler(KVConnectorScheduler):
         prompt = self._prompt(request)
         transfer = self.registry.get_or_create(request.request_id, prompt, request.cache_salt)
         num_gpu_hit = transfer.num_computed_at_plan
+        num_load_end = num_gpu_hit + num_external_tokens
         decision = transfer.decision
+        phase = transfer.phase
         if transfer.phase is TransferPhase.FETCHING and not block_ids:
             return  # nothing new arrived beyond its GPU hit: back to waiting for its fetch
         if transfer.phase is TransferPhase.NEW and decision is not None and self.planner is not None:
@@ -251,13 +253,28 @@ class OffloadScheduler(KVConnectorScheduler):
             transfer.tail_pending = True
             transfer.compute_limit = decision.num_head_end
         elif partial:
-            transfer.tail_pending = True  # compute_limit: the end of what arrived
+            transfer.tail_pending = True
+            transfer.compute_limit = num_load_end  # what arrived, or the part of it the step's time held
+        elif (
+            phase is TransferPhase.FETCHED
+            and num_external_tokens > 0
+            and num_load_end < self._ready_end(transfer, transfer.fetch)
+        ):
+            # The step's time held only part of what its fetch brought: the fetch keeps the
+            # rest pinned and the request loads it at its compute limit in the next steps.
+            transfer.tail_pending = True
+            transfer.compute_limit = num_load_end
+        # what get_num_new_matched_tokens offered from the CPU tier (without a planner: the
+        # CPU tier is the only one)
+        num_cpu_end = decision.num_cpu_end if decision is not None else min(num_hit, len(prompt) - 1)
+        if phase is TransferPhase.NEW and num_external_tokens > 0 and num_load_end < num_cpu_end:
+            # The same for a hit in the CPU tier: its rest is pinned for the next steps.
+            self._defer_cpu_load(transfer, spans, num_load_end, num_cpu_end)
         if transfer.num_expected_computed is None:
             # Chunks wholly present need no save; a present trailing partial chunk counts
             # only when the whole prompt is present.
             transfer.num_saved = num_hit if num_hit == len(prompt) else num_hit - num_hit % self.chunk_size
         if num_external_tokens > 0:
-            num_load_end = num_gpu_hit + num_external_tokens
             # Lookup pins: released by the load's plan (or the pin timeout).
             self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_load_end])
             self._pending_loads.append(
@@ -286,17 +303,39 @@ class OffloadScheduler(KVConnectorScheduler):
             and decision.num_fetch_chunks
             and decision.num_head_end > decision.num_cpu_end
         )
-        if transfer.tail_pending or transfer.phase is TransferPhase.FETCHING:
+        if (
+            transfer.tail_pending
+            or transfer.num_deferred_end is not None
+            or transfer.phase is TransferPhase.FETCHING
+        ):
             return transfer.compute_limit
         return decision.num_head_end if admitting_split else None
 
     def estimate_load_seconds(self, num_tokens: int) -> float:
+        # The CPU tier's rate is measured from the loads' whole span: the host's read of
+        # the slots, then the host->device copies and the unpacks (CUDA events around them).
         if self.planner is None or num_tokens <= 0:
             return 0.0
         return num_tokens * self.cache_engine.bytes_per_token / self.planner.tier_rate("cpu")
 
+    def fit_load_tokens(self, num_start: int, num_tokens: int, seconds_left: float | None) -> int:
+        if seconds_left is None or self.planner is None or num_tokens <= 0:
+            return num_tokens
+        num_end = num_start + num_tokens
+        chunk = self.chunk_size
+        num_first_end = (num_start // chunk + 1) * chunk  # the first chunk always loads
+        if num_first_end >= num_end or self.estimate_load_seconds(num_tokens) <= seconds_left:
+            return num_tokens
+        seconds_per_token = self.estimate_load_seconds(num_tokens) / num_tokens
+        num_fit_end = (num_start + int(seconds_left / seconds_per_token)) // chunk * chunk
+        return max(num_first_end, min(num_fit_end, num_end)) - num_start
+
     def get_num_tail_tokens(self, request: ConnectorRequest) -> TailLoad | None:
         transfer = self.registry.get(request.request_id)
+        if transfer is not None and transfer.num_deferred_end is not None:
+            # The rest of its admission's CPU-tier load; a fetched tail may come after its head.
+            num_deferred = max(0, transfer.num_deferred_end - request.num_computed_tokens)
+            return TailLoad(num_deferred, not transfer.tail_pending)
         if transfer is None or not transfer.tail_pending:
             return TailLoad(0, True)
         job = transfer.fetch
@@ -312,6 +351,9 @@ class OffloadScheduler(KVConnectorScheduler):
         self, request: ConnectorRequest, block_ids: Sequence[int], tail: TailLoad
     ) -> None:
         transfer = self.registry.get(request.request_id)
+        if transfer is not None and transfer.num_deferred_end is not None:
+            self._load_deferred_piece(transfer, block_ids, request.num_computed_tokens, tail.num_tokens)
+            return
         if transfer is None or not transfer.tail_pending:
             return
         job = transfer.fetch
@@ -324,22 +366,81 @@ class OffloadScheduler(KVConnectorScheduler):
         else:
             transfer.compute_limit = num_end  # it computes nothing until the rest is in
         if tail.num_tokens > 0:
-            spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
-            self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
             transfer.token_origins += self._fetch_origins(transfer, job, num_start, num_end)
-            self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, tail.num_tokens)
-            self._pending_loads.append(
-                LoadSpec(
-                    request.request_id,
-                    transfer.prompt,
-                    slot_mapping_for(block_ids, self.block_size, num_end),
-                    num_start,
-                    num_end,
-                    transfer.cache_salt,
-                )
-            )
+            self._add_tail_load(transfer, block_ids, num_start, num_end)
         if tail.final and self.fetcher is not None:
             self.fetcher.release(job)  # the lookup pins above hold the chunks it loads
+
+    def _add_tail_load(
+        self, transfer: RequestTransfer, block_ids: Sequence[int], num_start: int, num_end: int
+    ) -> list:
+        """Record the load of prompt tokens [num_start, num_end) at a request's compute limit
+        for the next metadata, its chunks lookup-pinned until the load's plan; returns the
+        prompt's chunk spans."""
+        spans = self.cache_engine.token_db.chunk_spans(transfer.prompt, transfer.cache_salt)
+        # As at admission: every chunk up to the load's end (the plan releases them all).
+        self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_end])
+        self.registry.admitted(transfer, transfer.figures.num_gpu_hit_tokens, num_end - num_start)
+        self._pending_loads.append(
+            LoadSpec(
+                transfer.request_id,
+                transfer.prompt,
+                slot_mapping_for(block_ids, self.block_size, num_end),
+                num_start,
+                num_end,
+                transfer.cache_salt,
+            )
+        )
+        return spans
+
+    # ---- an admission's CPU-tier load cut short by the step's time --------------------
+    def _defer_cpu_load(self, transfer: RequestTransfer, spans: list, num_start: int, num_end: int) -> None:
+        """The admitting step loads the CPU tier's tokens up to ``num_start`` only: pin the
+        chunks of [num_start, num_end) for the request (those still there; the rest of the
+        hit after a missing one is recomputed) and stop its compute at ``num_start`` until
+        they are loaded."""
+        cpu = self.cache_engine.tiers.cpu
+        keys = [span.key for span in spans if span.end > num_start and span.start < num_end]
+        num_pinned = cpu.pin(keys, PinKind.DEFERRED) if cpu is not None else 0
+        if num_pinned == 0:
+            return
+        last = next(span for span in spans if span.key == keys[num_pinned - 1])
+        transfer.deferred_keys = keys[:num_pinned]
+        transfer.num_deferred_end = min(num_end, last.end)
+        transfer.compute_limit = num_start
+
+    def _load_deferred_piece(
+        self, transfer: RequestTransfer, block_ids: Sequence[int], num_start: int, num_tokens: int
+    ) -> None:
+        """Load the next ``num_tokens`` of the deferred rest from ``num_start`` (the request's
+        compute limit); the lookup pins of the load take over its chunks' deferred pins."""
+        num_end = num_start + num_tokens
+        if num_tokens > 0:
+            spans = self._add_tail_load(transfer, block_ids, num_start, num_end)
+            taken = {span.key for span in spans if span.start < num_end}
+            self._unpin_deferred(transfer, [key for key in transfer.deferred_keys if key in taken])
+        if num_end >= transfer.num_deferred_end:
+            self._unpin_deferred(transfer, list(transfer.deferred_keys))
+            transfer.num_deferred_end = None
+            # next: the head recomputed while its tail is fetched, or everything after it
+            transfer.compute_limit = transfer.decision.num_head_end if transfer.tail_pending else None
+        else:
+            transfer.compute_limit = num_end
+
+    def _unpin_deferred(self, transfer: RequestTransfer, keys: list[str]) -> None:
+        if not keys:
+            return
+        self.cache_engine.tiers.cpu.unpin(keys, PinKind.DEFERRED)
+        dropped = set(keys)
+        transfer.deferred_keys = [key for key in transfer.deferred_keys if key not in dropped]
+
+    def _release_held(self, transfer: RequestTransfer) -> None:
+        """Drop what the request holds for loads still to come (an abort, a preemption, a
+        roll-back): its fetch and its pins, and the deferred rest of its CPU-tier load."""
+        if transfer.fetch is not None and self.fetcher is not None:
+            self.fetcher.release(transfer.fetch)
+        self._unpin_deferred(transfer, list(transfer.deferred_keys))
+        transfer.num_deferred_end = None
 
     def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchJob:
         """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the
@@ -428,8 +529,8 @@ class OffloadScheduler(KVConnectorScheduler):
         self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request.request_id]
         self._pending_fetches = [job for job in self._pending_fetches if job.request_id != request.request_id]
         transfer, sending = self.registry.finish(request.request_id)
-        if transfer is not None and transfer.fetch is not None and self.fetcher is not None:
-            self.fetcher.release(transfer.fetch)  # an abort while waiting: its pins go now
+        if transfer is not None:
+            self._release_held(transfer)  # an abort while waiting or partly loaded: its pins go now
         # The engine writes the request's one log line with these figures (request_stats).
         return sending
 
@@ -438,8 +539,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self._pending_fetches = [job for job in self._pending_fetches if job.request_id != request.request_id]
         transfer = self.registry.get(request.request_id)
         if transfer is not None:
-            if transfer.fetch is not None and self.fetcher is not None:
-                self.fetcher.release(transfer.fetch)
+            self._release_held(transfer)
             self.registry.preempted(transfer)  # looked up and planned again when readmitted
 
     def wait_for_transfers(self, timeout_s: float) -> None:

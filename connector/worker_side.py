@@ -203,8 +203,9 @@ class OffloadWorker(KVConnectorWorker):
         if self._timing is not None:
             move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
         num_step_tokens = sum(load.plan.num_loaded_end - load.spec.num_load_start for load in self._loads)
-        if self.planner is not None and self.fetcher is not None and num_step_tokens:
-            # every load reads the CPU tier here: its rate is the host read plus the move
+        if self.planner is not None and num_step_tokens:
+            # With a planner every load reads the CPU tier (a fetcher brought the lower tiers'
+            # chunks into it, or it is the only tier): its rate is the host read plus the move
             self.planner.observe_read(
                 "cpu",
                 num_step_tokens * engine.bytes_per_token,

@@ -17,7 +17,10 @@ compute limit, loading the rest as it arrives, until the fetch ended and it comp
 whose lookup is not answered yet is skipped for the step. Neither holds up the
 requests behind it. While a request decodes, the prompt tokens of a step are capped
 (`prefill_cap`, engine.prefill_cap) so that the decode's next token is not held up by
-a long prefill step.
+a long prefill step, and so are its loads from the CPU tier: an admission's load or a
+tail takes the whole chunks that fit the step's time left (`fit_load_tokens`, at least
+one), the rest is loaded in the following steps, the request computing nothing until
+it is all in.
 """
 
 from __future__ import annotations
@@ -171,7 +174,15 @@ class Scheduler:
             num_loaded = num_tail or 0
             prefilling = step_cap is not None and not _is_decoding(request)
             if prefilling:
-                if num_loaded:  # the tail's copy runs in this step too
+                if num_loaded:  # the tail's copy runs in this step too: what fits the step's time
+                    num_fit = self.connector.fit_load_tokens(
+                        request.num_computed_tokens, num_loaded, step_cap.time_left_s
+                    )
+                    if num_fit < num_loaded:
+                        # the rest in the next steps; it computes nothing until all is in
+                        num_tail = num_loaded = num_fit
+                        tail = tail._replace(final=False)
+                        loads_only, num_new = True, 0
                     step_cap.spend_seconds(self.connector.estimate_load_seconds(num_loaded))
                 if not loads_only:
                     num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
@@ -268,7 +279,13 @@ class Scheduler:
                     # rest is in (pipelined loads); it runs from now on, at its compute limit.
                     num_new, only_loads = 0, True
             if step_cap is not None:
-                if num_external:  # its load from the CPU tier runs in this step too
+                if num_external:  # its load from the CPU tier runs in this step too: what fits
+                    num_fit = self.connector.fit_load_tokens(num_gpu_hit, num_external, step_cap.time_left_s)
+                    if num_fit < num_external:
+                        # The connector keeps the rest for the next steps (at its compute
+                        # limit, as a tail); it computes nothing until all is in.
+                        num_external, num_new, only_loads = num_fit, 0, True
+                        num_computed = num_gpu_hit + num_external
                     step_cap.spend_seconds(self.connector.estimate_load_seconds(num_external))
                 if not only_loads:
                     num_new = step_cap.limit(num_computed, num_new)

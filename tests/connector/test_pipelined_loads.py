@@ -9,6 +9,10 @@ never wall-clock time."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 
 from connector import OffloadConfig
@@ -96,6 +100,43 @@ def step_until_partly_loaded(engine, connector, request_id: str, max_steps: int 
     raise AssertionError(f"{request_id} never ran partly loaded in {max_steps} steps")
 
 
+@dataclass
+class PartlyLoadedHit:
+    """A request ("hit") of a fresh prompt whose KV is in the slow remote, running with part
+    of its fetch loaded and the rest still coming."""
+
+    prompt: list[int]
+    #: its tokens recomputed without offload
+    baseline: list[int]
+    remote: SlowRemote
+    llm: object
+    connector: object
+    engine: object
+    request: object
+    transfer: object
+
+
+@contextlib.contextmanager
+def partly_loaded_hit(model_dir, redis_server, seed: int) -> Iterator[PartlyLoadedHit]:
+    """Store a prompt's KV in the slow remote, submit it to a fresh engine and step until
+    it runs partly loaded; closes the engine's tiers and the proxy afterwards."""
+    prompt = make_prompt(PROMPT_LEN, seed)
+    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
+    remote = SlowRemote(model_dir, redis_server, [prompt])
+    try:
+        llm = new_llm(model_dir, remote_config(remote.url))
+        try:
+            connector = connector_of(llm)
+            engine = llm.engine
+            engine.add_request("hit", prompt, PARAMS)
+            request, transfer = step_until_partly_loaded(engine, connector, "hit")
+            yield PartlyLoadedHit(prompt, baseline, remote, llm, connector, engine, request, transfer)
+        finally:
+            close(llm)
+    finally:
+        remote.close()
+
+
 def wait_for_reads(connector) -> None:
     for _ in range(100_000):  # reads in flight finish for the tier alone
         connector.fetcher.wait_for_progress(0.01)
@@ -137,82 +178,51 @@ def test_a_hit_loads_in_pieces_as_chunks_arrive_with_identical_tokens(model_dir,
 def test_a_read_failing_midway_after_partial_loads_recomputes_the_rest(model_dir, redis_server):
     import redis
 
-    prompt = make_prompt(PROMPT_LEN, 52)
-    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
-    remote = SlowRemote(model_dir, redis_server, [prompt])
-    try:
-        llm = new_llm(model_dir, remote_config(remote.url))
-        connector = connector_of(llm)
-        spans = connector.cache_engine.token_db.chunk_spans(prompt)
-        engine = llm.engine
-        engine.add_request("hit", prompt, PARAMS)
-        request, transfer = step_until_partly_loaded(engine, connector, "hit")
-        assert transfer.fetch.num_ready_chunks < 6  # chunks are read in order, one at a time
+    with partly_loaded_hit(model_dir, redis_server, 52) as hit:
+        connector = hit.connector
+        spans = connector.cache_engine.token_db.chunk_spans(hit.prompt)
+        assert hit.transfer.fetch.num_ready_chunks < 6  # chunks are read in order, one at a time
         # Chunk 6 vanishes after the lookup found it: its read misses, the fetch stops there.
         redis_tier = connector.cache_engine.tiers.lower[0]
         with redis.Redis(port=redis_server.port) as direct:
             assert direct.delete(redis_tier.key_prefix + spans[6].key) == 1
-        pieces = [request.num_computed_tokens, *step_until_loaded(engine, "hit")]
-        output = run_to_end(engine, "hit")
-        assert output.token_ids == baseline
+        pieces = [hit.request.num_computed_tokens, *step_until_loaded(hit.engine, "hit")]
+        output = run_to_end(hit.engine, "hit")
+        assert output.token_ids == hit.baseline
         assert len(set(pieces)) >= 2 and all(n % CHUNK_SIZE == 0 for n in pieces)
         assert max(pieces) <= 6 * CHUNK_SIZE
         assert output.metrics.tier_to_loaded_tokens == {"redis": 6 * CHUNK_SIZE}
         assert output.metrics.num_external_cached_tokens == 6 * CHUNK_SIZE
         wait_for_reads(connector)
         assert connector.cache_engine.tiers.cpu.pin_counts() == {}
-        close(llm)
-    finally:
-        remote.close()
 
 
 def test_abort_while_partly_loaded_releases_everything(model_dir, redis_server):
-    prompt = make_prompt(PROMPT_LEN, 53)
-    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
-    remote = SlowRemote(model_dir, redis_server, [prompt])
-    try:
-        llm = new_llm(model_dir, remote_config(remote.url))
-        connector = connector_of(llm)
-        engine = llm.engine
-        engine.add_request("hit", prompt, PARAMS)
-        request, _ = step_until_partly_loaded(engine, connector, "hit")
-        assert request.block_ids  # it holds blocks for what it loaded
+    with partly_loaded_hit(model_dir, redis_server, 53) as hit:
+        connector, engine = hit.connector, hit.engine
+        assert hit.request.block_ids  # it holds blocks for what it loaded
         engine.abort_request("hit")
         assert connector.registry.get("hit") is None
         assert not engine.has_unfinished_requests()
         assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
-        remote.proxy.rate_bytes_per_s = None
+        hit.remote.proxy.rate_bytes_per_s = None
         wait_for_reads(connector)
         assert connector.cache_engine.tiers.cpu.stats()["num_pinned"] == 0
         assert connector.cache_engine.tiers.num_pinned() == 0
-        assert llm.generate([prompt], PARAMS)[0].token_ids == baseline
-        close(llm)
-    finally:
-        remote.close()
+        assert hit.llm.generate([hit.prompt], PARAMS)[0].token_ids == hit.baseline
 
 
 def test_preempted_while_partly_loaded_the_request_starts_over_with_identical_tokens(model_dir, redis_server):
-    prompt = make_prompt(PROMPT_LEN, 54)
-    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
-    remote = SlowRemote(model_dir, redis_server, [prompt])
-    try:
-        llm = new_llm(model_dir, remote_config(remote.url))
-        connector = connector_of(llm)
-        engine = llm.engine
-        engine.add_request("hit", prompt, PARAMS)
-        request, transfer = step_until_partly_loaded(engine, connector, "hit")
-        old_fetch = transfer.fetch
-        engine.scheduler.running.remove(request)
-        engine.scheduler._preempt(request)  # as when blocks run out
-        output = run_to_end(engine, "hit")
+    with partly_loaded_hit(model_dir, redis_server, 54) as hit:
+        old_fetch = hit.transfer.fetch
+        hit.engine.scheduler.running.remove(hit.request)
+        hit.engine.scheduler._preempt(hit.request)  # as when blocks run out
+        output = run_to_end(hit.engine, "hit")
         assert old_fetch.done  # released at its readmission
-        assert output.token_ids == baseline
-        assert transfer.phase is not TransferPhase.FETCHING
-        wait_for_reads(connector)
-        assert connector.cache_engine.tiers.cpu.pin_counts() == {}
-        close(llm)
-    finally:
-        remote.close()
+        assert output.token_ids == hit.baseline
+        assert hit.transfer.phase is not TransferPhase.FETCHING
+        wait_for_reads(hit.connector)
+        assert hit.connector.cache_engine.tiers.cpu.pin_counts() == {}
 
 
 def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_prefix(redis_server):

@@ -106,9 +106,9 @@ def main() -> None:
         help="the engine's max_graph_tokens (default: the engine's; 0: suffixes run eagerly, as before mixed graphs)",
     )
     parser.add_argument(
-        "--staged-loads",
+        "--direct-loads",
         action="store_true",
-        help="load through the staging buffers (OffloadConfig.direct_host_loads=False), as before direct loads",
+        help="unpack straight from the pinned slots (OffloadConfig.direct_host_loads=True) instead of staging",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -131,7 +131,7 @@ def main() -> None:
         num_gpu_blocks=(max_len + 1024) // 16 * 2,
         max_num_seqs=4,
         kv_offload=OffloadConfig(
-            cpu_bytes=4 * max_len * bytes_per_token, direct_host_loads=not args.staged_loads
+            cpu_bytes=4 * max_len * bytes_per_token, direct_host_loads=args.direct_loads
         ),
         **({} if args.max_graph_tokens is None else {"max_graph_tokens": args.max_graph_tokens}),
     )

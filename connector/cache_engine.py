@@ -75,7 +75,7 @@ class CacheEngine:
         #: CPU moves on a worker thread (``OffloadConfig.cpu_async_moves``: CI runs the async paths)
         self.cpu_async_moves = False
         #: CUDA loads from pinned slots read the host memory in the kernel (``OffloadConfig.direct_host_loads``)
-        self.direct_host_loads = True
+        self.direct_host_loads = False
         self.num_corrupt_chunks = 0
         # Stores whose device→host copies are queued but maybe not done, oldest first:
         # (event after their copies or None on CPU, the store, called with its token count).

@@ -78,7 +78,7 @@ class KVMover:
         chunk_shape: tuple[int, ...],  # [num_layers, 2, chunk_size, num_kv_heads, head_dim]
         *,
         cpu_worker_thread: bool = False,
-        direct_host_loads: bool = True,
+        direct_host_loads: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"

@@ -136,6 +136,9 @@ def one_round(
     steps: list[dict] = []  # the window's steps until the prompt's first token
     recorder = HitLoadRecorder(llm, hit_id)
     while first_token_at is None or len(decode_times) < 3 or decode_times[-1] <= first_token_at:
+        hit_request = engine.requests.get(hit_id)
+        computed_before = 0 if hit_request is None else hit_request.num_computed_tokens
+        kinds_before = dict(engine.runner.step_kinds)
         began = time.perf_counter()
         with recorder:
             outputs = engine.step()
@@ -150,8 +153,19 @@ def one_round(
         num_loaded = recorder.take()
         if first_token_at is None or not steps or steps[-1]["end"] < first_token_at:
             ended = time.perf_counter()
+            hit_request = engine.requests.get(hit_id)
+            computed_after = computed_before if hit_request is None else hit_request.num_computed_tokens
+            kinds = {k: n - kinds_before.get(k, 0) for k, n in engine.runner.step_kinds.items()}
             steps.append(
-                {"end": ended, "ms": (ended - began) * 1e3, "loaded": num_loaded, "decoded": decoded}
+                {
+                    "end": ended,
+                    "ms": (ended - began) * 1e3,
+                    "loaded": num_loaded,
+                    "decoded": decoded,
+                    # the prompt's tokens this step advanced (loaded or computed), and how it ran
+                    "advanced": max(0, computed_after - computed_before),
+                    "kind": ",".join(k for k, n in kinds.items() if n > 0),
+                }
             )
         hit_request = engine.requests.get(hit_id)
         num_done = (

@@ -195,9 +195,20 @@ def main() -> None:
     scheduler = llm.engine.scheduler
     ngram = NgramProposer(k, min_n=2, max_n=4)
     warmup = edit_prompts(max(batch_sizes), text_len, config.vocab_size, seed=99)
+    warmup_params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    warmup_outputs = None
     for proposer in (None, ngram):  # compile kernels for decode and verification shapes
         scheduler.proposer = proposer
-        timed_decode(llm, warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), counter)
+        run = timed_decode(llm, warmup, warmup_params, counter)
+        warmup_outputs = warmup_outputs or run["outputs"]
+    # ... and the replayed drafts' (K drafts in every verification, partly accepted): the
+    # first timed replay run must not pay their first steps
+    warmup_continuations = {tuple(p): o for p, o in zip(warmup, warmup_outputs, strict=True)}
+    for fraction in (0.0, 0.5):
+        scheduler.proposer = ReplayProposer(
+            k, warmup_continuations, config.vocab_size, corrupt_fraction=fraction
+        )
+        timed_decode(llm, warmup, warmup_params, counter)
 
     ngram_rows, replay_rows = [], []
     batch_to_plain: dict[int, dict] = {}
@@ -254,7 +265,7 @@ def main() -> None:
         max_model_len=max_model_len,
         deterministic=args.deterministic,
     )
-    timed_decode(graph_llm, warmup, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), counter)
+    timed_decode(graph_llm, warmup, warmup_params, counter)
     batch_to_graph_tps = {}
     for batch_size in batch_sizes:
         prompts = edit_prompts(batch_size, text_len, config.vocab_size, seed=batch_size)

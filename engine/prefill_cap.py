@@ -127,9 +127,18 @@ class StepPrefillCap:
             num_fit = aligned
         if self.num_prefills == 0:
             # The step's only prompt: at least a block, and enough tokens to be worth the
-            # step's fixed costs (rounded up to a block boundary).
-            num_worthwhile = _smallest_worthwhile(model, num_computed, num_new)
+            # step's fixed costs (rounded up to a block boundary). Within the graph's room
+            # when it has some: the worth of an eager chunk rests on the model's per-token
+            # rate, and where that rate came out low (on the H100 the first capped chunk of
+            # a 16k prompt was 3,700-6,100 tokens, 109-178 ms) the cap broke its own budget.
+            upper = num_new
+            if model.graph_token_limit > 0 and graph_room > 0:
+                upper = min(num_new, graph_room)
+            num_worthwhile = _smallest_worthwhile(model, num_computed, upper)
             num_worthwhile = -(-(num_computed + num_worthwhile) // block_size) * block_size - num_computed
+            if num_worthwhile > upper:  # rounded past the graph's room: down to a block boundary
+                below = (num_computed + upper) // block_size * block_size - num_computed
+                num_worthwhile = below if below > 0 else upper
             num_fit = max(num_fit, min(num_new, max(block_size, num_worthwhile)))
         return max(0, num_fit)
 

@@ -197,6 +197,20 @@ def test_while_others_decode_a_prompt_stays_in_graph_sized_steps():
     )
 
 
+def test_a_low_fitted_token_rate_never_takes_the_first_chunk_out_of_the_graph():
+    """The H100 case: a model whose fitted per-token cost is low (a 512-token chunk looks
+    cheap beside the graph step's fixed cost, so "not worth its step") made the first capped
+    chunk of a 16k prompt an eager one of 3,700-6,100 tokens that took 109-178 ms under a
+    50 ms cap. With room in the graph, the chunk stays in it."""
+    model = StepTimeModel.from_parameters(
+        graph_token_limit=512, step_s=0.007, eager_step_s=0.045, tokens_per_s=400_000.0
+    )
+    step = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=50.0, step_times=model).for_step(num_decoding=1)
+    num_tokens = step.limit(0, 16384)
+    assert 0 < num_tokens <= 511 and num_tokens % BLOCK_SIZE == 0
+    assert model.step_seconds([(0, num_tokens)]) <= 0.05
+
+
 def test_a_load_in_the_step_counts_against_the_prefill_time():
     cap = PrefillCap(BLOCK_SIZE, max_decode_gap_ms=40.0, step_times=measured_rates(1000))
     scheduler = Scheduler(

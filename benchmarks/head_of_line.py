@@ -242,6 +242,13 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
                 )
     planner = llm.engine.scheduler.connector.planner
     rates = planner.snapshot() if planner is not None else {}
+    # what the planner and the cap planned with: the step-time model's parameters and its
+    # prediction of a lone recompute at a few lengths (against the TTFTs measured above)
+    step_times = llm.engine.step_times
+    step_time_model = {
+        **step_times.parameters(),
+        **{f"prefill_s:{n}": step_times.prefill_seconds(0, n) for n in (4096, 8192, 16384)},
+    }
     del llm
     if engine_args["device"] == "cuda":
         torch.cuda.empty_cache()
@@ -272,6 +279,7 @@ def measure(name: str, offload: OffloadConfig, config, engine_args: dict, args, 
                 "planned_recompute_tokens": last_hit["planned_recompute_tokens"],
                 "page_cache_dropped": last_hit["page_cache_dropped"],
                 "planner_rates": rates,
+                "step_time_model": step_time_model,
                 "runs": runs,
             }
         )

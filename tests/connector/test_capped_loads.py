@@ -226,13 +226,20 @@ def test_at_least_one_chunk_loads_per_step_when_none_fits(model_dir, source):
     assert engine.cpu_pins() == {}
 
 
-def test_abort_while_partly_loaded_releases_everything(model_dir, source):
-    tier, prompt, make = source
+def _partly_loaded_hit(model_dir, source):
+    """-> (recomputed tokens of the source's prompt, its engine with a decode running and
+    the hit partly loaded, the hit's request)."""
+    _, prompt, make = source
     baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
     engine = make()
     engine.start_decode()
     engine.engine.add_request("hit", prompt, PARAMS)
-    request = engine.step_until_partly_loaded()
+    return baseline, engine, engine.step_until_partly_loaded()
+
+
+def test_abort_while_partly_loaded_releases_everything(model_dir, source):
+    prompt = source[1]
+    baseline, engine, request = _partly_loaded_hit(model_dir, source)
     assert request.num_computed_tokens == NUM_FIT and request.block_ids
     assert engine.cpu_pins()  # the rest is held for it
     engine.engine.abort_request("hit")
@@ -248,12 +255,8 @@ def test_abort_while_partly_loaded_releases_everything(model_dir, source):
 
 
 def test_preempted_while_partly_loaded_the_request_starts_over_with_identical_tokens(model_dir, source):
-    tier, prompt, make = source
-    baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
-    engine = make()
-    engine.start_decode()
-    engine.engine.add_request("hit", prompt, PARAMS)
-    request = engine.step_until_partly_loaded()
+    tier = source[0]
+    baseline, engine, request = _partly_loaded_hit(model_dir, source)
     assert request.num_computed_tokens == NUM_FIT
     scheduler = engine.engine.scheduler
     scheduler.running.remove(request)

@@ -31,7 +31,12 @@ The same protocol is served on a Unix domain socket as well (``unix_path``),
 for clients on this host: no TCP/IP stack, no TLS (the kernel carries the bytes
 within the machine); the token is checked as on TCP, and so are the deadlines.
 A Get is sent from the stored buffer itself: reply header and value leave in
-one ``sendmsg`` of two memoryviews (no copy, no join).
+one ``sendmsg`` of two memoryviews (no copy, no join). A Unix-socket connection
+may also ask for a shared-memory staging area (``storage_backends.staging_area``,
+at most ``Limits.max_staging_bytes``, reserved against the memory tier's cap
+until the connection ends); its staged Puts leave the value there and send only
+the request, and the server copies the value out into the buffer it keeps,
+checksumming it on the way, with every check a streamed Put gets.
 
 Built and started by :class:`cache_server.server.CacheServer`, stopped by it
 (:meth:`BulkServer.stop`: no new connections, requests in flight get the grace
@@ -53,11 +58,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from cache_server.memory_tier import Reservation
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from storage_backends import bulk_channel as wire
 from storage_backends.chunk import ChunkFormatError
+from storage_backends.staging_area import StagingArea, create_sealed_area, staging_supported
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,8 @@ DEADLINE_POLL_S = 0.1
 RECV_BYTES = 1 << 20
 #: how often stop() looks for connections that went idle
 STOP_POLL_S = 0.05
+#: the memory tier's name for the room a staging area holds (never a stored key)
+STAGING_RESERVATION_KEY = "<bulk staging area>"
 
 
 class ProtocolError(Exception):
@@ -87,6 +96,19 @@ class _Connection:
     tenant: Tenant = OPEN_ACCESS
     #: time.monotonic() by which the current phase (hello, request) must end; None while idle
     deadline: float | None = None
+    #: the shared-memory staging area this connection's client writes values into (Unix only)
+    staging: StagingArea | None = None
+    #: the memory tier's room held for ``staging`` (released with it)
+    staging_reservation: Reservation | None = None
+
+    def drop_staging(self) -> None:
+        """Unmap the staging area and release its room (the connection ended or asked for a new one)."""
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        if self.staging_reservation is not None:
+            self.staging_reservation.release()
+            self.staging_reservation = None
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -247,6 +269,7 @@ class BulkServer:
         finally:
             with self._lock:
                 self._connections.discard(connection)
+            connection.drop_staging()
             connection.sock.close()
 
     def _accept_hello(self, connection: _Connection) -> bool:
@@ -282,14 +305,18 @@ class BulkServer:
             connection.deadline = started + self._limits.request_timeout_s
             op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
             key_bytes = _receive(sock, key_len)
-            if op in (wire.OP_PUT, wire.OP_PUT_STREAMED):
+            if op in (wire.OP_PUT, wire.OP_PUT_STREAMED, wire.OP_PUT_STAGED):
                 connection.deadline = started + self._limits.transfer_deadline_s(value_len)
                 if op == wire.OP_PUT:
                     self._put(connection, key_bytes, value_len)
-                else:
+                elif op == wire.OP_PUT_STREAMED:
                     self._put_streamed(connection, key_bytes, value_len)
+                else:
+                    self._put_staged(connection, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
                 self._get(connection, key_bytes, started)
+            elif op == wire.OP_STAGING_AREA:
+                self._give_staging_area(connection, key_bytes, value_len)
             else:
                 # What follows the header cannot be trusted, so the connection ends here.
                 sock.sendall(
@@ -354,6 +381,88 @@ class BulkServer:
         service.counters.count_put(connection.transport, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
+    @property
+    def largest_staging_area(self) -> int:
+        """``Limits.max_staging_bytes``, and at most an eighth of the memory tier: areas are
+        reserved in it, so on a small tier they must leave room for the values."""
+        return min(self._limits.max_staging_bytes, self._service.store.memory_capacity_bytes // 8)
+
+    def _give_staging_area(self, connection: _Connection, key_bytes: bytes, num_bytes: int) -> None:
+        """Replace the connection's staging area with a new sealed one of ``num_bytes``, its room
+        reserved in the memory tier, and send its descriptor with the OK reply. Refused (in
+        step: nothing follows the request) on TCP, over ``Limits.max_staging_bytes``, or when
+        the memory tier has no room; the connection then keeps no area."""
+        sock = connection.sock
+        try:
+            connection.drop_staging()
+            if connection.transport != wire.TRANSPORT_UNIX or not staging_supported():
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "staging areas are only offered on the Unix socket"
+                )
+            largest = self.largest_staging_area
+            if key_bytes or not 0 < num_bytes <= largest:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a staging area takes no key and 1 to {largest} bytes, not {num_bytes}",
+                )
+            reservation = self._service.store.memory.reserve(STAGING_RESERVATION_KEY, num_bytes)
+            try:
+                fd, area = create_sealed_area(num_bytes)
+            except OSError as error:
+                reservation.release()
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot create a staging area: {error}"
+                ) from None
+            connection.staging, connection.staging_reservation = area, reservation
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            self._refuse(sock, error)
+            return
+        try:
+            reply = wire.encode_reply(wire.STATUS_OK, value_len=num_bytes)
+            num_sent = socket.send_fds(sock, [reply], [fd])
+            if num_sent < len(reply):
+                sock.sendall(reply[num_sent:])
+        finally:
+            os.close(fd)
+
+    def _put_staged(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+        """Store the value the client writes to the start of its staging area: the checks of a
+        streamed Put, then each segment the client's progress frames announce is copied into a
+        new buffer and checksummed while the client writes the next (the client can still
+        write to the area, so only the copy is verified and kept), then one reply. A refusal
+        reads the remaining progress frames first, so the connection stays in step."""
+        service, sock = self._service, connection.sock
+        progress = _StagedProgress(sock, value_len)
+        try:
+            with service.stream_slot():
+                key = service.check_access(
+                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
+                )
+                service.check_size(value_len)
+                area = connection.staging
+                if area is None or value_len > area.size:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a staged value of {value_len} bytes needs a staging area that holds it "
+                        f"(this connection has {area.size if area else 'none'})",
+                    )
+                reservation = service.store.memory.reserve(key, value_len)
+                try:
+                    assembler = ValueAssembler(value_len, key)
+                    with area.view() as source:
+                        data = assembler.fill_from(source[:value_len], progress.wait_beyond)
+                    service.store.put_verified(key, data, reservation)
+                finally:
+                    reservation.release()  # a no-op once stored
+        except (OSError, ProtocolError):
+            raise
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            progress.drain()
+            self._refuse(sock, error)
+            return
+        service.counters.count_put(wire.TRANSPORT_SHM, value_len)
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
+
     def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
         service, sock = self._service, connection.sock
         try:
@@ -381,6 +490,49 @@ class BulkServer:
         code, message = status_for(error)
         self._service.counters.count_failure(code)
         sock.sendall(wire.encode_reply(code.value[0], message))
+
+
+class _StagedProgress:
+    """The progress frames of one staged Put (``bulk_channel.PROGRESS``): how many bytes of
+    its value the client has written to the staging area so far. Counts must grow and end at
+    exactly the value's length; anything else is a ProtocolError (the connection is closed)."""
+
+    #: most bytes asked of one recv (frames that piled up while the server copied)
+    READ_BYTES = 64 * wire.PROGRESS.size
+
+    def __init__(self, sock: socket.socket, value_len: int) -> None:
+        self._sock = sock
+        self._value_len = value_len
+        #: the newest count the client announced
+        self.num_written = 0
+        self._partial = bytearray()
+
+    def wait_beyond(self, num_bytes: int) -> int:
+        """Block until more than ``num_bytes`` are announced; the newest count."""
+        while self.num_written <= num_bytes:
+            if self.num_written == self._value_len:
+                raise ProtocolError(f"asked for more than the {self._value_len} bytes of a staged value")
+            self._read()
+        return self.num_written
+
+    def drain(self) -> None:
+        """Read the frames still to come, up to the last one (the value's length)."""
+        while self.num_written < self._value_len:
+            self._read()
+
+    def _read(self) -> None:
+        data = self._sock.recv(self.READ_BYTES)
+        if not data:
+            raise ConnectionError(f"client closed after announcing {self.num_written} staged bytes")
+        self._partial += data
+        num_whole = len(self._partial) - len(self._partial) % wire.PROGRESS.size
+        for (count,) in wire.PROGRESS.iter_unpack(self._partial[:num_whole]):
+            if not self.num_written < count <= self._value_len:
+                raise ProtocolError(f"staged progress {count} after {self.num_written} of {self._value_len}")
+            self.num_written = count
+        del self._partial[:num_whole]
+        if self.num_written == self._value_len and self._partial:
+            raise ProtocolError("bytes after a staged value's last progress frame")
 
 
 def _decode_key(key_bytes: bytes) -> str:

@@ -34,7 +34,8 @@ A Get is sent from the stored buffer itself: reply header and value leave in
 one ``sendmsg`` of two memoryviews (no copy, no join). A Unix-socket connection
 may also ask for a shared-memory staging area (``storage_backends.staging_area``,
 at most ``Limits.max_staging_bytes``, reserved against the memory tier's cap
-until the connection ends); its staged Puts leave the value there and send only
+while in use; when the connection ends it is kept for the same tenant's next
+connection, ``cache_server.staging_pool``); its staged Puts leave the value there and send only
 the request, and the server copies the value out into the buffer it keeps,
 checksumming it on the way, with every check a streamed Put gets.
 
@@ -58,13 +59,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from cache_server.memory_tier import Reservation
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
+from cache_server.staging_pool import HeldArea, StagingAreaPool
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from storage_backends import bulk_channel as wire
 from storage_backends.chunk import ChunkFormatError
-from storage_backends.staging_area import StagingArea, create_sealed_area, staging_supported
+from storage_backends.staging_area import create_sealed_area, staging_supported
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +97,9 @@ class _Connection:
     tenant: Tenant = OPEN_ACCESS
     #: time.monotonic() by which the current phase (hello, request) must end; None while idle
     deadline: float | None = None
-    #: the shared-memory staging area this connection's client writes values into (Unix only)
-    staging: StagingArea | None = None
-    #: the memory tier's room held for ``staging`` (released with it)
-    staging_reservation: Reservation | None = None
-
-    def drop_staging(self) -> None:
-        """Unmap the staging area and release its room (the connection ended or asked for a new one)."""
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
-        if self.staging_reservation is not None:
-            self.staging_reservation.release()
-            self.staging_reservation = None
+    #: the shared-memory staging area this connection's client writes values into (Unix
+    #: only), with its descriptor and reserved room
+    staging: HeldArea | None = None
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -176,6 +167,8 @@ class BulkServer:
                 self._listener.server_close()
                 raise
         self._connections: set[_Connection] = set()
+        #: areas of ended connections, for the next connection of the same tenant
+        self._staging_pool = StagingAreaPool(self.largest_staging_area)
         self._lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
@@ -220,17 +213,20 @@ class BulkServer:
             with contextlib.suppress(OSError):  # already gone
                 os.unlink(self.unix_path)
         deadline = time.monotonic() + grace_s
-        while True:
-            with self._lock:
-                if not self._connections:
-                    return
-                force = time.monotonic() > deadline
-                for connection in self._connections:
-                    if force or not connection.busy:
-                        _shut(connection.sock)
-                if force:
-                    return
-            time.sleep(STOP_POLL_S)
+        try:
+            while True:
+                with self._lock:
+                    if not self._connections:
+                        return
+                    force = time.monotonic() > deadline
+                    for connection in self._connections:
+                        if force or not connection.busy:
+                            _shut(connection.sock)
+                    if force:
+                        return
+                time.sleep(STOP_POLL_S)
+        finally:
+            self._staging_pool.close()
 
     # ---- one connection ------------------------------------------------------------
     def serve_connection(self, sock: socket.socket, transport: str) -> None:
@@ -269,7 +265,7 @@ class BulkServer:
         finally:
             with self._lock:
                 self._connections.discard(connection)
-            connection.drop_staging()
+            self._release_staging(connection)
             connection.sock.close()
 
     def _accept_hello(self, connection: _Connection) -> bool:
@@ -387,14 +383,21 @@ class BulkServer:
         reserved in it, so on a small tier they must leave room for the values."""
         return min(self._limits.max_staging_bytes, self._service.store.memory_capacity_bytes // 8)
 
+    def _release_staging(self, connection: _Connection) -> None:
+        """The connection no longer uses its staging area: kept for its tenant's next one."""
+        if connection.staging is not None:
+            self._staging_pool.keep(connection.tenant.name, connection.staging)
+            connection.staging = None
+
     def _give_staging_area(self, connection: _Connection, key_bytes: bytes, num_bytes: int) -> None:
-        """Replace the connection's staging area with a new sealed one of ``num_bytes``, its room
-        reserved in the memory tier, and send its descriptor with the OK reply. Refused (in
-        step: nothing follows the request) on TCP, over ``Limits.max_staging_bytes``, or when
+        """Replace the connection's staging area with one of at least ``num_bytes``: a kept area
+        of the same tenant (``cache_server.staging_pool``) or a new sealed one, its room
+        reserved in the memory tier; its size and descriptor go with the OK reply. Refused (in
+        step: nothing follows the request) on TCP, over :attr:`largest_staging_area`, or when
         the memory tier has no room; the connection then keeps no area."""
         sock = connection.sock
         try:
-            connection.drop_staging()
+            self._release_staging(connection)
             if connection.transport != wire.TRANSPORT_UNIX or not staging_supported():
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT, "staging areas are only offered on the Unix socket"
@@ -405,25 +408,36 @@ class BulkServer:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"a staging area takes no key and 1 to {largest} bytes, not {num_bytes}",
                 )
-            reservation = self._service.store.memory.reserve(STAGING_RESERVATION_KEY, num_bytes)
-            try:
-                fd, area = create_sealed_area(num_bytes)
-            except OSError as error:
-                reservation.release()
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot create a staging area: {error}"
-                ) from None
-            connection.staging, connection.staging_reservation = area, reservation
+            held = self._staging_pool.take(connection.tenant.name, num_bytes)
+            if held is None:
+                held = self._new_staging_area(num_bytes)
+            else:
+                try:
+                    held.reservation = self._service.store.memory.reserve(
+                        STAGING_RESERVATION_KEY, held.area.size
+                    )
+                except Exception:
+                    self._staging_pool.keep(connection.tenant.name, held)
+                    raise
+            connection.staging = held
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
             self._refuse(sock, error)
             return
+        reply = wire.encode_reply(wire.STATUS_OK, value_len=held.area.size)
+        num_sent = socket.send_fds(sock, [reply], [held.fd])
+        if num_sent < len(reply):
+            sock.sendall(reply[num_sent:])
+
+    def _new_staging_area(self, num_bytes: int) -> HeldArea:
+        reservation = self._service.store.memory.reserve(STAGING_RESERVATION_KEY, num_bytes)
         try:
-            reply = wire.encode_reply(wire.STATUS_OK, value_len=num_bytes)
-            num_sent = socket.send_fds(sock, [reply], [fd])
-            if num_sent < len(reply):
-                sock.sendall(reply[num_sent:])
-        finally:
-            os.close(fd)
+            fd, area = create_sealed_area(num_bytes)
+        except OSError as error:
+            reservation.release()
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot create a staging area: {error}"
+            ) from None
+        return HeldArea(fd, area, reservation)
 
     def _put_staged(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
         """Store the value the client writes to the start of its staging area: the checks of a
@@ -439,7 +453,7 @@ class BulkServer:
                     connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
                 )
                 service.check_size(value_len)
-                area = connection.staging
+                area = connection.staging.area if connection.staging is not None else None
                 if area is None or value_len > area.size:
                     raise RequestError(
                         grpc.StatusCode.INVALID_ARGUMENT,

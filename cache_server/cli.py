@@ -90,7 +90,7 @@ __all__ = ["admin", "cache_server"]
     default=16.0,
     show_default=True,
     help="Largest shared-memory staging area of one same-host bulk connection, MiB (single Puts "
-    "up to this size skip the socket; each area counts against the memory tier while it lives).",
+    "up to this size skip the socket; each area counts against the memory tier while in use).",
 )
 @click.option(
     "--request-timeout-s",

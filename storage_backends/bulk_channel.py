@@ -39,9 +39,10 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   connection); replies come in request order, one per Put.
 - Staging area (``OP_STAGING_AREA``, protocol version 3, Unix socket only): the request
   carries no key and, as its value length, the size wanted (no value bytes follow); the
-  server answers OK with that size and, as ancillary data (``SCM_RIGHTS``), the descriptor
-  of a sealed shared-memory file of that size (``storage_backends.staging_area``), which
-  replaces the connection's previous area; or an error (over its size limit, no room).
+  server answers OK with the area's size (at least that asked; an area kept from an earlier
+  connection of the same tenant may be larger) and, as ancillary data (``SCM_RIGHTS``), the
+  descriptor of a sealed shared-memory file of that size (``storage_backends.staging_area``),
+  which replaces the connection's previous area; or an error (over its size limit, no room).
 - Staged Put (``OP_PUT_STAGED``, version 3): the client sends the request, then writes the
   value at the start of the connection's staging area a segment at a time, sending after
   each segment a progress frame (u64: bytes written so far, growing; the last one is the
@@ -519,12 +520,12 @@ class BulkClient:
                     self._refused_area_bytes = min(wanted, self._refused_area_bytes or wanted)
             logger.debug("bulk %s: no staging area of %d bytes (%s)", self.endpoint, wanted, reply.message)
             return None
-        if fd is None or reply.value_len != wanted:
+        if fd is None or not wanted <= reply.value_len <= self.max_value_bytes:
             if fd is not None:
                 os.close(fd)
             raise ConnectionError(f"garbled staging area reply ({reply.value_len} bytes, descriptor {fd})")
-        try:
-            area = StagingArea.from_fd(fd, wanted)
+        try:  # a kept area of an earlier connection may be larger than asked
+            area = StagingArea.from_fd(fd, reply.value_len)
         except ValueError as error:
             raise ConnectionError(f"unusable staging area: {error}") from None
         with self._lock:

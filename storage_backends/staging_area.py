@@ -33,6 +33,9 @@ AREA_SEALS = (
 )
 #: areas are whole multiples of this (a client asking for 2 MiB + a header gets 3 MiB)
 AREA_GRANULE_BYTES = 1 << 20
+#: both sides map an area with its pages in place: one call instead of a page fault per 4 KiB
+#: written or read (on the 2-core VM 1.6 us a fault: 3.5 ms for 9 MiB, against 0.6-1.3 ms)
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def staging_supported() -> bool:
@@ -62,7 +65,7 @@ class StagingArea:
                 raise ValueError(f"staging area is {os.fstat(fd).st_size} bytes, the reply said {size}")
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & AREA_SEALS != AREA_SEALS:
                 raise ValueError("staging area is not sealed against resizing")
-            return cls(mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE), size)
+            return cls(mmap.mmap(fd, size, flags=MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE), size)
         finally:
             os.close(fd)
 
@@ -113,7 +116,7 @@ def create_sealed_area(size: int) -> tuple[int, StagingArea]:
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, AREA_SEALS)
-        return fd, StagingArea(mmap.mmap(fd, size, prot=mmap.PROT_READ), size)
+        return fd, StagingArea(mmap.mmap(fd, size, flags=MAP_FLAGS, prot=mmap.PROT_READ), size)
     except BaseException:
         os.close(fd)
         raise

@@ -10,7 +10,8 @@ Both sides move the same serialized chunk bytes. The kvstash side is the
 engine's own ``grpc://`` tier, so it verifies the checksum of every Get on the
 client (redis-py does not) and the server verifies every Put: the production path.
 It runs once per transport (``--transports``), all against the same server:
-``unix`` (the bulk channel's Unix socket, chosen automatically on the same host),
+``unix`` (the bulk channel's Unix socket, chosen automatically on the same host; a
+single Put's value goes through the connection's shared-memory staging area),
 ``tcp`` (the bulk TCP port, ``?local=off``) and ``grpc`` (``?bulk=off``).
 
 ``--load-mib`` adds the end-to-end figure: that many MiB of KV in chunks of the

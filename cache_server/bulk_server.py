@@ -31,7 +31,13 @@ The same protocol is served on a Unix domain socket as well (``unix_path``),
 for clients on this host: no TCP/IP stack, no TLS (the kernel carries the bytes
 within the machine); the token is checked as on TCP, and so are the deadlines.
 A Get is sent from the stored buffer itself: reply header and value leave in
-one ``sendmsg`` of two memoryviews (no copy, no join).
+one ``sendmsg`` of two memoryviews (no copy, no join). A Unix-socket connection
+may also ask for a shared-memory staging area (``storage_backends.staging_area``,
+at most ``Limits.max_staging_bytes``, reserved against the memory tier's cap
+while in use; when the connection ends it is kept for the same tenant's next
+connection, ``cache_server.staging_pool``); its staged Puts leave the value there and send only
+the request, and the server copies the value out into the buffer it keeps,
+checksumming it on the way, with every check a streamed Put gets.
 
 Built and started by :class:`cache_server.server.CacheServer`, stopped by it
 (:meth:`BulkServer.stop`: no new connections, requests in flight get the grace
@@ -54,10 +60,12 @@ from dataclasses import dataclass
 import grpc
 
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
+from cache_server.staging_pool import HeldArea, StagingAreaPool
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
 from storage_backends import bulk_channel as wire
 from storage_backends.chunk import ChunkFormatError
+from storage_backends.staging_area import create_sealed_area, staging_supported
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,8 @@ DEADLINE_POLL_S = 0.1
 RECV_BYTES = 1 << 20
 #: how often stop() looks for connections that went idle
 STOP_POLL_S = 0.05
+#: the memory tier's name for the room a staging area holds (never a stored key)
+STAGING_RESERVATION_KEY = "<bulk staging area>"
 
 
 class ProtocolError(Exception):
@@ -87,6 +97,9 @@ class _Connection:
     tenant: Tenant = OPEN_ACCESS
     #: time.monotonic() by which the current phase (hello, request) must end; None while idle
     deadline: float | None = None
+    #: the shared-memory staging area this connection's client writes values into (Unix
+    #: only), with its descriptor and reserved room
+    staging: HeldArea | None = None
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -154,6 +167,8 @@ class BulkServer:
                 self._listener.server_close()
                 raise
         self._connections: set[_Connection] = set()
+        #: areas of ended connections, for the next connection of the same tenant
+        self._staging_pool = StagingAreaPool(self.largest_staging_area)
         self._lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
@@ -198,17 +213,20 @@ class BulkServer:
             with contextlib.suppress(OSError):  # already gone
                 os.unlink(self.unix_path)
         deadline = time.monotonic() + grace_s
-        while True:
-            with self._lock:
-                if not self._connections:
-                    return
-                force = time.monotonic() > deadline
-                for connection in self._connections:
-                    if force or not connection.busy:
-                        _shut(connection.sock)
-                if force:
-                    return
-            time.sleep(STOP_POLL_S)
+        try:
+            while True:
+                with self._lock:
+                    if not self._connections:
+                        return
+                    force = time.monotonic() > deadline
+                    for connection in self._connections:
+                        if force or not connection.busy:
+                            _shut(connection.sock)
+                    if force:
+                        return
+                time.sleep(STOP_POLL_S)
+        finally:
+            self._staging_pool.close()
 
     # ---- one connection ------------------------------------------------------------
     def serve_connection(self, sock: socket.socket, transport: str) -> None:
@@ -247,6 +265,7 @@ class BulkServer:
         finally:
             with self._lock:
                 self._connections.discard(connection)
+            self._release_staging(connection)
             connection.sock.close()
 
     def _accept_hello(self, connection: _Connection) -> bool:
@@ -282,14 +301,18 @@ class BulkServer:
             connection.deadline = started + self._limits.request_timeout_s
             op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
             key_bytes = _receive(sock, key_len)
-            if op in (wire.OP_PUT, wire.OP_PUT_STREAMED):
+            if op in (wire.OP_PUT, wire.OP_PUT_STREAMED, wire.OP_PUT_STAGED):
                 connection.deadline = started + self._limits.transfer_deadline_s(value_len)
                 if op == wire.OP_PUT:
                     self._put(connection, key_bytes, value_len)
-                else:
+                elif op == wire.OP_PUT_STREAMED:
                     self._put_streamed(connection, key_bytes, value_len)
+                else:
+                    self._put_staged(connection, key_bytes, value_len)
             elif op == wire.OP_GET and value_len == 0:
                 self._get(connection, key_bytes, started)
+            elif op == wire.OP_STAGING_AREA:
+                self._give_staging_area(connection, key_bytes, value_len)
             else:
                 # What follows the header cannot be trusted, so the connection ends here.
                 sock.sendall(
@@ -354,6 +377,106 @@ class BulkServer:
         service.counters.count_put(connection.transport, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
+    @property
+    def largest_staging_area(self) -> int:
+        """``Limits.max_staging_bytes``, and at most an eighth of the memory tier: areas are
+        reserved in it, so on a small tier they must leave room for the values."""
+        return min(self._limits.max_staging_bytes, self._service.store.memory_capacity_bytes // 8)
+
+    def _release_staging(self, connection: _Connection) -> None:
+        """The connection no longer uses its staging area: kept for its tenant's next one."""
+        if connection.staging is not None:
+            self._staging_pool.keep(connection.tenant.name, connection.staging)
+            connection.staging = None
+
+    def _give_staging_area(self, connection: _Connection, key_bytes: bytes, num_bytes: int) -> None:
+        """Replace the connection's staging area with one of at least ``num_bytes``: a kept area
+        of the same tenant (``cache_server.staging_pool``) or a new sealed one, its room
+        reserved in the memory tier; its size and descriptor go with the OK reply. Refused (in
+        step: nothing follows the request) on TCP, over :attr:`largest_staging_area`, or when
+        the memory tier has no room; the connection then keeps no area."""
+        sock = connection.sock
+        try:
+            self._release_staging(connection)
+            if connection.transport != wire.TRANSPORT_UNIX or not staging_supported():
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "staging areas are only offered on the Unix socket"
+                )
+            largest = self.largest_staging_area
+            if key_bytes or not 0 < num_bytes <= largest:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a staging area takes no key and 1 to {largest} bytes, not {num_bytes}",
+                )
+            held = self._staging_pool.take(connection.tenant.name, num_bytes)
+            if held is None:
+                held = self._new_staging_area(num_bytes)
+            else:
+                try:
+                    held.reservation = self._service.store.memory.reserve(
+                        STAGING_RESERVATION_KEY, held.area.size
+                    )
+                except Exception:
+                    self._staging_pool.keep(connection.tenant.name, held)
+                    raise
+            connection.staging = held
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            self._refuse(sock, error)
+            return
+        reply = wire.encode_reply(wire.STATUS_OK, value_len=held.area.size)
+        num_sent = socket.send_fds(sock, [reply], [held.fd])
+        if num_sent < len(reply):
+            sock.sendall(reply[num_sent:])
+
+    def _new_staging_area(self, num_bytes: int) -> HeldArea:
+        reservation = self._service.store.memory.reserve(STAGING_RESERVATION_KEY, num_bytes)
+        try:
+            fd, area = create_sealed_area(num_bytes)
+        except OSError as error:
+            reservation.release()
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot create a staging area: {error}"
+            ) from None
+        return HeldArea(fd, area, reservation)
+
+    def _put_staged(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+        """Store the value the client writes to the start of its staging area: the checks of a
+        streamed Put, then each segment the client's progress frames announce is copied into a
+        new buffer and checksummed while the client writes the next (the client can still
+        write to the area, so only the copy is verified and kept), then one reply. A refusal
+        reads the remaining progress frames first, so the connection stays in step."""
+        service, sock = self._service, connection.sock
+        progress = _StagedProgress(sock, value_len)
+        try:
+            with service.stream_slot():
+                key = service.check_access(
+                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
+                )
+                service.check_size(value_len)
+                area = connection.staging.area if connection.staging is not None else None
+                if area is None or value_len > area.size:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a staged value of {value_len} bytes needs a staging area that holds it "
+                        f"(this connection has {area.size if area else 'none'})",
+                    )
+                reservation = service.store.memory.reserve(key, value_len)
+                try:
+                    assembler = ValueAssembler(value_len, key)
+                    with area.view() as source:
+                        data = assembler.fill_from(source[:value_len], progress.wait_beyond)
+                    service.store.put_verified(key, data, reservation)
+                finally:
+                    reservation.release()  # a no-op once stored
+        except (OSError, ProtocolError):
+            raise
+        except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
+            progress.drain()
+            self._refuse(sock, error)
+            return
+        service.counters.count_put(wire.TRANSPORT_SHM, value_len)
+        sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
+
     def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
         service, sock = self._service, connection.sock
         try:
@@ -381,6 +504,49 @@ class BulkServer:
         code, message = status_for(error)
         self._service.counters.count_failure(code)
         sock.sendall(wire.encode_reply(code.value[0], message))
+
+
+class _StagedProgress:
+    """The progress frames of one staged Put (``bulk_channel.PROGRESS``): how many bytes of
+    its value the client has written to the staging area so far. Counts must grow and end at
+    exactly the value's length; anything else is a ProtocolError (the connection is closed)."""
+
+    #: most bytes asked of one recv (frames that piled up while the server copied)
+    READ_BYTES = 64 * wire.PROGRESS.size
+
+    def __init__(self, sock: socket.socket, value_len: int) -> None:
+        self._sock = sock
+        self._value_len = value_len
+        #: the newest count the client announced
+        self.num_written = 0
+        self._partial = bytearray()
+
+    def wait_beyond(self, num_bytes: int) -> int:
+        """Block until more than ``num_bytes`` are announced; the newest count."""
+        while self.num_written <= num_bytes:
+            if self.num_written == self._value_len:
+                raise ProtocolError(f"asked for more than the {self._value_len} bytes of a staged value")
+            self._read()
+        return self.num_written
+
+    def drain(self) -> None:
+        """Read the frames still to come, up to the last one (the value's length)."""
+        while self.num_written < self._value_len:
+            self._read()
+
+    def _read(self) -> None:
+        data = self._sock.recv(self.READ_BYTES)
+        if not data:
+            raise ConnectionError(f"client closed after announcing {self.num_written} staged bytes")
+        self._partial += data
+        num_whole = len(self._partial) - len(self._partial) % wire.PROGRESS.size
+        for (count,) in wire.PROGRESS.iter_unpack(self._partial[:num_whole]):
+            if not self.num_written < count <= self._value_len:
+                raise ProtocolError(f"staged progress {count} after {self.num_written} of {self._value_len}")
+            self.num_written = count
+        del self._partial[:num_whole]
+        if self.num_written == self._value_len and self._partial:
+            raise ProtocolError("bytes after a staged value's last progress frame")
 
 
 def _decode_key(key_bytes: bytes) -> str:

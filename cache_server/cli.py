@@ -85,6 +85,14 @@ __all__ = ["admin", "cache_server"]
     help="Bulk-channel connections open at once (more are closed; those clients use gRPC).",
 )
 @click.option(
+    "--max-staging-mb",
+    type=float,
+    default=16.0,
+    show_default=True,
+    help="Largest shared-memory staging area of one same-host bulk connection, MiB (single Puts "
+    "up to this size skip the socket; each area counts against the memory tier while in use).",
+)
+@click.option(
     "--request-timeout-s",
     type=float,
     default=10.0,
@@ -117,6 +125,7 @@ def cache_server(
     max_value_mb: float,
     max_concurrent_streams: int,
     max_bulk_connections: int,
+    max_staging_mb: float,
     request_timeout_s: float,
     min_rate_mib_s: float,
 ) -> None:
@@ -144,6 +153,7 @@ def cache_server(
                 max_value_bytes=int(max_value_mb * (1 << 20)),
                 max_concurrent_streams=max_concurrent_streams,
                 max_bulk_connections=max_bulk_connections,
+                max_staging_bytes=int(max_staging_mb * (1 << 20)),
                 request_timeout_s=request_timeout_s,
                 min_rate_bytes_per_s=int(min_rate_mib_s * (1 << 20)),
             ),

@@ -37,6 +37,21 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   for a "send it", a client sends the next Puts before the replies of the earlier
   ones come (:meth:`BulkClient.put_many`: up to ``put_window`` unanswered Puts per
   connection); replies come in request order, one per Put.
+- Staging area (``OP_STAGING_AREA``, protocol version 3, Unix socket only): the request
+  carries no key and, as its value length, the size wanted (no value bytes follow); the
+  server answers OK with the area's size (at least that asked; an area kept from an earlier
+  connection of the same tenant may be larger) and, as ancillary data (``SCM_RIGHTS``), the
+  descriptor of a sealed shared-memory file of that size (``storage_backends.staging_area``),
+  which replaces the connection's previous area; or an error (over its size limit, no room).
+- Staged Put (``OP_PUT_STAGED``, version 3): the client sends the request, then writes the
+  value at the start of the connection's staging area a segment at a time, sending after
+  each segment a progress frame (u64: bytes written so far, growing; the last one is the
+  value length; an empty value, which is refused, has none). The server copies each
+  announced segment out while the client writes the next (no value bytes cross the
+  socket), verifies and stores the value and answers once; a refusal reads the remaining
+  progress frames first, so the connection stays in step. A single Put from a client on
+  the same host goes this way (:meth:`BulkClient.put_many` with one item) when its value
+  fits an area the server grants; otherwise it is streamed.
 
 :class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
 Unix socket): at most ``max_connections`` in use at once, each reused by the
@@ -51,24 +66,32 @@ over gRPC. A reply with an error status raises :class:`BulkStatusError`.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socket
 import ssl
 import struct
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+from storage_backends.staging_area import StagingArea, area_size_for, staging_supported
 
 if TYPE_CHECKING:
     from storage_backends.chunk import KVChunk
     from storage_backends.chunk_receiver import Destination
 
-#: the version the server advertises: 2 added OP_PUT_STREAMED
-PROTOCOL_VERSION = 2
+logger = logging.getLogger(__name__)
+
+#: the version the server advertises: 2 added OP_PUT_STREAMED, 3 the staging area (OP_STAGING_AREA,
+#: OP_PUT_STAGED)
+PROTOCOL_VERSION = 3
 #: versions a client speaks to (a version-1 server gets ask-first Puts, one at a time per connection)
-SUPPORTED_PROTOCOL_VERSIONS = (1, 2)
+SUPPORTED_PROTOCOL_VERSIONS = (1, 2, 3)
 MAGIC = b"KVB1"
-OP_PUT, OP_GET, OP_PUT_STREAMED = 1, 2, 3
+OP_PUT, OP_GET, OP_PUT_STREAMED, OP_STAGING_AREA, OP_PUT_STAGED = 1, 2, 3, 4, 5
 # Status codes: the numbers of grpc.StatusCode (this module does not import grpc).
 STATUS_OK = 0
 STATUS_INVALID_ARGUMENT = 3
@@ -90,6 +113,7 @@ STATUS_NAMES = {
 }
 
 HELLO = struct.Struct("<4sH")  # magic, token length
+PROGRESS = struct.Struct("<Q")  # a staged Put's bytes written so far
 REQUEST = struct.Struct("<BHQ")  # op, key length, value length
 REPLY = struct.Struct("<BIQ")  # status, message length, value length
 #: longest reply message either side sends or accepts
@@ -106,6 +130,18 @@ DEFAULT_MAX_CONNECTIONS = 4
 #: at most a few KiB, so this many always fit in the socket's buffer: the server never blocks on them)
 DEFAULT_PUT_WINDOW = 8
 TRANSPORT_TCP, TRANSPORT_UNIX = "tcp", "unix"
+#: the path the server's stats name for staged Puts (their values crossed shared memory)
+TRANSPORT_SHM = "shm"
+#: a staged Put's value is written in about 8 segments (the server copies one while the
+#: client writes the next), none smaller or larger than these (a progress frame each)
+MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 256 << 10, 4 << 20
+
+
+def staged_segment_bytes(value_len: int) -> int:
+    """How many bytes a client writes to its staging area between two progress frames."""
+    return min(MAX_STAGED_SEGMENT_BYTES, max(MIN_STAGED_SEGMENT_BYTES, value_len // 8))
+
+
 #: send and receive buffer asked for on Unix sockets (the kernel doubles it, capped by
 #: net.core.wmem_max/rmem_max): the default ~200 KiB makes sender and receiver wake each other
 #: every ~200 KiB; with 1 MiB a socket pair carried 15-25% more on the 2-core VM (docs/benchmarks.md).
@@ -185,6 +221,29 @@ def read_reply(sock: socket.socket) -> Reply:
     """One reply header and its message; ConnectionError for a closed or garbled stream."""
     head = bytearray(REPLY.size)
     recv_exactly(sock, memoryview(head))
+    return _reply_after_head(sock, head)
+
+
+def read_reply_with_fd(sock: socket.socket) -> tuple[Reply, int | None]:
+    """One reply and the descriptor sent with its first bytes (None when none came); the
+    caller owns (closes) the descriptor. ConnectionError for a closed or garbled stream."""
+    head, fds, flags, _ = socket.recv_fds(sock, REPLY.size, 1)
+    fd = fds[0] if fds else None
+    try:
+        if not head:
+            raise ConnectionError("connection closed before the reply")
+        if flags & socket.MSG_CTRUNC or len(fds) > 1:
+            raise ConnectionError("garbled bulk reply: unexpected descriptors")
+        rest = bytearray(REPLY.size - len(head))
+        recv_exactly(sock, memoryview(rest))
+        return _reply_after_head(sock, head + rest), fd
+    except BaseException:
+        for extra in fds:
+            os.close(extra)
+        raise
+
+
+def _reply_after_head(sock: socket.socket, head: bytes | bytearray) -> Reply:
     status, message_len, value_len = REPLY.unpack(head)
     if status not in STATUS_NAMES or message_len > MAX_MESSAGE_BYTES:
         raise ConnectionError(f"garbled bulk reply (status {status}, message of {message_len} bytes)")
@@ -247,6 +306,15 @@ class BulkClient:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        #: each connection's staging area (protocol 3 on the Unix socket), dropped with it
+        self._staging_areas: weakref.WeakKeyDictionary[socket.socket, StagingArea] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: smallest area the server refused as over its limit: values needing one as large are streamed
+        self._refused_area_bytes: int | None = None
+        #: Puts that went through a staging area (counted for stats and tests)
+        self.num_staged_puts = 0
+        self._said_staging = False  # the INFO line about staging areas is logged once
 
     # ---- connections -----------------------------------------------------------
     @property
@@ -387,6 +455,8 @@ class BulkClient:
                 raise ValueError(f"key of {len(encoded_key)} bytes is too long for the bulk channel")
         outcomes: list[PutOutcome | None] = [None] * len(items)
         parts = _PartsCache(items)
+        if len(items) == 1 and self.stages_puts:
+            return [self._put_one(items[0][0], parts)]
         if self.protocol_version < 2:
             for index, (key, _) in enumerate(items):
                 try:
@@ -405,6 +475,65 @@ class BulkClient:
             if items:
                 self._permits.release()
         return outcomes
+
+    @property
+    def stages_puts(self) -> bool:
+        """True when single Puts may go through a shared-memory staging area (Unix socket,
+        protocol version 3, a system with sealed shared files)."""
+        return self.transport == TRANSPORT_UNIX and self.protocol_version >= 3 and staging_supported()
+
+    def _put_one(self, key: str, parts: _PartsCache) -> PutOutcome:
+        """One Put, staged when its value fits an area the server grants, else streamed; its
+        outcome as :meth:`put_many` reports it."""
+        try:
+            buffers = parts.get(0)
+        except Exception as error:  # noqa: BLE001 - reported as the item's outcome
+            return error
+        try:
+            return self._call(_put_one, key, buffers)
+        except (BulkStatusError, BulkUnavailable) as error:
+            return error
+
+    def _staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
+        """The connection's staging area, asked for (or grown) when it cannot hold ``num_bytes``;
+        None when the server refuses one that large (the value is then streamed). Runs on the
+        thread that holds ``sock``; OSError when the connection fails."""
+        with self._lock:
+            area = self._staging_areas.get(sock)
+            refused_bytes = self._refused_area_bytes
+        if area is not None and num_bytes <= area.size:
+            return area
+        if num_bytes == 0:
+            return None  # streamed, and refused there as an empty value
+        wanted = area_size_for(num_bytes)
+        if refused_bytes is not None and wanted >= refused_bytes:
+            return None
+        sock.sendall(REQUEST.pack(OP_STAGING_AREA, 0, wanted))
+        reply, fd = read_reply_with_fd(sock)
+        with self._lock:
+            self._staging_areas.pop(sock, None)  # the server dropped the old area either way
+        if reply.status != STATUS_OK:
+            if fd is not None:
+                os.close(fd)
+            if reply.status != STATUS_RESOURCE_EXHAUSTED:  # over the server's limit: for good
+                with self._lock:
+                    self._refused_area_bytes = min(wanted, self._refused_area_bytes or wanted)
+            logger.debug("bulk %s: no staging area of %d bytes (%s)", self.endpoint, wanted, reply.message)
+            return None
+        if fd is None or not wanted <= reply.value_len <= self.max_value_bytes:
+            if fd is not None:
+                os.close(fd)
+            raise ConnectionError(f"garbled staging area reply ({reply.value_len} bytes, descriptor {fd})")
+        try:  # a kept area of an earlier connection may be larger than asked
+            area = StagingArea.from_fd(fd, reply.value_len)
+        except ValueError as error:
+            raise ConnectionError(f"unusable staging area: {error}") from None
+        with self._lock:
+            self._staging_areas[sock] = area
+            first, self._said_staging = not self._said_staging, True
+        if first:
+            logger.info("bulk %s: single Puts go through shared-memory staging areas", self.endpoint)
+        return area
 
     def _put_streamed_once(self, keys: list[bytes], parts: _PartsCache, outcomes: list) -> bool:
         """Send every item without an outcome on one connection; True when it should be tried
@@ -518,6 +647,31 @@ def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
+    return reply.value_len
+
+
+def _put_one(client: BulkClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
+    """A staged Put when the connection's staging area holds the value (asked for first when
+    needed), else a streamed one; the number of bytes stored."""
+    size = sum(memoryview(part).nbytes for part in parts)
+    area = client._staging_area_for(sock, size)
+    if area is None:
+        send_buffers(sock, REQUEST.pack(OP_PUT_STREAMED, len(key), size) + key, *parts)
+    else:
+        # The request leaves with the first segment's progress frame: one send, one wake-up.
+        unsent_request = [REQUEST.pack(OP_PUT_STAGED, len(key), size) + key]
+
+        def announce(num_bytes: int) -> None:
+            sock.sendall(b"".join(unsent_request) + PROGRESS.pack(num_bytes))
+            unsent_request.clear()
+
+        area.write(parts, staged_segment_bytes(size), announce)
+    reply = read_reply(sock)
+    if reply.status != STATUS_OK:
+        raise BulkStatusError(reply.status, reply.message)
+    if area is not None:
+        with client._lock:
+            client.num_staged_puts += 1
     return reply.value_len
 
 

@@ -386,7 +386,9 @@ class GrpcBackend(StorageBackend):
 
     def put(self, key: str, chunk: KVChunk) -> None:
         """Over the bulk channel the header and the tensor's own memory are sent as they are
-        (no joined copy of the value); over gRPC the value is joined first."""
+        (no joined copy of the value), or, on the server's host, copied into the connection's
+        shared-memory staging area (a staged Put, ``storage_backends.staging_area``); over
+        gRPC the value is joined first."""
         self.put_many([(key, chunk)])
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:

@@ -75,8 +75,9 @@ def test_a_client_on_the_same_host_uses_the_unix_socket_and_says_so(server, stub
     chosen = [record.getMessage() for record in caplog.records if "values move over" in record.getMessage()]
     assert chosen == [f"grpc tier {server.address}: values move over unix ({advertised.unix_path})"]
     paths = transports(stubs)
-    assert paths["unix"].num_puts == 1 and paths["unix"].num_gets == 1
-    assert paths["unix"].bytes_received == len(value) == paths["unix"].bytes_sent
+    # a single Put's value went through a shared-memory staging area (test_bulk_staged_puts.py)
+    assert paths["shm"].num_puts == 1 and paths["unix"].num_gets == 1
+    assert paths["shm"].bytes_received == len(value) == paths["unix"].bytes_sent
     assert "tcp" not in paths
 
 

@@ -90,3 +90,35 @@ def test_a_value_serialized_for_another_key_is_refused(size: int, cuts: list[int
     with pytest.raises(ChunkKeyError):
         assemble(data, cuts)
     assert bytes(assemble(data, cuts, key="ns/other")) == data
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.sampled_from((*SIZES, 3 << 20)), steps=st.lists(st.integers(1, 1 << 21), min_size=1, max_size=6)
+)
+def test_fill_from_copies_as_the_writer_announces_and_keeps_its_own_copy(size: int, steps: list[int]) -> None:
+    """A staged Put's copy (``fill_from``): each announced stretch is copied when it is
+    announced, and what is returned is that copy, whatever the source turns into afterwards."""
+    data = make_value(size, num_bytes=size, key=KEY)
+    size = len(data)  # the header's bytes too
+    source = bytearray(data)
+    announced = [min(size, sum(steps[: i + 1])) for i in range(len(steps))] + [size]
+    asked: list[int] = []
+
+    def wait_for_more(num_copied: int) -> int:
+        asked.append(num_copied)
+        source[:num_copied] = bytes(num_copied)  # the writer scribbles over what was copied
+        return next(count for count in announced if count > num_copied)
+
+    value = ValueAssembler(size, KEY).fill_from(memoryview(source), wait_for_more)
+    assert bytes(value) == data and value.readonly
+    assert asked[0] == 0 and asked == sorted(set(asked))  # it waits only for bytes not yet copied
+
+
+def test_fill_from_refuses_a_value_changed_before_it_was_copied() -> None:
+    data = bytearray(make_value(5, num_bytes=3 * MAX_HEADER_BYTES, key=KEY))
+    data[-1] ^= 1
+    with pytest.raises(ChunkFormatError, match="checksum"):
+        ValueAssembler(len(data), KEY).fill_from(memoryview(data))
+    with pytest.raises(ChunkFormatError, match="expected"):
+        ValueAssembler(len(data) + 1, KEY).fill_from(memoryview(data))

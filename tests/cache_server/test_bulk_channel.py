@@ -36,13 +36,6 @@ def server():
     process.close()
 
 
-@pytest.fixture
-def stubs(server):
-    with Stubs(server.address) as stubs:
-        stubs.admin.Clear(kvstash_pb2.ClearRequest(), timeout=30)
-        yield stubs
-
-
 def bulk_port(stubs: Stubs) -> int:
     return stubs.kv.GetBulkEndpoint(
         kvstash_pb2.BulkEndpointRequest(), timeout=10, metadata=stubs.metadata

@@ -36,13 +36,6 @@ def server():
     process.close()
 
 
-@pytest.fixture
-def stubs(server):
-    with Stubs(server.address) as stubs:
-        stubs.admin.Clear(kvstash_pb2.ClearRequest(), timeout=30)
-        yield stubs
-
-
 def kv_chunk(seed: int, num_tokens: int = 256) -> KVChunk:
     """A bf16 chunk [layers=2, 2, tokens, heads=4, dim=64] (64 KiB per 64 tokens)."""
     generator = torch.Generator().manual_seed(seed)

@@ -29,13 +29,6 @@ def server():
     process.close()
 
 
-@pytest.fixture
-def stubs(server):
-    with Stubs(server.address) as stubs:
-        stubs.admin.Clear(kvstash_pb2.ClearRequest(), timeout=30)
-        yield stubs
-
-
 def bulk_port(stubs: Stubs) -> int:
     endpoint = stubs.kv.GetBulkEndpoint(kvstash_pb2.BulkEndpointRequest(), timeout=10)
     assert endpoint.protocol_version >= 2  # 3 added staged Puts

@@ -45,13 +45,6 @@ def server():
     process.close()
 
 
-@pytest.fixture
-def stubs(server):
-    with Stubs(server.address) as stubs:
-        stubs.admin.Clear(kvstash_pb2.ClearRequest(), timeout=30)
-        yield stubs
-
-
 def stats(stubs: Stubs) -> kvstash_pb2.StatsResponse:
     return stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
 

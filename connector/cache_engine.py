@@ -10,7 +10,7 @@ contiguous run from the first True that ends before the first missing, corrupt
 or failed chunk; nothing after that chunk is written.
 
 The worker-side connector uses the two-phase forms (``plan_load`` /
-``move_load`` / ``finish_load`` and ``begin_store`` / ``finish_store``) to
+``move_loads`` / ``finish_load`` and ``begin_store`` / ``finish_store``) to
 overlap transfers with the forward pass; ``retrieve`` and ``store`` are the
 same phases run back to back.
 """
@@ -134,7 +134,7 @@ class CacheEngine:
             tokens, start, num_tokens, kv_caches=kv_caches, slot_mapping=slot_mapping, cache_salt=cache_salt
         )
         self.mover(kv_caches).wait_for_compute()
-        self.move_load(plan, kv_caches)
+        self.move_loads([plan], kv_caches, [(0, self.num_layers)])
         self.finish_load(plan)
         ret_mask[start : plan.num_loaded_end] = True
         return ret_mask
@@ -193,24 +193,12 @@ class CacheEngine:
         slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
         return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end, tier_to_num_tokens)
 
-    def move_load(
-        self,
-        plan: LoadPlan,
-        kv_caches: torch.Tensor,
-        layer: int | None = None,
-        *,
-        layers: tuple[int, int] | None = None,
-    ) -> None:
-        """Queue the plan's moves (all layers, one layer, or layers [first, last)) on the mover."""
-        mover = self.mover(kv_caches)
-        for chunk, slots in zip(plan.chunks, plan.slot_mappings, strict=True):
-            mover.load(chunk, kv_caches, slots, layer, layers=layers)
-
     def move_loads(
         self, plans: Sequence[LoadPlan], kv_caches: torch.Tensor, layer_ranges: Sequence[tuple[int, int]]
     ) -> list:
-        """Queue every plan's moves, range of layers by range, on the mover (CUDA);
-        -> one event per range, done once that range of every plan is in place."""
+        """Queue every plan's moves, range of layers by range, on the mover; -> one event
+        per range, done once that range of every plan is in place (None on CPU, where the
+        moves are done, or queued in order on the mover's thread)."""
         chunks = [chunk for plan in plans for chunk in plan.chunks]
         slot_mappings = [slots for plan in plans for slots in plan.slot_mappings]
         return self.mover(kv_caches).load_chunks(chunks, slot_mappings, kv_caches, layer_ranges)

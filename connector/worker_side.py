@@ -169,9 +169,11 @@ class OffloadWorker(KVConnectorWorker):
         self._timing = (start_event, mover.record(timing=True))
 
     def _move_on_cpu(self, layer: int | None) -> None:
+        """Move layer ``layer`` (None: every layer) of the step's loads on the CPU."""
         began = time.perf_counter()
-        for load in self._loads:
-            self.cache_engine.move_load(load.plan, self.kv_cache, layer)
+        engine = self.cache_engine
+        layers = (0, engine.num_layers) if layer is None else (layer, layer + 1)
+        engine.move_loads([load.plan for load in self._loads], self.kv_cache, [layers])
         self._move_seconds += time.perf_counter() - began
 
     def wait_for_layer_load(self, layer_idx: int) -> None:

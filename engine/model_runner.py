@@ -465,30 +465,22 @@ class ModelRunner:
                 for layer in layers:  # the whole pass waits for every layer's load
                     connector.wait_for_layer_load(layer)
 
-            if graphs is self.decode_graphs:
-                self.step_kinds["decode_graph"] += 1
-                hidden = graphs.run(
-                    host.input_ids,
-                    host.positions,
-                    host.slot_mapping,
-                    host.block_tables,
-                    host.seq_lens,
-                    before_replay=before_replay,
-                )
-            else:
-                self.step_kinds["mixed_graph"] += 1
-                hidden = graphs.run(
-                    host.input_ids,
-                    host.positions,
-                    host.slot_mapping,
-                    host.block_tables,
-                    host.seq_lens,
-                    host.query_start_loc,
-                    before_replay=before_replay,
-                )
-                if self._layer_loaded_events is not None:
-                    self._mixed_replay_done = torch.cuda.Event()
-                    self._mixed_replay_done.record()
+            is_decode = graphs is self.decode_graphs
+            self.step_kinds["decode_graph" if is_decode else "mixed_graph"] += 1
+            # a mixed graph also takes the sequences' query starts (several tokens each)
+            query_start_loc = () if is_decode else (host.query_start_loc,)
+            hidden = graphs.run(
+                host.input_ids,
+                host.positions,
+                host.slot_mapping,
+                host.block_tables,
+                host.seq_lens,
+                *query_start_loc,
+                before_replay=before_replay,
+            )
+            if not is_decode and self._layer_loaded_events is not None:
+                self._mixed_replay_done = torch.cuda.Event()
+                self._mixed_replay_done.record()
             if has_loads:
                 for layer in layers:
                     connector.save_kv_layer(layer)

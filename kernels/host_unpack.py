@@ -99,7 +99,7 @@ def chunk_table(chunks: Sequence[torch.Tensor], slot_mappings: Sequence[torch.Te
     slot map is a contiguous int64 vector of its token count."""
     if len(chunks) != len(slot_mappings):
         raise ValueError(f"{len(chunks)} chunks but {len(slot_mappings)} slot maps")
-    table = torch.empty((3, len(chunks)), dtype=torch.int64)
+    host_addresses, slots_addresses, num_tokens = [], [], []
     for index, (chunk, slots) in enumerate(zip(chunks, slot_mappings, strict=True)):
         if chunk.dim() != 5 or not chunk.is_contiguous():
             raise ValueError(f"chunk {index} must be a contiguous 5-d tensor, got shape {tuple(chunk.shape)}")
@@ -109,10 +109,15 @@ def chunk_table(chunks: Sequence[torch.Tensor], slot_mappings: Sequence[torch.Te
             raise ValueError(f"chunk {index} must start 16-byte aligned (the kernel reads 16-byte vectors)")
         if slots.numel() != chunk.shape[2]:
             raise ValueError(f"chunk {index} has {chunk.shape[2]} tokens but its slot map {slots.numel()}")
-        table[TABLE_HOST_ADDRESS, index] = chunk.data_ptr()
-        table[TABLE_SLOTS_ADDRESS, index] = slots.data_ptr()
-        table[TABLE_NUM_TOKENS, index] = chunk.shape[2]
-    return table
+        host_addresses.append(chunk.data_ptr())
+        slots_addresses.append(slots.data_ptr())
+        num_tokens.append(chunk.shape[2])
+    rows = {
+        TABLE_HOST_ADDRESS: host_addresses,
+        TABLE_SLOTS_ADDRESS: slots_addresses,
+        TABLE_NUM_TOKENS: num_tokens,
+    }
+    return torch.tensor([rows[row] for row in range(3)], dtype=torch.int64).reshape(3, len(chunks))
 
 
 def unpack_kv_from_host(

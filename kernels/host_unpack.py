@@ -112,12 +112,9 @@ def chunk_table(chunks: Sequence[torch.Tensor], slot_mappings: Sequence[torch.Te
         host_addresses.append(chunk.data_ptr())
         slots_addresses.append(slots.data_ptr())
         num_tokens.append(chunk.shape[2])
-    rows = {
-        TABLE_HOST_ADDRESS: host_addresses,
-        TABLE_SLOTS_ADDRESS: slots_addresses,
-        TABLE_NUM_TOKENS: num_tokens,
-    }
-    return torch.tensor([rows[row] for row in range(3)], dtype=torch.int64).reshape(3, len(chunks))
+    # rows in the order of TABLE_HOST_ADDRESS, TABLE_SLOTS_ADDRESS, TABLE_NUM_TOKENS
+    table = [host_addresses, slots_addresses, num_tokens]
+    return torch.tensor(table, dtype=torch.int64).reshape(3, len(chunks))
 
 
 def unpack_kv_from_host(

@@ -24,6 +24,7 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_copy import host_to_device
+from engine.host_readback import HostReadback
 from engine.input_batch import InputBatch
 from engine.mixed_graphs import MixedGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
@@ -143,6 +144,8 @@ class ModelRunner:
         self.num_device_filled_input_ids = 0
         #: set by benchmarks: when each step's device work began and ended
         self.timeline: DeviceTimeline | None = None
+        #: sampled ids and draft verdicts reach the host through a kernel, not a copy engine
+        self._readback = HostReadback() if self.device.type == "cuda" else None
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
         #: how many steps ran as a decode graph, a mixed graph or eagerly (benchmarks, tests)
@@ -535,6 +538,11 @@ class ModelRunner:
             )
         return out
 
+    def _to_host(self, values: torch.Tensor) -> list:
+        """``values.tolist()``; on CUDA through `HostReadback` (never behind the
+        connector's copies on a copy engine)."""
+        return self._readback.read(values) if self._readback is not None else values.tolist()
+
     def _draft_layout(self, plan: SchedulerOutput, logits_rows: list[int]) -> _DraftLayout:
         """Where each request's drafts are checked (host only): the logits row before each
         draft, and the request's index among the step's samples (rows >= 0)."""
@@ -571,6 +579,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [r.generator for r in requests],
             row_wise=self.deterministic,
+            to_host=self._to_host,
         )
         request_id_to_accepted_draft_ids, request_id_to_last_token = {}, {}
         for request, tokens in zip(requests, emitted, strict=True):
@@ -639,7 +648,9 @@ class ModelRunner:
                     request_id_to_accepted_draft_ids, request_id_to_last_token = self._verify(
                         layout, all_logits[len(sampling) :], token_ids
                     )
-                    request_id_to_token = dict(zip(sampled_request_ids, token_ids.tolist(), strict=True))
+                    request_id_to_token = dict(
+                        zip(sampled_request_ids, self._to_host(token_ids), strict=True)
+                    )
                     request_id_to_token.update(request_id_to_last_token)
             if self.timeline is not None:
                 self.timeline.end()
@@ -664,4 +675,6 @@ class ModelRunner:
         )
         if request_id_to_token is not None or token_ids is None:
             return StepFuture.done(output)
+        if self._readback is not None:
+            return StepFuture(output, sampled_request_ids, self._readback.queue(token_ids))
         return StepFuture(output, sampled_request_ids, token_ids)

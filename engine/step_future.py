@@ -2,9 +2,10 @@
 timeline of when the device ran each step (benchmarks read it).
 
 `ModelRunner.submit` returns a `StepFuture` as soon as the step's work is queued; the
-engine core calls `result()` once, when it needs the step's tokens. On CUDA the
-sampled ids are copied to pinned host memory behind the step's kernels and an event
-marks the copy, so `result()` waits for that step only; on CPU the work is done by
+engine core calls `result()` once, when it needs the step's tokens. On CUDA a kernel
+writes the sampled ids into pinned host memory behind the step's kernels
+(`engine.host_readback`: not on a copy engine, where they would queue behind the
+connector's saves), so `result()` waits for that step only; on CPU the work is done by
 the time `submit` returns and `result()` only converts. Not thread-safe.
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the model runner imports this module
+    from engine.host_readback import PendingRead
     from engine.model_runner import RunnerOutput
 
 
@@ -24,18 +26,16 @@ class StepFuture:
     `request_id_to_token`, which `result()` fills from the sampled ids."""
 
     def __init__(
-        self, output: RunnerOutput, sampled_request_ids: list[str], token_ids: torch.Tensor | None
+        self,
+        output: RunnerOutput,
+        sampled_request_ids: list[str],
+        token_ids: torch.Tensor | PendingRead | None,
     ) -> None:
+        """`token_ids`: the sampled ids in `sampled_request_ids`' order, as a host tensor
+        (CPU), a read queued by the runner's `HostReadback` (CUDA), or None (no sampling)."""
         self._output = output
         self._sampled_request_ids = sampled_request_ids
         self._token_ids = token_ids
-        self._ready: torch.cuda.Event | None = None
-        if token_ids is not None and token_ids.is_cuda:
-            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            host.copy_(token_ids, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-            self._token_ids = host
         self._done = token_ids is None
 
     @classmethod
@@ -46,9 +46,7 @@ class StepFuture:
     def result(self) -> RunnerOutput:
         """Wait for the step's sampled tokens -> its output (idempotent)."""
         if not self._done:
-            if self._ready is not None:
-                self._ready.synchronize()
-            tokens = self._token_ids.tolist()
+            tokens = self._token_ids.tolist()  # a PendingRead waits for its kernel only
             self._output.request_id_to_token = dict(zip(self._sampled_request_ids, tokens, strict=True))
             self._done = True
         return self._output

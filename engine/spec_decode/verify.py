@@ -3,7 +3,7 @@ the tokens each request emits, through the rejection sampler."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ def verify_drafts(
     generators: Sequence[torch.Generator | None],
     *,
     row_wise: bool = False,
+    to_host: Callable[[torch.Tensor], list] = torch.Tensor.tolist,
 ) -> list[list[int]]:
     """Per request, the accepted drafts followed by one more token (recovered or bonus).
 
@@ -30,7 +31,8 @@ def verify_drafts(
     ``engine.sampler.sample`` would draw from, with random numbers from the request's own
     generator (or the global one), so seeded requests are reproducible. N-gram drafts have
     no draft distribution: it is a point mass on the draft. `row_wise`: see
-    `engine.sampler.sampling_probs` (the deterministic mode)."""
+    `engine.sampler.sampling_probs` (the deterministic mode); `to_host` reads the
+    verdict (the model runner's passes it through a kernel, not a copy engine)."""
     device = draft_logits.device
     vocab_size = draft_logits.shape[1]
     num_draft_tokens = [len(ids) for ids in draft_token_ids]
@@ -78,4 +80,4 @@ def verify_drafts(
         recovery_noise,
         max_spec_len=max(num_draft_tokens),
     )
-    return [[t for t in row if t >= 0] for row in out.tolist()]
+    return [[t for t in row if t >= 0] for row in to_host(out)]

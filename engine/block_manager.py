@@ -64,12 +64,20 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend `request.block_hashes` to every full block of its known tokens."""
+        """Extend `request.block_hashes` to every full block of its known tokens: the
+        chain of `hash_block`, over the new blocks' tokens converted once (per block,
+        the conversion cost more than the hash: ~1 ms per 8k-token prompt)."""
         bs = self.block_size
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
-            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        first, end = len(hashes), request.num_tokens // bs
+        if first >= end:
+            return
+        payload = np.asarray(request.all_token_ids[first * bs : end * bs], dtype="<i8").tobytes()
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        block_bytes = bs * 8
+        for offset in range(0, len(payload), block_bytes):
+            parent = hashlib.blake2b(parent + payload[offset : offset + block_bytes], digest_size=16).digest()
+            hashes.append(parent)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Side-effect free on the pool: ids of the longest run of leading full blocks

@@ -21,10 +21,11 @@ from connector.token_db import check_cache_salt
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, ModelConfig, SamplingParams
+from engine.host_threads import limit_host_threads
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model
 from engine.prefill_cap import PrefillCap
-from engine.request import Request, RequestOutput
+from engine.request import Request, RequestOutput, index_of_token_outside_vocab
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer, SpecDecodeStats
 from engine.warmup import WarmupLimits, warm_up
@@ -109,6 +110,7 @@ class EngineCore:
         config = self.model_config
         self.args = args
         self.device = args.resolve_device()
+        limit_host_threads(self.device)
         self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
         self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
         #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline); this
@@ -336,10 +338,10 @@ class EngineCore:
                 f"of {self.max_model_len} tokens (at least one token must be generated)"
             )
         vocab_size = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size)
+        bad = index_of_token_outside_vocab(prompt_token_ids, vocab_size)
+        if bad is not None:
             raise ValueError(
-                f"request {request_id!r}: token id {bad!r} is outside the vocabulary [0, {vocab_size})"
+                f"request {request_id!r}: token id {prompt_token_ids[bad]!r} is outside the vocabulary [0, {vocab_size})"
             )
         num_max_tokens = min(num_prompt + params.max_tokens, self.max_model_len)
         capacity = self.block_manager.num_blocks * self.block_size

@@ -10,7 +10,7 @@ from typing import Any
 from connector.token_db import check_cache_salt
 from engine.config import EngineArgs, SamplingParams
 from engine.engine_core import EngineCore, EngineStats, EngineStepError
-from engine.request import RequestOutput
+from engine.request import RequestOutput, index_of_token_outside_vocab
 
 #: keys a dict prompt may hold (vLLM's TextPrompt / TokensPrompt)
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
@@ -133,8 +133,8 @@ class LLM:
                 f"prompt {index} has {len(token_ids)} tokens; the model's context is {self.engine.max_model_len}"
             )
         vocab_size = self.engine.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
+        bad = index_of_token_outside_vocab(token_ids, vocab_size)
+        if bad is not None:
             raise ValueError(
-                f"prompt {index}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+                f"prompt {index}: token id {token_ids[bad]!r} is outside the vocabulary [0, {vocab_size})"
             )

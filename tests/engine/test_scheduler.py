@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
-from engine.block_manager import BlockManager, hash_block
+from engine.block_manager import BlockManager, hash_block, root_hash
 from engine.config import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -162,6 +162,21 @@ def test_block_hash_is_a_blake2b_chain_over_little_endian_int64():
     expected = hashlib.blake2b(parent + np.array(tokens, dtype="<i8").tobytes(), digest_size=16).digest()
     assert hash_block(parent, tokens) == expected
     assert hash_block(parent, tokens) != hash_block(b"q" * 16, tokens)
+
+
+def test_request_block_hashes_are_the_hash_block_chain_also_when_extended():
+    manager = BlockManager(64, BLOCK_SIZE, True)
+    request = make_request("a", 3 * BLOCK_SIZE + 2, first_token=65530)  # ids past 2**16
+    manager.find_cached_prefix(request)
+    request.all_token_ids.extend(range(7, 7 + 2 * BLOCK_SIZE))  # decoded tokens: two more blocks
+    manager.find_cached_prefix(request)
+    tokens = request.all_token_ids
+    parent, expected = root_hash(None), []
+    for start in range(0, len(tokens) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
+        parent = hash_block(parent, tokens[start : start + BLOCK_SIZE])
+        expected.append(parent)
+    assert len(expected) == 5
+    assert request.block_hashes == expected
 
 
 def test_allocation_failure_changes_nothing():

@@ -10,9 +10,11 @@ host→device on its copy stream while its kernel stream unpacks piece i-1 into
 the paged cache; a store packs piece i on its kernel stream while its copy
 stream moves piece i-1 device→host into its pinned destination. Events order
 each buffer's reuse after its previous use, so the PCIe copies run back to back
-and the kernels hide behind them. Slot values are validated once on the host
-by the caller (the cache engine), so the kernels run without their per-call
-device sync.
+and the kernels hide behind them. A step's loads (`load_chunks`) go through
+`connector.staged_loads` instead: the same two streams, but a group of chunks per
+batch of copies and per unpack launch, which cuts the host's cost of queueing them. Slot values are validated once
+on the host by the caller (the cache engine), so the kernels run without their
+per-call device sync.
 
 On CPU the pure-torch references do the same moves, synchronously; or, with
 ``cpu_worker_thread``, on one worker thread in queue order, with events that
@@ -26,6 +28,8 @@ import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from connector.staged_loads import GroupedStaging
 
 
 class ThreadEvent:
@@ -48,13 +52,19 @@ class _Lane:
     def __init__(self, device: torch.device, dtype: torch.dtype, piece_numel: int) -> None:
         self.kernel_stream = torch.cuda.Stream(device)  # pack/unpack kernels, slot maps
         self.copy_stream = torch.cuda.Stream(device)  # host <-> device copies
-        self._buffers = [torch.empty(piece_numel, dtype=dtype, device=device) for _ in range(2)]
+        self._device, self._dtype, self._piece_numel = device, dtype, piece_numel
+        # allocated at first use: a step's loads go through `staged_loads` instead
+        self._buffers: list[torch.Tensor] | None = None
         # event after which buffer i may be overwritten (its last reader or writer is done)
         self.buffer_free: list[torch.cuda.Event | None] = [None, None]
         self._next_buffer = 0
 
     def take_buffer(self, stream: torch.cuda.Stream, shape: torch.Size) -> tuple[int, torch.Tensor]:
         """The next staging buffer as a tensor of ``shape``, with ``stream`` ordered after its last use."""
+        if self._buffers is None:
+            self._buffers = [
+                torch.empty(self._piece_numel, dtype=self._dtype, device=self._device) for _ in range(2)
+            ]
         index = self._next_buffer
         self._next_buffer ^= 1
         free = self.buffer_free[index]
@@ -98,6 +108,8 @@ class KVMover:
             piece_numel = self.layers_per_piece * math.prod(chunk_shape[1:])
             self.load_lane = _Lane(self.device, dtype, piece_numel)
             self.store_lane = _Lane(self.device, dtype, piece_numel)
+            #: a step's staged loads, a group of chunks per copy batch and unpack launch
+            self._grouped_loads = GroupedStaging(self.device, dtype)
         else:
             from kernels import reference
 
@@ -188,10 +200,23 @@ class KVMover:
         -> per range an event recorded once that range of every chunk is in place (None
         on CPU, where the moves are done or queued on the worker thread in order).
 
-        Pinned chunks (see `loads_directly`) go through one kernel launch per range that
-        reads them over PCIe; others through the staging buffers, chunk by chunk. Keep
+        With ``direct_host_loads``, pinned chunks (see `loads_directly`) go through one
+        kernel launch per range that reads them over PCIe; otherwise on CUDA through
+        device staging buffers, a group of chunks per copy batch and unpack launch
+        (`connector.staged_loads`); on CPU chunk by chunk. Keep
         the chunks alive until :meth:`synchronize_loads`. Called by the cache engine once
         per step with loads (from the worker side's ``start_load_kv``)."""
+        if chunks and self.on_cuda and not self.loads_directly(chunks):
+            lane = self.load_lane
+            return self._grouped_loads.load(
+                lane.kernel_stream,
+                lane.copy_stream,
+                self.to_device,
+                chunks,
+                slot_mappings,
+                kv_cache,
+                layer_ranges,
+            )
         if not chunks or not self.loads_directly(chunks):
             events = []
             for first, last in layer_ranges:

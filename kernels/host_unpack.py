@@ -45,13 +45,14 @@ TABLE_HOST_ADDRESS, TABLE_SLOTS_ADDRESS, TABLE_NUM_TOKENS = 0, 1, 2
 _HOST_ROW, _SLOTS_ROW, _TOKENS_ROW = (tl.constexpr(row) for row in (0, 1, 2))
 
 
-@triton.jit(do_not_specialize=["num_chunks", "first_layer", "num_planes", "num_items"])
+@triton.jit(do_not_specialize=["num_chunks", "first_layer", "source_first_layer", "num_planes", "num_items"])
 def _unpack_from_host_kernel(
     paged_ptr,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], dense from num_blocks on
     table_ptr,  # int64 [3, num_chunks]: host address, slot map address, token count
     num_chunks,
     num_slots,  # num_blocks * block_size
     first_layer,
+    source_first_layer,  # the layer a chunk's first plane holds (0: whole chunks)
     num_planes,  # (last - first) * 2
     num_items,  # num_planes * num_chunks * tiles_per_chunk
     stride_paged_layer,
@@ -82,7 +83,9 @@ def _unpack_from_host_kernel(
         layer = plane // 2 + first_layer
         kind = plane % 2
         # the chunk's plane (layer, kind) holds num_tokens rows of ROW elements
-        source_rows = chunk_ptr + ((layer * 2 + kind) * num_tokens + tokens[:, None]) * ROW
+        source_rows = (
+            chunk_ptr + (((layer - source_first_layer) * 2 + kind) * num_tokens + tokens[:, None]) * ROW
+        )
         paged_rows = paged_ptr + layer * stride_paged_layer + kind * stride_paged_kind + slots[:, None] * ROW
         for col in tl.static_range(0, ROW, BLOCK_ROW):
             cols = col + tl.arange(0, BLOCK_ROW)
@@ -124,10 +127,15 @@ def unpack_kv_from_host(
     layers: tuple[int, int] | None = None,
     *,
     num_programs: int = DEFAULT_NUM_PROGRAMS,
+    chunks_hold_only_these_layers: bool = False,
 ) -> None:
     """Scatter layers [first, last) (default: all) of every chunk in ``table`` into the
     paged slots; slot -1 (and out-of-range slots) are skipped. Asynchronous on CUDA
-    (the current stream); the chunks' memory must stay valid until it has run."""
+    (the current stream); the chunks' memory must stay valid until it has run.
+
+    The table's addresses may be device memory too (the connector's staging buffers):
+    with ``chunks_hold_only_these_layers`` each chunk is ``[last - first, 2, num_tokens,
+    num_kv_heads, head_dim]`` (a piece of layers), else a whole chunk of every layer."""
     validation.check_kv_cache(kv_cache)
     check_kernel_device("kv_cache", kv_cache, _unpack_from_host_kernel)
     num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -157,6 +165,7 @@ def unpack_kv_from_host(
         num_chunks,
         num_blocks * block_size,
         first,
+        first if chunks_hold_only_these_layers else 0,
         num_planes,
         num_items,
         kv_cache.stride(0),

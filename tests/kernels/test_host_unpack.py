@@ -55,6 +55,23 @@ def test_layer_ranges_one_by_one_equal_one_launch_for_all(interpreted):
     assert by_layer.abs().sum() > 0
 
 
+@pytest.mark.parametrize("layers", [(0, NUM_LAYERS), (1, 3), (2, 3)])
+def test_pieces_of_layers_land_where_whole_chunks_would(interpreted, layers):
+    """Staged pieces (only layers [first, last) of each chunk, as the connector copies
+    them to the device) unpack to the same cache as the whole chunks."""
+    chunks, slot_mappings = _chunks([8, 5, 3], seed=21)
+    first, last = layers
+    pieces = [chunk[first:last].contiguous() for chunk in chunks]
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    from_pieces, from_chunks = torch.zeros(shape), torch.zeros(shape)
+    unpack_kv_from_host(
+        chunk_table(pieces, slot_mappings), from_pieces, 8, layers, chunks_hold_only_these_layers=True
+    )
+    unpack_kv_from_host(chunk_table(chunks, slot_mappings), from_chunks, 8, layers)
+    assert torch.equal(from_pieces, from_chunks)
+    assert from_pieces[first:last].abs().sum() > 0
+
+
 def test_out_of_range_and_skipped_slots_leave_the_cache_untouched(interpreted):
     chunks, slot_mappings = _chunks([4], seed=2)
     slot_mappings[0][:] = torch.tensor([-1, NUM_BLOCKS * BLOCK_SIZE, 10**9, -7])

@@ -9,7 +9,7 @@ with ``layerwise`` on CUDA every layer's moves are queued at once on the
 mover's stream with one event per layer, so loading layer l+1 overlaps
 computing layer l; without it, the moves go in LOAD_LAYER_PIECES pieces of
 layers (each piece's chunks together, one event per piece), so a pass that waits
-per layer starts on the first half of the layers while the second half loads. ``wait_for_save`` queues this step's saves from the paged
+per layer starts on the first layers while the later ones load. ``wait_for_save`` queues this step's saves from the paged
 cache into CPU-tier slots (one pack + one device→host copy per chunk, on the
 mover's store streams, ordered after the step's compute) and returns without
 waiting for them: the cache engine publishes each store once its copies are
@@ -37,12 +37,13 @@ from connector.request_transfer import TransferRegistry
 
 log = logging.getLogger(__name__)
 
-#: pieces of layers a load's moves are queued in without ``layerwise`` (one event each):
-#: the mover's two staging buffers hold half a chunk each, so two pieces move what they
-#: moved before, only ordered by layers. Smaller pieces start the compute earlier but
-#: ping-pong on the two buffers: on the H100 (8k-token hit, 8B shape) 8 pieces made the
-#: load 2-3x slower, 2 pieces gave the best TTFT.
-LOAD_LAYER_PIECES = 2
+#: pieces of layers a load's moves are queued in without ``layerwise`` (one event each).
+#: Smaller pieces start the compute earlier and leave less of it after the last copy;
+#: since a piece of every chunk goes in a few grouped copies and one unpack launch
+#: (`connector.staged_loads`), more pieces no longer cost host time per chunk. On the
+#: H100 (8k-token hit, 8B shape) 4 pieces gave 25.9 / 27.9 ms (1 / 80 new tokens) where
+#: 2 gave 28.7 / 29.2 (`benchmarks/hit_profile.py`, same run).
+LOAD_LAYER_PIECES = 4
 
 
 def load_layer_pieces(num_layers: int, num_pieces: int = LOAD_LAYER_PIECES) -> list[tuple[int, int]]:

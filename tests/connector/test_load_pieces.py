@@ -19,7 +19,8 @@ def _kv_cache() -> torch.Tensor:
 
 
 def test_layer_pieces_cover_every_layer_in_order():
-    assert load_layer_pieces(32) == [(0, 16), (16, 32)]  # the mover's half-chunk staging buffers
+    assert load_layer_pieces(32) == [(0, 8), (8, 16), (16, 24), (24, 32)]  # the default: 4 pieces
+    assert load_layer_pieces(32, 2) == [(0, 16), (16, 32)]
     assert load_layer_pieces(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
     assert load_layer_pieces(5, 4) == [(0, 2), (2, 4), (4, 5)]
     assert load_layer_pieces(2, 4) == [(0, 1), (1, 2)]

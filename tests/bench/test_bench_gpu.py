@@ -57,5 +57,7 @@ def test_8b_preset_on_cuda_claims_hold(tmp_path, monkeypatch) -> None:
         assert row["tier_to_loaded_tokens_on"].get("cpu", 0) > 0, row  # the CPU tier holds every user
         assert row["ttft_on_ms"] < row["ttft_off_ms"], row
         assert row["copy_gbps"] > 1.0 and row["decode_step_ms"] > 0, row
-        assert row["bound_ms"] <= row["ttft_on_ms"], row  # a measured hit cannot beat its bound
+        # The copy alone is a floor; the decode step of the bound overlaps the copy piece
+        # by piece (the forward pass computes the first layers while the later ones load).
+        assert row["bound_ms"] - row["decode_step_ms"] <= row["ttft_on_ms"], row
     assert "no*" in result.output or data["outputs_identical"]

@@ -87,7 +87,7 @@ __all__ = ["admin", "cache_server"]
 @click.option(
     "--max-staging-mb",
     type=float,
-    default=16.0,
+    default=64.0,
     show_default=True,
     help="Largest shared-memory staging area of one same-host bulk connection, MiB (single Puts "
     "up to this size skip the socket; each area counts against the memory tier while in use).",

@@ -30,7 +30,7 @@ TOKEN = "tenant-a-token-0123456789"
 
 @pytest.fixture(scope="module")
 def server():
-    """Memory-only, 256 MiB (areas up to 16 MiB), 2 s per request beyond the bytes."""
+    """Memory-only, 256 MiB (areas up to 32 MiB: an eighth of it), 2 s per request beyond the bytes."""
     process = CacheServerProcess("--memory-gb", "0.25", "--request-timeout-s", "2").start()
     yield process
     process.close()
@@ -366,3 +366,26 @@ def test_bulk_client_put_many_of_one_item_is_staged_and_reports_refusals(stubs) 
     finally:
         client.close()
     assert os.path.exists(advertised.unix_path)
+
+
+def test_a_32_mib_chunk_of_an_8b_model_is_staged_under_the_default_limits() -> None:
+    """The engine stores 256-token chunks of an 8B model, 32 MiB each: under the default
+    ``--max-staging-mb`` (64) such a Put goes through the staging area (under the old 16 MiB
+    default it was streamed over the socket), and reads back equal."""
+    process = CacheServerProcess("--memory-gb", "0.5").start()
+    try:
+        with Stubs(process.address) as stubs:
+            backend = GrpcBackend(process.address)
+            try:
+                chunk = KVChunk(torch.rand((32, 2, 256, 8, 128), dtype=torch.bfloat16))
+                assert chunk.tensor.nbytes == 32 * MIB
+                backend.put("ns/8b-chunk", chunk)
+                assert torch.equal(backend.get("ns/8b-chunk").tensor, chunk.tensor)
+                assert backend._transport.client().num_staged_puts == 1
+            finally:
+                backend.close()
+            paths = transports(stubs)
+            assert paths["shm"].num_puts == 1 and paths["shm"].bytes_received > 32 * MIB
+            assert num_puts(paths, "unix") == 0
+    finally:
+        process.close()

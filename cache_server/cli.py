@@ -95,7 +95,7 @@ __all__ = ["admin", "cache_server"]
 @click.option(
     "--heap-reserve-mb",
     type=float,
-    default=512.0,
+    default=1024.0,
     show_default=True,
     help="Free memory a background thread keeps faulted in ahead of new values, MiB, so that "
     "Puts into a fresh server do not pay a page fault per 4 KiB (never beyond --memory-gb); 0: off.",

@@ -90,7 +90,7 @@ class ServerConfig:
     #: free heap memory a background thread keeps faulted in ahead of new values, so that a
     #: fresh server's Puts do not pay a page fault per 4 KiB (``cache_server.heap_reserve``;
     #: the heap never grows past ``memory_bytes`` for it); 0: off
-    heap_reserve_bytes: int = 512 * MIB
+    heap_reserve_bytes: int = GIB
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:

@@ -97,8 +97,9 @@ __all__ = ["admin", "cache_server"]
     type=float,
     default=1024.0,
     show_default=True,
-    help="Free memory a background thread keeps faulted in ahead of new values, MiB, so that "
-    "Puts into a fresh server do not pay a page fault per 4 KiB (never beyond --memory-gb); 0: off.",
+    help="Free memory kept faulted in ahead of new values, MiB (the first reserve before the server "
+    "serves, later ones by a background thread; never beyond --memory-gb), so that Puts into a "
+    "fresh server do not pay a page fault per 4 KiB; 0: off.",
 )
 @click.option(
     "--request-timeout-s",

@@ -90,7 +90,8 @@ __all__ = ["admin", "cache_server"]
     default=64.0,
     show_default=True,
     help="Largest shared-memory staging area of one same-host bulk connection, MiB (single Puts "
-    "up to this size skip the socket; each area counts against the memory tier while in use).",
+    "skip the socket: written whole into an area up to this size, larger ones through it as a "
+    "ring; each area counts against the memory tier while in use).",
 )
 @click.option(
     "--heap-reserve-mb",

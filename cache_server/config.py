@@ -35,9 +35,9 @@ class Limits:
     #: largest shared-memory staging area one Unix-socket connection may hold (single Puts up
     #: to about this size skip the socket; ``storage_backends.staging_area``); each area counts
     #: against the memory tier's cap while a connection has it, like an upload in flight, and
-    #: is at most an eighth of it. Larger values are streamed. 64 MiB holds a 32 MiB chunk of an
-    #: 8B model (its area: 33 MiB); a new area's pages are faulted in once (MAP_POPULATE, about
-    #: 0.35 ms per MiB on the 2-core VM) and the area is kept for the tenant's next connection
+    #: is at most an eighth of it. Larger values pass through a smaller area as a ring
+    #: (protocol 4). 64 MiB holds a 32 MiB chunk of an 8B model (its area: 33 MiB): in the
+    #: benchmark's runs on the 2-core VM that did better than a 16 MiB ring (docs/benchmarks.md)
     max_staging_bytes: int = 64 * MIB
     #: seconds a whole request may take on top of its bytes at ``min_rate_bytes_per_s``: a bulk
     #: hello (with the TLS handshake) or request header gets this much in all, a Put or Get value

@@ -404,10 +404,12 @@ class BulkServer:
                 )
             largest = self.largest_staging_area
             if key_bytes or not 0 < num_bytes <= largest:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"a staging area takes no key and 1 to {largest} bytes, not {num_bytes}",
-                )
+                # the reply's value length names the largest area (protocol 4): the client then
+                # asks for one it can use as a ring
+                self._service.counters.count_failure(grpc.StatusCode.INVALID_ARGUMENT)
+                message = f"a staging area takes no key and 1 to {largest} bytes, not {num_bytes}"
+                sock.sendall(wire.encode_reply(wire.STATUS_INVALID_ARGUMENT, message, value_len=largest))
+                return
             held = self._staging_pool.take(connection.tenant.name, num_bytes)
             if held is None:
                 held = self._new_staging_area(num_bytes)
@@ -440,39 +442,61 @@ class BulkServer:
         return HeldArea(fd, area, reservation)
 
     def _put_staged(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
-        """Store the value the client writes to the start of its staging area: the checks of a
-        streamed Put, then each segment the client's progress frames announce is copied into a
-        new buffer and checksummed while the client writes the next (the client can still
-        write to the area, so only the copy is verified and kept), then one reply. A refusal
-        reads the remaining progress frames first, so the connection stays in step."""
+        """Store the value the client writes into its staging area: the checks of a streamed Put,
+        then each segment the client's progress frames announce is copied into a new buffer and
+        checksummed while the client writes the next (the client can still write to the area,
+        so only the copy is verified and kept), then one reply. A refusal reads the remaining
+        progress frames first, so the connection stays in step.
+
+        A value larger than the area (protocol 4) goes through it as a ring: byte ``i`` at
+        ``i % size``; after each quarter of the area copied out the server sends an
+        acknowledgement (an OK reply whose value length is the number of bytes copied, always
+        less than the value's), and the client writes over a part only once it is acknowledged.
+        A refusal is then answered first and the progress frames read after it: the client,
+        which may be waiting for an acknowledgement, reads the refusal and sends its last frame."""
         service, sock = self._service, connection.sock
         progress = _StagedProgress(sock, value_len)
+        area = connection.staging.area if connection.staging is not None else None
+        ring = area is not None and value_len > area.size
+        acknowledged = [0]
+
+        def acknowledge(num_copied: int) -> None:
+            if num_copied < value_len and num_copied - acknowledged[0] >= area.size // 4:
+                sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=num_copied))
+                acknowledged[0] = num_copied
+
         try:
             with service.stream_slot():
                 key = service.check_access(
                     connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
                 )
                 service.check_size(value_len)
-                area = connection.staging.area if connection.staging is not None else None
-                if area is None or value_len > area.size:
+                if area is None:
                     raise RequestError(
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a staged value of {value_len} bytes needs a staging area that holds it "
-                        f"(this connection has {area.size if area else 'none'})",
+                        f"a staged value of {value_len} bytes needs a staging area (this connection has none)",
                     )
                 reservation = service.store.memory.reserve(key, value_len)
                 try:
                     assembler = ValueAssembler(value_len, key)
                     with area.view() as source:
-                        data = assembler.fill_from(source[:value_len], progress.wait_beyond)
+                        data = assembler.fill_from(
+                            source[: min(value_len, area.size)],
+                            progress.wait_beyond,
+                            acknowledge if ring else None,
+                        )
                     service.store.put_verified(key, data, reservation)
                 finally:
                     reservation.release()  # a no-op once stored
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
-            progress.drain()
-            self._refuse(sock, error)
+            if ring:
+                self._refuse(sock, error)
+                progress.drain()
+            else:
+                progress.drain()
+                self._refuse(sock, error)
             return
         service.counters.count_put(wire.TRANSPORT_SHM, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))

@@ -34,10 +34,11 @@ class Limits:
     max_bulk_connections: int = 256
     #: largest shared-memory staging area one Unix-socket connection may hold (single Puts up
     #: to about this size skip the socket; ``storage_backends.staging_area``); each area counts
-    #: against the memory tier's cap while a connection has it, like an upload in flight.
-    #: Larger values are streamed: a new area's pages cost more to fault in (about 0.75 ms per
-    #: MiB on the 2-core VM) than the socket costs a value of that size
-    max_staging_bytes: int = 16 * MIB
+    #: against the memory tier's cap while a connection has it, like an upload in flight, and
+    #: is at most an eighth of it. Larger values pass through a smaller area as a ring
+    #: (protocol 4). 64 MiB holds a 32 MiB chunk of an 8B model (its area: 33 MiB): in the
+    #: benchmark's runs on the 2-core VM that did better than a 16 MiB ring (docs/benchmarks.md)
+    max_staging_bytes: int = 64 * MIB
     #: seconds a whole request may take on top of its bytes at ``min_rate_bytes_per_s``: a bulk
     #: hello (with the TLS handshake) or request header gets this much in all, a Put or Get value
     #: this plus its size over the minimum rate; a request past its deadline is cut and its
@@ -86,6 +87,10 @@ class ServerConfig:
     tls_key: str | None = None
     #: seconds that in-flight calls get to finish after SIGTERM
     grace_s: float = 10.0
+    #: free heap memory a background thread keeps faulted in ahead of new values, so that a
+    #: fresh server's Puts do not pay a page fault per 4 KiB (``cache_server.heap_reserve``;
+    #: the heap never grows past ``memory_bytes`` for it); 0: off
+    heap_reserve_bytes: int = GIB
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:
@@ -113,6 +118,8 @@ class ServerConfig:
                 raise ValueError(f"TLS file not found: {path}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("the auth token is empty")
+        if self.heap_reserve_bytes < 0:
+            raise ValueError(f"the heap reserve must be >= 0 bytes, got {self.heap_reserve_bytes}")
         if self.grace_s < 0:
             raise ValueError(f"grace period must be >= 0 seconds, got {self.grace_s}")
         self.tenant_registry()  # raises ValueError for duplicate tokens or names

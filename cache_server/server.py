@@ -31,6 +31,7 @@ from cache_server.allocator import retain_freed_memory
 from cache_server.auth import BearerTokenInterceptor
 from cache_server.bulk_server import BulkServer
 from cache_server.config import ServerConfig
+from cache_server.heap_reserve import HeapReserve
 from cache_server.malformed import MalformedRequestInterceptor
 from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
@@ -208,7 +209,21 @@ async def serve(config: ServerConfig) -> None:
 def run(config: ServerConfig) -> None:
     """Blocking entry point for the CLI: the process serves only this server, so it may
     tune its allocator (``cache_server.allocator``)."""
+    reserve = None
     if not retain_freed_memory():
         logger.warning("could not tune malloc; freed value memory goes back to the OS")
-    asyncio.run(serve(config))
+    elif config.heap_reserve_bytes:
+        reserve = HeapReserve(config.heap_reserve_bytes, config.memory_bytes)
+        if reserve.start():
+            logger.info(
+                "heap reserve: %d MiB of free memory kept faulted in ahead of new values",
+                config.heap_reserve_bytes >> 20,
+            )
+        else:
+            reserve = None
+    try:
+        asyncio.run(serve(config))
+    finally:
+        if reserve is not None:
+            reserve.stop()
     sys.stdout.flush()

@@ -60,24 +60,41 @@ class ValueAssembler:
         self.next_space(len(piece))[:] = piece
         self.advance(len(piece))
 
-    def fill_from(self, source: memoryview, wait_for_more: Callable[[int], int] | None = None) -> memoryview:
-        """Copy the whole value from ``source`` (exactly ``total_size`` bytes, nothing added
-        before) piece by piece, checksumming each copied piece while it is in cache; returns
-        :meth:`finish`'s verified value. ``wait_for_more(num_copied)`` blocks until the writer
-        of ``source`` has written more than ``num_copied`` bytes and returns how many it has
-        (None: all are there), so copying overlaps the writing. The checksum reads this buffer,
-        not ``source``, so a ``source`` that changes meanwhile (a client's shared memory) yields
-        a refused value or the value that was verified, never a mix. ChunkFormatError for a bad
-        header or checksum."""
-        if self.num_received or len(source) != self.total_size:
+    def fill_from(
+        self,
+        source: memoryview,
+        wait_for_more: Callable[[int], int] | None = None,
+        copied: Callable[[int], None] | None = None,
+    ) -> memoryview:
+        """Copy the whole value from ``source`` piece by piece, checksumming each copied piece
+        while it is in cache; returns :meth:`finish`'s verified value. ``source`` holds exactly
+        ``total_size`` bytes, or, as a ring, fewer: byte ``i`` of the value is then read at
+        ``i % len(source)`` (the writer reuses the ring as ``copied`` reports progress).
+        ``wait_for_more(num_copied)`` blocks until the writer of ``source`` has written more
+        than ``num_copied`` bytes and returns how many it has (None: all are there), so copying
+        overlaps the writing; ``copied(num_copied)`` is called after each piece. The checksum
+        reads this buffer, not ``source``, so a ``source`` that changes meanwhile (a client's
+        shared memory) yields a refused value or the value that was verified, never a mix.
+        ChunkFormatError for a bad header or checksum."""
+        ring = len(source) != self.total_size
+        if (
+            self.num_received
+            or not source
+            or (ring and (wait_for_more is None or len(source) > self.total_size))
+        ):
             raise ChunkFormatError(f"expected {self.total_size} bytes to copy, got {len(source)}")
         num_written = self.total_size if wait_for_more is None else 0
         while self.num_received < self.total_size:
             if self.num_received == num_written:
                 num_written = wait_for_more(self.num_received)
-            space = self.next_space(min(FILL_PIECE_BYTES, num_written - self.num_received))
-            space[:] = source[self.num_received : self.num_received + len(space)]
+            position = self.num_received % len(source)
+            space = self.next_space(
+                min(FILL_PIECE_BYTES, num_written - self.num_received, len(source) - position)
+            )
+            space[:] = source[position : position + len(space)]
             self.advance(len(space))
+            if copied is not None:
+                copied(self.num_received)
         return self.finish()
 
     def next_space(self, max_bytes: int) -> memoryview:

@@ -42,7 +42,9 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   server answers OK with the area's size (at least that asked; an area kept from an earlier
   connection of the same tenant may be larger) and, as ancillary data (``SCM_RIGHTS``), the
   descriptor of a sealed shared-memory file of that size (``storage_backends.staging_area``),
-  which replaces the connection's previous area; or an error (over its size limit, no room).
+  which replaces the connection's previous area; or an error (over its size limit, no room;
+  from version 4 the refusal of an area over the limit carries the largest it grants as its
+  value length).
 - Staged Put (``OP_PUT_STAGED``, version 3): the client sends the request, then writes the
   value at the start of the connection's staging area a segment at a time, sending after
   each segment a progress frame (u64: bytes written so far, growing; the last one is the
@@ -51,7 +53,16 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   socket), verifies and stores the value and answers once; a refusal reads the remaining
   progress frames first, so the connection stays in step. A single Put from a client on
   the same host goes this way (:meth:`BulkClient.put_many` with one item) when its value
-  fits an area the server grants; otherwise it is streamed.
+  fits an area the server grants.
+- Ring Put (version 4): a staged Put of a value larger than the connection's area. Byte ``i``
+  goes to ``i % size``; the client writes a quarter of the area per segment and overwrites
+  a part only after the server acknowledged copying it out: after each quarter copied the
+  server sends an acknowledgement, an OK reply whose value length (always less than the
+  value's) counts the bytes copied. A refusal is answered at once and the progress frames
+  are read after it; the client, which may be waiting for an acknowledgement, then sends
+  its last frame (the value's length). A single Put whose value needs more than the largest
+  area the server grants goes this way through an area of at most ``RING_AREA_BYTES``; with
+  a version-3 server it is streamed.
 
 :class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
 Unix socket): at most ``max_connections`` in use at once, each reused by the
@@ -77,7 +88,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from storage_backends.staging_area import StagingArea, area_size_for, staging_supported
+from storage_backends.staging_area import AREA_GRANULE_BYTES, StagingArea, area_size_for, staging_supported
 
 if TYPE_CHECKING:
     from storage_backends.chunk import KVChunk
@@ -86,10 +97,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: the version the server advertises: 2 added OP_PUT_STREAMED, 3 the staging area (OP_STAGING_AREA,
-#: OP_PUT_STAGED)
-PROTOCOL_VERSION = 3
+#: OP_PUT_STAGED), 4 staged Puts of values larger than the area (a ring with acknowledgements)
+PROTOCOL_VERSION = 4
 #: versions a client speaks to (a version-1 server gets ask-first Puts, one at a time per connection)
-SUPPORTED_PROTOCOL_VERSIONS = (1, 2, 3)
+SUPPORTED_PROTOCOL_VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVB1"
 OP_PUT, OP_GET, OP_PUT_STREAMED, OP_STAGING_AREA, OP_PUT_STAGED = 1, 2, 3, 4, 5
 # Status codes: the numbers of grpc.StatusCode (this module does not import grpc).
@@ -135,6 +146,11 @@ TRANSPORT_SHM = "shm"
 #: a staged Put's value is written in about 8 segments (the server copies one while the
 #: client writes the next), none smaller or larger than these (a progress frame each)
 MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 256 << 10, 4 << 20
+
+
+#: the area a client asks for to send values larger than the largest area as a ring (protocol 4;
+#: at most the largest area the server grants, at least RING_MIN_AREA_BYTES)
+RING_AREA_BYTES, RING_MIN_AREA_BYTES = 16 << 20, 1 << 20
 
 
 def staged_segment_bytes(value_len: int) -> int:
@@ -310,8 +326,11 @@ class BulkClient:
         self._staging_areas: weakref.WeakKeyDictionary[socket.socket, StagingArea] = (
             weakref.WeakKeyDictionary()
         )
-        #: smallest area the server refused as over its limit: values needing one as large are streamed
+        #: smallest area the server refused as over its limit: values needing one as large are
+        #: streamed, or (protocol 4) sent through a smaller area as a ring
         self._refused_area_bytes: int | None = None
+        #: the largest area the server grants, as its refusal said (protocol 4; None: unknown)
+        self._largest_area_bytes: int | None = None
         #: Puts that went through a staging area (counted for stats and tests)
         self.num_staged_puts = 0
         self._said_staging = False  # the INFO line about staging areas is logged once
@@ -479,7 +498,7 @@ class BulkClient:
     @property
     def stages_puts(self) -> bool:
         """True when single Puts may go through a shared-memory staging area (Unix socket,
-        protocol version 3, a system with sealed shared files)."""
+        protocol version 3 or later, a system with sealed shared files)."""
         return self.transport == TRANSPORT_UNIX and self.protocol_version >= 3 and staging_supported()
 
     def _put_one(self, key: str, parts: _PartsCache) -> PutOutcome:
@@ -495,9 +514,11 @@ class BulkClient:
             return error
 
     def _staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
-        """The connection's staging area, asked for (or grown) when it cannot hold ``num_bytes``;
-        None when the server refuses one that large (the value is then streamed). Runs on the
-        thread that holds ``sock``; OSError when the connection fails."""
+        """The connection's staging area for a value of ``num_bytes``: one that holds it, asked
+        for (or grown) when needed; or, for a value larger than any area the server grants
+        (protocol 4), an area to pass it through as a ring (smaller than the value); None when
+        neither can be had (the value is then streamed). Runs on the thread that holds
+        ``sock``; OSError when the connection fails."""
         with self._lock:
             area = self._staging_areas.get(sock)
             refused_bytes = self._refused_area_bytes
@@ -507,7 +528,28 @@ class BulkClient:
             return None  # streamed, and refused there as an empty value
         wanted = area_size_for(num_bytes)
         if refused_bytes is not None and wanted >= refused_bytes:
+            wanted = self._ring_area_bytes()
+            if wanted is None:
+                return None
+            if area is not None and area.size >= wanted:
+                return area
+        area = self._ask_area(sock, wanted)
+        if area is None and wanted == area_size_for(num_bytes) and self._ring_area_bytes() is not None:
+            return self._staging_area_for(sock, num_bytes)  # refused as too large: a ring then
+        return area
+
+    def _ring_area_bytes(self) -> int | None:
+        """The area to ask for to pass values larger than the largest area through as a ring."""
+        with self._lock:
+            largest = self._largest_area_bytes
+        if self.protocol_version < 4 or largest is None:
             return None
+        size = min(RING_AREA_BYTES, largest) // AREA_GRANULE_BYTES * AREA_GRANULE_BYTES
+        return size if size >= RING_MIN_AREA_BYTES else None
+
+    def _ask_area(self, sock: socket.socket, wanted: int) -> StagingArea | None:
+        """Ask the server for an area of ``wanted`` bytes (it replaces the connection's);
+        None when refused (over its limit: remembered, with the largest it grants)."""
         sock.sendall(REQUEST.pack(OP_STAGING_AREA, 0, wanted))
         reply, fd = read_reply_with_fd(sock)
         with self._lock:
@@ -518,6 +560,8 @@ class BulkClient:
             if reply.status != STATUS_RESOURCE_EXHAUSTED:  # over the server's limit: for good
                 with self._lock:
                     self._refused_area_bytes = min(wanted, self._refused_area_bytes or wanted)
+                    if self.protocol_version >= 4 and 0 < reply.value_len < wanted:
+                        self._largest_area_bytes = reply.value_len
             logger.debug("bulk %s: no staging area of %d bytes (%s)", self.endpoint, wanted, reply.message)
             return None
         if fd is None or not wanted <= reply.value_len <= self.max_value_bytes:
@@ -651,28 +695,86 @@ def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes
 
 
 def _put_one(client: BulkClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
-    """A staged Put when the connection's staging area holds the value (asked for first when
-    needed), else a streamed one; the number of bytes stored."""
+    """A staged Put when the connection has (or gets) a staging area for the value (one that
+    holds it, or, protocol 4, a ring), else a streamed one; the number of bytes stored."""
     size = sum(memoryview(part).nbytes for part in parts)
     area = client._staging_area_for(sock, size)
     if area is None:
         send_buffers(sock, REQUEST.pack(OP_PUT_STREAMED, len(key), size) + key, *parts)
+        reply = read_reply(sock)
     else:
         # The request leaves with the first segment's progress frame: one send, one wake-up.
         unsent_request = [REQUEST.pack(OP_PUT_STAGED, len(key), size) + key]
+        announced = [0]
 
         def announce(num_bytes: int) -> None:
             sock.sendall(b"".join(unsent_request) + PROGRESS.pack(num_bytes))
             unsent_request.clear()
+            announced[0] = num_bytes
 
-        area.write(parts, staged_segment_bytes(size), announce)
-    reply = read_reply(sock)
+        if size <= area.size:
+            area.write(parts, staged_segment_bytes(size), announce)
+            reply = read_reply(sock)
+        else:
+            reply = _write_ring(sock, area, parts, size, announce, announced)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
     if area is not None:
         with client._lock:
             client.num_staged_puts += 1
     return reply.value_len
+
+
+class _RingRefused(Exception):
+    """The server answered a ring Put (with its refusal) before the client had written it all."""
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+def _write_ring(
+    sock: socket.socket,
+    area: StagingArea,
+    parts: ValueParts,
+    size: int,
+    announce: Callable[[int], None],
+    announced: list[int],
+) -> Reply:
+    """Write a value larger than ``area`` through it as a ring (protocol 4): a quarter of the
+    area at a time, overwriting a part only once the server acknowledged copying it out; the
+    server's final reply. A refusal that comes while the client waits ends the writing: the
+    last progress frame (the whole value) is sent so that the server, which reads the frames
+    after refusing, stays in step."""
+    num_copied = [0]
+
+    def next_reply() -> Reply:
+        reply = read_reply(sock)
+        if reply.status == STATUS_OK and reply.value_len < size:
+            if reply.value_len <= num_copied[0]:
+                raise ConnectionError(f"garbled acknowledgement of {reply.value_len} bytes")
+            num_copied[0] = reply.value_len
+            return None
+        return reply
+
+    def wait_for_room(num_bytes: int) -> None:
+        while num_copied[0] < num_bytes:
+            reply = next_reply()
+            if reply is not None:
+                raise _RingRefused(reply)
+
+    try:
+        area.write(parts, area.size // 4, announce, wait_for_room)
+    except _RingRefused as refused:
+        if refused.reply.status == STATUS_OK:
+            raise ConnectionError("a ring Put was answered before it was written") from None
+        if announced[0] < size:
+            announce(size)
+        return refused.reply
+    while True:
+        reply = next_reply()
+        if reply is not None:
+            return reply
 
 
 def _get(client: BulkClient, sock: socket.socket, key: bytes) -> bytearray:

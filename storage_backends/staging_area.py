@@ -74,23 +74,35 @@ class StagingArea:
         parts: Sequence[bytes | bytearray | memoryview],
         segment_bytes: int,
         written: Callable[[int], None],
+        wait_for_room: Callable[[int], None] | None = None,
     ) -> int:
         """Copy ``parts`` back to back from the start of the area (client side), ``segment_bytes``
         at a time, calling ``written(num_bytes_so_far)`` after each segment (the reader may copy
         those bytes out meanwhile) and after the last; returns the number of bytes written.
-        ValueError, before anything is written, when they do not fit."""
+
+        Without ``wait_for_room`` the value must fit the area (ValueError, before anything is
+        written, when it does not). With it, the area is a ring: byte ``i`` of the value goes to
+        ``i % size``, and before a segment overwrites bytes of the value the reader may not
+        have copied yet, ``wait_for_room(num_bytes)`` blocks until the reader has copied at
+        least ``num_bytes`` of them; ``segment_bytes`` must then divide the area's size."""
         sources = [memoryview(part).cast("B") for part in parts]
         num_bytes = sum(len(source) for source in sources)
-        if num_bytes > self.size:
+        if wait_for_room is None and num_bytes > self.size:
             raise ValueError(f"a value of {num_bytes} bytes does not fit a staging area of {self.size}")
+        if wait_for_room is not None and (segment_bytes <= 0 or self.size % segment_bytes):
+            raise ValueError(f"ring segments of {segment_bytes} bytes do not divide an area of {self.size}")
         offset = 0
         with memoryview(self._mapping) as area:
             for source in sources:
                 start = 0
                 while start < len(source):
                     room = segment_bytes - offset % segment_bytes
+                    segment_end = offset + min(segment_bytes, num_bytes - offset)
+                    if wait_for_room is not None and offset % segment_bytes == 0 and segment_end > self.size:
+                        wait_for_room(segment_end - self.size)
                     piece = source[start : start + room]
-                    area[offset : offset + len(piece)] = piece
+                    position = offset % self.size
+                    area[position : position + len(piece)] = piece
                     offset += len(piece)
                     start += len(piece)
                     if offset % segment_bytes == 0 and offset < num_bytes:

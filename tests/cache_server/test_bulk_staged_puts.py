@@ -30,7 +30,7 @@ TOKEN = "tenant-a-token-0123456789"
 
 @pytest.fixture(scope="module")
 def server():
-    """Memory-only, 256 MiB (areas up to 16 MiB), 2 s per request beyond the bytes."""
+    """Memory-only, 256 MiB (areas up to 32 MiB: an eighth of it), 2 s per request beyond the bytes."""
     process = CacheServerProcess("--memory-gb", "0.25", "--request-timeout-s", "2").start()
     yield process
     process.close()
@@ -157,7 +157,7 @@ def test_bad_staged_values_and_requests_are_refused_and_store_nothing(stubs) -> 
         write_value(area, value)
         reply = connection.put_staged("ns/other-key", len(value))  # written for "ns/v"
         assert reply.status == wire.STATUS_INVALID_ARGUMENT and "another key" in reply.message
-        reply = connection.put_staged("ns/v", MIB + 1)  # more than the area holds
+        reply = connection.put_staged("ns/v", MIB + 1)  # a ring Put (more than the area), of no valid chunk
         assert reply.status == wire.STATUS_INVALID_ARGUMENT
         reply = connection.put_staged("ns/v", 0, progress=[])  # nothing written, no frames
         assert reply.status == wire.STATUS_INVALID_ARGUMENT
@@ -229,7 +229,10 @@ def test_a_stalled_staged_put_is_cut_and_its_room_freed(stubs) -> None:
     assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
 
 
-def test_values_over_the_area_limit_are_streamed_and_the_refusal_remembered() -> None:
+def test_values_over_the_area_limit_go_through_it_as_a_ring() -> None:
+    """Protocol 4: a value larger than the largest area (1 MiB here) is written through a
+    1 MiB area a quarter at a time, the server acknowledging each quarter it copied out; a
+    version-3 client streams it instead and remembers the refusal."""
     process = CacheServerProcess("--memory-gb", "0.1", "--max-staging-mb", "1").start()
     try:
         with Stubs(process.address) as stubs:
@@ -237,16 +240,40 @@ def test_values_over_the_area_limit_are_streamed_and_the_refusal_remembered() ->
             try:
                 small, large = make_value(7, 500_000, key="ns/s"), make_value(8, 3 * MIB, key="ns/l")
                 for _ in range(2):
-                    backend.put_encoded("ns/l", large)  # asks once (refused), then streams
-                backend.put_encoded("ns/s", small)  # staged
+                    backend.put_encoded("ns/l", large)  # refused a 4 MiB area, then a ring of 1 MiB
+                backend.put_encoded("ns/s", small)  # fits the 1 MiB area
                 assert bytes(backend.get_encoded("ns/l")) == large
                 bulk = backend._transport.client()
-                assert bulk.num_staged_puts == 1
+                assert bulk.num_staged_puts == 3
+                with pytest.raises(ChunkFormatError):  # refused in the middle of a ring: in step
+                    backend.put_encoded("ns/other", make_value(9, 3 * MIB, key="ns/l"))
+                backend.put_encoded("ns/l2", make_value(10, 3 * MIB, key="ns/l2"))
+                assert bulk.num_staged_puts == 4
             finally:
                 backend.close()
             paths = transports(stubs)
-            assert paths["unix"].num_puts == 2 and paths["shm"].num_puts == 1
-            # an area is at most an eighth of the memory tier (12.8 MiB here), whatever the flag
+            assert paths["shm"].num_puts == 4 and num_puts(paths, "unix") == 0
+            assert "ns/other" not in [
+                entry.key for entry in stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries
+            ]
+            advertised = endpoint(stubs)
+            assert advertised.protocol_version == 4
+            old_client = BulkClient(
+                "127.0.0.1",
+                advertised.port,
+                token=None,
+                timeout_s=10,
+                unix_path=advertised.unix_path,
+                protocol_version=3,
+            )
+            try:
+                for _ in range(2):  # asks once (refused), then streams
+                    assert old_client.put_many([("ns/l", (large,))]) == [len(large)]
+                assert old_client.num_staged_puts == 0
+            finally:
+                old_client.close()
+            assert transports(stubs)["unix"].num_puts == 2
+        # an area is at most an eighth of the memory tier (12.8 MiB here), whatever the flag
         process.close()
         process = CacheServerProcess("--memory-gb", "0.0625", "--max-staging-mb", "64").start()
         with Stubs(process.address) as stubs:
@@ -366,3 +393,27 @@ def test_bulk_client_put_many_of_one_item_is_staged_and_reports_refusals(stubs) 
     finally:
         client.close()
     assert os.path.exists(advertised.unix_path)
+
+
+def test_a_32_mib_chunk_of_an_8b_model_is_staged_under_the_default_limits() -> None:
+    """The engine stores 256-token chunks of an 8B model, 32 MiB each: under the default
+    ``--max-staging-mb`` (64) such a Put is written whole into a staging area (under the old
+    16 MiB default it was streamed over the socket), and reads back equal."""
+    process = CacheServerProcess("--memory-gb", "0.5").start()
+    try:
+        with Stubs(process.address) as stubs:
+            backend = GrpcBackend(process.address)
+            try:
+                chunk = KVChunk(torch.rand((32, 2, 256, 8, 128), dtype=torch.bfloat16))
+                assert chunk.tensor.nbytes == 32 * MIB
+                backend.put("ns/8b-chunk", chunk)
+                assert torch.equal(backend.get("ns/8b-chunk").tensor, chunk.tensor)
+                bulk = backend._transport.client()
+                assert bulk.num_staged_puts == 1
+            finally:
+                backend.close()
+            paths = transports(stubs)
+            assert paths["shm"].num_puts == 1 and paths["shm"].bytes_received > 32 * MIB
+            assert num_puts(paths, "unix") == 0
+    finally:
+        process.close()

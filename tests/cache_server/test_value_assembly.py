@@ -122,3 +122,50 @@ def test_fill_from_refuses_a_value_changed_before_it_was_copied() -> None:
         ValueAssembler(len(data), KEY).fill_from(memoryview(data))
     with pytest.raises(ChunkFormatError, match="expected"):
         ValueAssembler(len(data) + 1, KEY).fill_from(memoryview(data))
+
+
+@pytest.mark.parametrize("area_bytes", [1 << 20, 4 << 20])
+def test_a_value_larger_than_the_area_passes_through_it_as_a_ring(area_bytes: int) -> None:
+    """Protocol 4's ring: the writer (``StagingArea.write`` with ``wait_for_room``) overwrites a
+    part of the area only once the reader (``fill_from`` with ``copied``) has copied it out,
+    and the reader's copy is the whole value."""
+    import mmap
+    import threading
+
+    from storage_backends.staging_area import StagingArea
+
+    data = make_value(7, num_bytes=9 << 20, key=KEY)
+    area = StagingArea(mmap.mmap(-1, area_bytes), area_bytes)
+    state = threading.Condition()
+    announced, copied = [0], [0]
+
+    def written(num_bytes: int) -> None:
+        with state:
+            announced[0] = num_bytes
+            state.notify_all()
+
+    def wait_for_room(num_bytes: int) -> None:
+        with state:
+            assert state.wait_for(lambda: copied[0] >= num_bytes, timeout=10)
+
+    def wait_for_more(num_copied: int) -> int:
+        with state:
+            assert state.wait_for(lambda: announced[0] > num_copied, timeout=10)
+            return announced[0]
+
+    def copied_out(num_bytes: int) -> None:
+        with state:
+            copied[0] = num_bytes
+            state.notify_all()
+
+    writer = threading.Thread(target=area.write, args=([data], area_bytes // 4, written, wait_for_room))
+    writer.start()
+    with area.view() as source:
+        value = ValueAssembler(len(data), KEY).fill_from(source, wait_for_more, copied_out)
+    writer.join()
+    assert bytes(value) == data
+    with pytest.raises(ValueError, match="divide"):
+        area.write([data], 3 << 18, written, wait_for_room)
+    with pytest.raises(ValueError, match="does not fit"):
+        area.write([data], area_bytes // 4, written)
+    area.close()

@@ -40,6 +40,19 @@ def repo_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_cache_server_briefly(*args: str) -> subprocess.CompletedProcess:
+    """``python -m cache_server --port 0 ARGS`` run to its exit (bad flags: it must refuse
+    them at start) -> the finished process, its output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "cache_server", "--port", "0", *args],
+        cwd=REPO_ROOT,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def kvstash_command(*args: str) -> list[str]:
     """The ``kvstash`` console command, run from the source tree."""
     return [sys.executable, "-m", "engine.cli", *args]

@@ -21,7 +21,11 @@ from storage_backends.bulk_channel import BulkClient, BulkStatusError
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess, free_port_for_tests, repo_env
+from tests.cache_server.server_process import (
+    CacheServerProcess,
+    free_port_for_tests,
+    run_cache_server_briefly,
+)
 from tests.cache_server.test_auth_tls import tls_files  # noqa: F401 - the module-scoped certificate fixture
 
 MIB = 1 << 20
@@ -417,17 +421,5 @@ def test_memory_cap_holds_under_bulk_puts_of_random_sizes() -> None:
 
 
 def test_cli_rejects_a_bad_bulk_port() -> None:
-    import subprocess
-    import sys
-
-    from tests.cache_server.server_process import REPO_ROOT
-
-    result = subprocess.run(
-        [sys.executable, "-m", "cache_server", "--port", "0", "--bulk-port", "nine"],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cache_server_briefly("--bulk-port", "nine")
     assert result.returncode == 2 and "--bulk-port must be a port number" in result.stderr

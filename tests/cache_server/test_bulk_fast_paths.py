@@ -350,22 +350,12 @@ def test_the_socket_path_can_be_chosen_and_a_stale_one_is_replaced(tmp_path) -> 
 
 
 def test_a_bulk_socket_path_that_is_not_a_socket_is_refused_at_start(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    from tests.cache_server.server_process import REPO_ROOT, repo_env
+    from tests.cache_server.server_process import run_cache_server_briefly
 
     regular = tmp_path / "data.txt"
     regular.write_text("keep me")
     for path, message in ((str(regular), "exists and is not a socket"), (" ", "bulk socket path is empty")):
-        result = subprocess.run(
-            [sys.executable, "-m", "cache_server", "--port", "0", "--bulk-socket", path],
-            cwd=REPO_ROOT,
-            env=repo_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        result = run_cache_server_briefly("--bulk-socket", path)
         assert result.returncode != 0 and message in result.stderr, result.stderr
     assert regular.read_text() == "keep me", "a refused path must be left alone"
 

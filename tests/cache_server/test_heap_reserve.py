@@ -7,7 +7,6 @@ minor page faults of the process (``/proc/PID/smaps`` and ``/proc/PID/stat``).""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,10 @@ import pytest
 
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import make_value
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, repo_env
+from tests.cache_server.server_process import (
+    CacheServerProcess,
+    run_cache_server_briefly,
+)
 
 MIB = 1 << 20
 PAGE_BYTES = 4096
@@ -99,13 +101,6 @@ def test_the_reserve_never_grows_the_heap_past_the_memory_cap() -> None:
 
 
 def test_a_negative_reserve_is_refused_at_start() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "cache_server", "--port", "0", "--heap-reserve-mb", "-1"],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cache_server_briefly("--heap-reserve-mb", "-1")
     assert result.returncode == 2
     assert "heap reserve must be >= 0" in result.stderr

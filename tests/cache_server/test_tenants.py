@@ -5,8 +5,6 @@ Clear and server-wide Stats need an admin; bad tenants files stop the server at 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -19,7 +17,11 @@ from storage_backends import BackendError
 from storage_backends import bulk_channel as wire
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, repo_env
+from tests.cache_server.server_process import (
+    CacheServerProcess,
+    repo_env,
+    run_cache_server_briefly,
+)
 
 TOKEN_A = "token-of-team-a-0123456789"
 TOKEN_B = "token-of-team-b-0123456789"
@@ -266,14 +268,7 @@ def test_auth_token_equal_to_a_tenants_token_is_refused(tmp_path) -> None:
 
 
 def test_a_missing_tenants_file_exits_non_zero_in_a_real_process(tmp_path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "cache_server", "--port", "0", "--tenants", str(tmp_path / "none.yaml")],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cache_server_briefly("--tenants", str(tmp_path / "none.yaml"))
     assert result.returncode == 2
     assert "cannot read tenants file" in result.stderr
 

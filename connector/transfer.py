@@ -11,10 +11,10 @@ the paged cache; a store packs piece i on its kernel stream while its copy
 stream moves piece i-1 device→host into its pinned destination. Events order
 each buffer's reuse after its previous use, so the PCIe copies run back to back
 and the kernels hide behind them. A step's loads (`load_chunks`) go through
-`connector.staged_loads` instead: the same two streams, but a group of chunks per
-batch of copies and per unpack launch, which cuts the host's cost of queueing them. Slot values are validated once
-on the host by the caller (the cache engine), so the kernels run without their
-per-call device sync.
+`connector.staged_loads` instead: the same two streams, but a group of chunks
+per batch of copies and per unpack launch, which cuts the host's cost of
+queueing them. Slot values are validated once on the host by the caller (the
+cache engine), so the kernels run without their per-call device sync.
 
 On CPU the pure-torch references do the same moves, synchronously; or, with
 ``cpu_worker_thread``, on one worker thread in queue order, with events that

@@ -46,9 +46,12 @@ class _Group:
 class GroupedStaging:
     """Two device staging buffers and the order of their reuse."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_chunk_tokens: int) -> None:
         self._device = device
         self._dtype = dtype
+        # the unpack kernel is compiled per tile count: one for every step, the chunk size's
+        # (a step's largest chunk would compile a new kernel for each shorter length met)
+        self._max_chunk_tokens = max_chunk_tokens
         self._element_bytes = torch.empty(0, dtype=dtype).element_size()
         self._buffers: list[torch.Tensor | None] = [None, None]
         # event after which buffer i may be overwritten (the unpack that read it is done)
@@ -74,7 +77,7 @@ class GroupedStaging:
         for group in groups:
             self._ensure_buffer(group.buffer_index, group.num_elements)
         table = to_device(self._tables(groups, slot_mappings, chunks))
-        max_tokens = max(chunk.shape[2] for chunk in chunks)
+        max_tokens = max(self._max_chunk_tokens, *(chunk.shape[2] for chunk in chunks))
         events: list[torch.cuda.Event] = []
         position = 0
         for index, group in enumerate(groups):

@@ -109,7 +109,7 @@ class KVMover:
             self.load_lane = _Lane(self.device, dtype, piece_numel)
             self.store_lane = _Lane(self.device, dtype, piece_numel)
             #: a step's staged loads, a group of chunks per copy batch and unpack launch
-            self._grouped_loads = GroupedStaging(self.device, dtype)
+            self._grouped_loads = GroupedStaging(self.device, dtype, max_chunk_tokens=chunk_shape[2])
         else:
             from kernels import reference
 

@@ -23,7 +23,7 @@ def _chunk(num_tokens: int, seed: int, device: str = "cpu", pin: bool = False) -
 def test_groups_fill_at_most_one_buffer_alternate_and_follow_the_ranges(monkeypatch):
     piece_bytes = 2 * 2 * 16 * HEADS * DIM * 4  # layers [0, 2) of a 16-token float32 chunk
     monkeypatch.setattr(staged_loads, "GROUP_BUFFER_BYTES", 3 * piece_bytes)
-    staging = GroupedStaging(torch.device("cpu"), torch.float32)
+    staging = GroupedStaging(torch.device("cpu"), torch.float32, max_chunk_tokens=16)
     chunks = [_chunk(16, seed) for seed in range(7)]
     groups = staging._plan(chunks, [(0, 2), (2, 4)])
     assert [(g.first, g.start_chunk, len(g.sources)) for g in groups] == [
@@ -39,7 +39,7 @@ def test_groups_fill_at_most_one_buffer_alternate_and_follow_the_ranges(monkeypa
 
 
 def test_table_rows_address_each_staged_piece_and_its_slot_map():
-    staging = GroupedStaging(torch.device("cpu"), torch.float32)
+    staging = GroupedStaging(torch.device("cpu"), torch.float32, max_chunk_tokens=16)
     chunks = [_chunk(16, 0), _chunk(5, 1)]  # a partial last chunk: its piece is padded to 16 bytes
     slot_mappings = [torch.arange(16), torch.arange(16, 21)]
     groups = staging._plan(chunks, [(1, 3)])
@@ -69,7 +69,7 @@ def test_gpu_grouped_loads_write_what_the_reference_writes(monkeypatch, layer_ra
     expected = kv_cache.cpu()
     for chunk, slot_map in zip(chunks, slots, strict=True):
         reference.unpack_kv_ref(chunk, expected, slot_map)
-    staging = GroupedStaging(torch.device("cuda"), torch.float32)
+    staging = GroupedStaging(torch.device("cuda"), torch.float32, max_chunk_tokens=16)
     kernel_stream, copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
     for _ in range(2):  # twice: the second pass reuses both buffers after their events
         kv_cache.zero_()

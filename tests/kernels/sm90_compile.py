@@ -210,6 +210,7 @@ def host_unpack_case():
             "num_chunks": "i32",
             "num_slots": "i32",
             "first_layer": "i32",
+            "source_first_layer": "i32",
             "num_planes": "i32",
             "num_items": "i32",
             "stride_paged_layer": "i64",

@@ -55,6 +55,7 @@ import socketserver
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -322,22 +323,38 @@ class BulkServer:
             connection.busy = False
             connection.deadline = None
 
+    def _put_key(self, connection: _Connection, key_bytes: bytes) -> str:
+        """The Put's key, checked and allowed for the connection's tenant (RequestError if not)."""
+        service = self._service
+        return service.check_access(connection.tenant, service.check_key(_decode_key(key_bytes)), "put")
+
+    def _receive_and_store(
+        self, key: str, value_len: int, receive: Callable[[ValueAssembler], memoryview]
+    ) -> None:
+        """Reserve the value's memory, take the value through ``receive`` (which fills the
+        assembler: from the socket, or from a staging area), verify and store it. The
+        reservation is released whatever happens (a no-op once stored). Called by the three
+        kinds of Put inside their stream slot."""
+        service = self._service
+        reservation = service.store.memory.reserve(key, value_len)
+        try:
+            data = receive(ValueAssembler(value_len, key))
+            service.store.put_verified(key, data, reservation)
+        finally:
+            reservation.release()
+
     def _put(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
         """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
         service, sock = self._service, connection.sock
+
+        def receive(assembler: ValueAssembler) -> memoryview:
+            sock.sendall(wire.encode_reply(wire.STATUS_OK))
+            return _receive_value(sock, assembler)
+
         try:
             with service.stream_slot():
-                key = service.check_access(
-                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
-                )
-                reservation = service.store.memory.reserve(key, service.check_size(value_len))
-                try:
-                    assembler = ValueAssembler(value_len, key)
-                    sock.sendall(wire.encode_reply(wire.STATUS_OK))
-                    data = _receive_value(sock, assembler)
-                    service.store.put_verified(key, data, reservation)
-                finally:
-                    reservation.release()  # a no-op once stored
+                key = self._put_key(connection, key_bytes)
+                self._receive_and_store(key, service.check_size(value_len), receive)
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
@@ -353,20 +370,17 @@ class BulkServer:
         for the Puts the client has already sent behind it; nothing is stored."""
         service, sock = self._service, connection.sock
         value_consumed = False
+
+        def receive(assembler: ValueAssembler) -> memoryview:
+            nonlocal value_consumed
+            # Past this point the value is read whatever happens (a refused one is drained).
+            value_consumed = True
+            return _receive_value(sock, assembler)
+
         try:
             with service.stream_slot():
-                key = service.check_access(
-                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
-                )
-                reservation = service.store.memory.reserve(key, service.check_size(value_len))
-                try:
-                    assembler = ValueAssembler(value_len, key)
-                    # Past this call the value is read whatever happens (a refused one is drained).
-                    value_consumed = True
-                    data = _receive_value(sock, assembler)
-                    service.store.put_verified(key, data, reservation)
-                finally:
-                    reservation.release()  # a no-op once stored
+                key = self._put_key(connection, key_bytes)
+                self._receive_and_store(key, service.check_size(value_len), receive)
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
@@ -467,27 +481,23 @@ class BulkServer:
 
         try:
             with service.stream_slot():
-                key = service.check_access(
-                    connection.tenant, service.check_key(_decode_key(key_bytes)), "put"
-                )
+                key = self._put_key(connection, key_bytes)
                 service.check_size(value_len)
                 if area is None:
                     raise RequestError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"a staged value of {value_len} bytes needs a staging area (this connection has none)",
                     )
-                reservation = service.store.memory.reserve(key, value_len)
-                try:
-                    assembler = ValueAssembler(value_len, key)
+
+                def receive(assembler: ValueAssembler) -> memoryview:
                     with area.view() as source:
-                        data = assembler.fill_from(
+                        return assembler.fill_from(
                             source[: min(value_len, area.size)],
                             progress.wait_beyond,
                             acknowledge if ring else None,
                         )
-                    service.store.put_verified(key, data, reservation)
-                finally:
-                    reservation.release()  # a no-op once stored
+
+                self._receive_and_store(key, value_len, receive)
         except (OSError, ProtocolError):
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash

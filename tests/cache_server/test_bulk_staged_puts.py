@@ -36,6 +36,21 @@ def server():
     process.close()
 
 
+def client_for(
+    advertised: kvstash_pb2.BulkEndpointResponse, protocol_version: int | None = None
+) -> BulkClient:
+    """A bulk client of the advertised endpoint (its Unix socket), speaking its protocol
+    version or an older one."""
+    return BulkClient(
+        "127.0.0.1",
+        advertised.port,
+        token=None,
+        timeout_s=10,
+        unix_path=advertised.unix_path,
+        protocol_version=protocol_version or advertised.protocol_version,
+    )
+
+
 def endpoint(stubs: Stubs) -> kvstash_pb2.BulkEndpointResponse:
     return stubs.kv.GetBulkEndpoint(kvstash_pb2.BulkEndpointRequest(), timeout=10, metadata=stubs.metadata)
 
@@ -258,14 +273,7 @@ def test_values_over_the_area_limit_go_through_it_as_a_ring() -> None:
             ]
             advertised = endpoint(stubs)
             assert advertised.protocol_version == 4
-            old_client = BulkClient(
-                "127.0.0.1",
-                advertised.port,
-                token=None,
-                timeout_s=10,
-                unix_path=advertised.unix_path,
-                protocol_version=3,
-            )
+            old_client = client_for(advertised, protocol_version=3)
             try:
                 for _ in range(2):  # asks once (refused), then streams
                     assert old_client.put_many([("ns/l", (large,))]) == [len(large)]
@@ -373,14 +381,7 @@ def test_a_client_on_another_host_never_stages(server, stubs) -> None:
 
 def test_bulk_client_put_many_of_one_item_is_staged_and_reports_refusals(stubs) -> None:
     advertised = endpoint(stubs)
-    client = BulkClient(
-        "127.0.0.1",
-        advertised.port,
-        token=None,
-        timeout_s=10,
-        unix_path=advertised.unix_path,
-        protocol_version=advertised.protocol_version,
-    )
+    client = client_for(advertised)
     try:
         assert client.stages_puts
         value = make_value(12, MIB, key="ns/one")

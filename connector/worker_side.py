@@ -38,18 +38,32 @@ from connector.request_transfer import TransferRegistry
 log = logging.getLogger(__name__)
 
 #: pieces of layers a load's moves are queued in without ``layerwise`` (one event each).
-#: Smaller pieces start the compute earlier and leave less of it after the last copy;
-#: since a piece of every chunk goes in a few grouped copies and one unpack launch
-#: (`connector.staged_loads`), more pieces no longer cost host time per chunk. On the
-#: H100 (8k-token hit, 8B shape) 4 pieces gave 25.9 / 27.9 ms (1 / 80 new tokens) where
-#: 2 gave 28.7 / 29.2 (`benchmarks/hit_profile.py`, same run).
-LOAD_LAYER_PIECES = 4
+#: A pass that waits per piece computes the earlier pieces while the later ones load; for a
+#: hit the compute of a layer is shorter than its copy, so the compute keeps up and what
+#: is left after the last copy is the last piece's compute. So the pieces shrink towards
+#: the end (`load_layer_pieces`). Since a piece of every chunk goes in a few grouped copies
+#: and one unpack launch (`connector.staged_loads`), a piece costs little host time. On the
+#: H100 (8k-token hit, 8B shape, `.gpu/tail.py`, 9 hits each, same run) pieces of 10, 9,
+#: 7, 4, 2 layers gave a median of 29.5 ms where 4 equal pieces gave 31.3 ms and 8 equal
+#: pieces 31.2 ms (earlier: 4 equal pieces 25.9 ms where 2 gave 28.7, `hit_profile.py`).
+LOAD_LAYER_PIECES = 5
 
 
 def load_layer_pieces(num_layers: int, num_pieces: int = LOAD_LAYER_PIECES) -> list[tuple[int, int]]:
-    """[first, last) layer ranges, in order, of about equal size, at most ``num_pieces``."""
-    step = max(1, -(-num_layers // max(1, num_pieces)))
-    return [(first, min(first + step, num_layers)) for first in range(0, num_layers, step)]
+    """[first, last) layer ranges, in order, covering every layer, at most ``num_pieces``,
+    each at least one layer, their sizes falling linearly towards the last piece (weights
+    ``num_pieces, ..., 2, 1``): the layers computed after the last copy are few."""
+    num_pieces = max(1, min(num_pieces, num_layers))
+    total_weight = num_pieces * (num_pieces + 1) // 2
+    ends, weight = [], 0
+    for piece in range(num_pieces):
+        weight += num_pieces - piece
+        # round to nearest, then keep every piece at least one layer and room for the rest
+        end = (2 * weight * num_layers + total_weight) // (2 * total_weight)
+        low = (ends[-1] if ends else 0) + 1
+        high = num_layers - (num_pieces - piece - 1)
+        ends.append(min(max(end, low), high))
+    return [(first, last) for first, last in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 class _Load(NamedTuple):

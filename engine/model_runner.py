@@ -616,9 +616,13 @@ class ModelRunner:
             if self.timeline is not None:
                 self.timeline.begin()
             hidden = self._run_model(plan, host)
-            if connector is not None:
-                # Queue the saves while the GPU still runs the forward pass: sampling below
-                # waits for it, and the saves' host bookkeeping would otherwise add to the step.
+            if connector is not None and plan.request_id_to_spec_token_ids:
+                # Verifying drafts below waits for the device: queue the saves first, while
+                # the GPU still runs the forward pass, or their host bookkeeping would add to
+                # the step. Other steps queue sampling first (it never waits for the device):
+                # `wait_for_save` waits for the step's loads, and the sampling kernels must
+                # already be queued when the last load lands, or the GPU idles until the host
+                # queues them.
                 connector.wait_for_save()
                 saves_queued = True
             sampling = [(i, row) for i, row in enumerate(logits_rows) if row >= 0]

@@ -10,7 +10,8 @@ Here the chunks of a piece of layers go in groups: each group's pieces are copie
 to back into one of two staging buffers of `GROUP_BUFFER_BYTES` on the copy stream,
 and one launch of `kernels.host_unpack`'s table-driven kernel (which reads the staged
 device copies) scatters the whole group into the paged cache on the kernel stream. The
-tables of every group of the step go to the device in one copy before the first. The
+tables of every group of the step go to the device in one copy, made while the first
+group's copies run (before the first unpack, which needs them). The
 two buffers alternate: a group's copies wait for the unpack that last read its buffer.
 
 Used by `transfer.KVMover.load_chunks` on CUDA (one call per step with loads); owns
@@ -38,8 +39,8 @@ class _Group:
         self.buffer_index = buffer_index
         self.first, self.last = first, last
         self.start_chunk = start_chunk
-        self.sources: list[torch.Tensor] = []  # host pieces [last - first, 2, tokens, heads, dim]
-        self.offsets: list[int] = []  # element offsets into the staging buffer
+        self.num_chunks = 0
+        self.offsets: list[int] = []  # element offsets into the staging buffer, one per chunk
         self.num_elements = 0
 
 
@@ -76,8 +77,8 @@ class GroupedStaging:
         groups = self._plan(chunks, layer_ranges)
         for group in groups:
             self._ensure_buffer(group.buffer_index, group.num_elements)
-        table = to_device(self._tables(groups, slot_mappings, chunks))
         max_tokens = max(self._max_chunk_tokens, *(chunk.shape[2] for chunk in chunks))
+        table = None
         events: list[torch.cuda.Event] = []
         position = 0
         for index, group in enumerate(groups):
@@ -86,24 +87,29 @@ class GroupedStaging:
             if free is not None:
                 copy_stream.wait_event(free)
             with torch.cuda.stream(copy_stream):
-                for source, offset in zip(group.sources, group.offsets, strict=True):
+                group_chunks = chunks[group.start_chunk : group.start_chunk + group.num_chunks]
+                for chunk, offset in zip(group_chunks, group.offsets, strict=True):
+                    source = chunk[group.first : group.last]
                     buffer[offset : offset + source.numel()].view(source.shape).copy_(
                         source, non_blocking=True
                     )
             copied = torch.cuda.Event()
             copied.record(copy_stream)
+            if table is None:
+                # Made while the first group's copies run: the unpacks need the tables, the
+                # copies do not (a hit's first copy starts ~0.5 ms sooner on the H100).
+                table = to_device(self._tables(groups, slot_mappings, chunks))
             kernel_stream.wait_event(copied)
-            num_chunks = len(group.sources)
             with torch.cuda.stream(kernel_stream):
                 unpack_kv_from_host(
-                    table[position : position + 3 * num_chunks].view(3, num_chunks),
+                    table[position : position + 3 * group.num_chunks].view(3, group.num_chunks),
                     kv_cache,
                     max_tokens,
                     (group.first, group.last),
                     num_programs=NUM_UNPACK_PROGRAMS,
                     chunks_hold_only_these_layers=True,
                 )
-            position += 3 * num_chunks
+            position += 3 * group.num_chunks
             unpacked = torch.cuda.Event()
             unpacked.record(kernel_stream)
             self._buffer_free[group.buffer_index] = unpacked
@@ -113,20 +119,21 @@ class GroupedStaging:
         return events
 
     def _plan(self, chunks: Sequence[torch.Tensor], layer_ranges: Sequence[tuple[int, int]]) -> list[_Group]:
-        """Groups of chunk pieces, range by range, each filling at most one buffer."""
+        """Groups of chunk pieces, range by range, each filling at most one buffer (sizes
+        only: the pieces are sliced when copied, so the first copy is queued sooner)."""
         capacity = GROUP_BUFFER_BYTES // self._element_bytes
         align = max(1, _ALIGN_BYTES // self._element_bytes)
+        layer_numels = [chunk.numel() // chunk.shape[0] for chunk in chunks]
         groups: list[_Group] = []
         for first, last in layer_ranges:
             group = None
-            for chunk_index, chunk in enumerate(chunks):
-                source = chunk[first:last]
-                size = -(-source.numel() // align) * align
-                if group is None or (group.sources and group.num_elements + size > capacity):
+            for chunk_index, layer_numel in enumerate(layer_numels):
+                size = -(-layer_numel * (last - first) // align) * align
+                if group is None or (group.num_chunks and group.num_elements + size > capacity):
                     group = _Group(self._next_buffer, first, last, chunk_index)
                     self._next_buffer ^= 1
                     groups.append(group)
-                group.sources.append(source)
+                group.num_chunks += 1
                 group.offsets.append(group.num_elements)
                 group.num_elements += size
         return groups
@@ -141,7 +148,7 @@ class GroupedStaging:
         flat: list[int] = []
         for group in groups:
             base = self._buffers[group.buffer_index].data_ptr()
-            start, end = group.start_chunk, group.start_chunk + len(group.sources)
+            start, end = group.start_chunk, group.start_chunk + group.num_chunks
             flat += [base + offset * self._element_bytes for offset in group.offsets]
             flat += slot_addresses[start:end]
             flat += num_tokens[start:end]

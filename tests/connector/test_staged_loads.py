@@ -26,7 +26,7 @@ def test_groups_fill_at_most_one_buffer_alternate_and_follow_the_ranges(monkeypa
     staging = GroupedStaging(torch.device("cpu"), torch.float32, max_chunk_tokens=16)
     chunks = [_chunk(16, seed) for seed in range(7)]
     groups = staging._plan(chunks, [(0, 2), (2, 4)])
-    assert [(g.first, g.start_chunk, len(g.sources)) for g in groups] == [
+    assert [(g.first, g.start_chunk, g.num_chunks) for g in groups] == [
         (0, 0, 3),
         (0, 3, 3),
         (0, 6, 1),

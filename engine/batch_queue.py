@@ -183,6 +183,8 @@ class BatchQueue:
         if self._in_flight:
             self.num_overlapped_steps += 1
         future = self.runner.submit(plan)
+        # prefix hashes that admission left out, while the device runs the step
+        self.scheduler.hash_blocks_of(plan.requests)
         self._push(plan, future, began)
         if plan.connector_meta is not None and plan.connector_meta.loads:
             self.num_sync_steps += 1

@@ -20,6 +20,8 @@ from engine.request import Request
 _ROOT_HASH = b"kvstash-gpu-prefix-v1"
 #: domain separator of a salted chain's root (DESIGN §5: salts never share blocks)
 _SALT_DOMAIN = b"kvstash-gpu-prefix-salt-v1\0"
+#: blocks `find_cached_prefix` hashes at a time (then as many again as it has: it doubles)
+LOOKUP_BATCH_BLOCKS = 16
 
 
 def root_hash(cache_salt: str | None) -> bytes:
@@ -63,13 +65,18 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def _update_block_hashes(self, request: Request) -> None:
-        """Extend `request.block_hashes` to every full block of its known tokens: the
-        chain of `hash_block`, over the new blocks' tokens converted once (per block,
-        the conversion cost more than the hash: ~1 ms per 8k-token prompt)."""
+    def hash_blocks(self, request: Request, max_num_blocks: int | None = None) -> None:
+        """Extend `request.block_hashes` to every full block of its known tokens, or to the
+        first `max_num_blocks` blocks: the chain of `hash_block`, over the new blocks'
+        tokens converted once (per block, the conversion cost more than the hash: ~1 ms
+        per 8k-token prompt). The scheduler calls it for a step's requests while the
+        device runs the step (`Scheduler.hash_blocks_of`); `cache_computed_blocks` calls it
+        for what is still missing."""
         bs = self.block_size
         hashes = request.block_hashes
         first, end = len(hashes), request.num_tokens // bs
+        if max_num_blocks is not None:
+            end = min(end, max_num_blocks)
         if first >= end:
             return
         payload = np.asarray(request.all_token_ids[first * bs : end * bs], dtype="<i8").tobytes()
@@ -84,17 +91,25 @@ class BlockManager:
         already cached, possibly every token's block. The scheduler still computes at
         least the last token (so the admitting step produces logits); when that token's
         block is one of these, the runner reads its KV from the block and leaves the
-        shared block unwritten."""
+        shared block unwritten.
+
+        Hashes only as far as the search goes (in growing batches, from
+        `LOOKUP_BATCH_BLOCKS`): a prompt that misses on the GPU, as a prompt whose KV
+        is loaded from the tiers does, costs one batch here, not its whole chain (~1 ms
+        per 8k tokens on an H100's host, before the load's first copy)."""
         if not self.enable_prefix_caching:
             return []
-        self._update_block_hashes(request)
+        hashes = request.block_hashes
         block_ids: list[int] = []
-        for block_hash in request.block_hashes:
-            block_id = self.hash_to_block_id.get(block_hash)
+        while True:
+            if len(block_ids) == len(hashes):
+                self.hash_blocks(request, len(hashes) + max(LOOKUP_BATCH_BLOCKS, len(hashes)))
+                if len(block_ids) == len(hashes):
+                    return block_ids  # every full block is cached
+            block_id = self.hash_to_block_id.get(hashes[len(block_ids)])
             if block_id is None:
-                break
+                return block_ids
             block_ids.append(block_id)
-        return block_ids
 
     def allocate_slots(
         self, request: Request, num_total_tokens: int, cached_block_ids: Sequence[int] = ()
@@ -132,7 +147,7 @@ class BlockManager:
         """Register the request's full blocks whose KV is computed (after a step)."""
         if not self.enable_prefix_caching:
             return
-        self._update_block_hashes(request)
+        self.hash_blocks(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         for i in range(request.num_cached_blocks, num_full):
             block_hash = request.block_hashes[i]

@@ -603,7 +603,9 @@ class EngineCore:
             self.scheduler.connector.wait_for_transfers(0.005)
         snapshot.take(plan.requests)
         began = time.perf_counter()
-        outputs = self._finish_step(plan, self.runner.execute(plan), began)
+        # the prefix-cache hashes that admission left out are made while the device runs
+        result = self.runner.execute(plan, lambda: self.scheduler.hash_blocks_of(plan.requests))
+        outputs = self._finish_step(plan, result, began)
         return latest_per_request(drained + outputs) if drained else outputs
 
     def _finish_step(self, plan, result, began: float) -> list[RequestOutput]:

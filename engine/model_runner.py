@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -587,18 +588,28 @@ class ModelRunner:
             request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
         return request_id_to_accepted_draft_ids, request_id_to_last_token
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         """Run one step and wait for its sampled tokens (`submit(plan).result()`)."""
-        return self.submit(plan).result()
+        return self.submit(plan, while_device_runs).result()
 
     @torch.inference_mode()
-    def submit(self, plan: SchedulerOutput) -> StepFuture:
+    def submit(
+        self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
+    ) -> StepFuture:
         """Queue one step on the device: connector loads, forward, connector saves,
         sampling. Returns once the work is queued (on CPU: done); the future's `result()`
         waits for the sampled tokens. Called once per step by the engine core, in step
         order; the next `submit` may come before this step's `result()` (async
         scheduling), and then takes a token it lacks from this step's samples on the
-        device. A step that verifies drafts reads its tokens before returning."""
+        device. A step that verifies drafts reads its tokens before returning.
+
+        `while_device_runs` (host work of the engine core that this step's device work
+        does not need) is called once, after the step's forward pass and sampling are
+        queued and before anything of the step waits for the device: a step that loads
+        KV would otherwise spend that host time before its first copy or after its
+        last kernel."""
         connector = self.connector
         if connector is not None:
             if plan.preempted_request_ids:
@@ -646,6 +657,9 @@ class ModelRunner:
                     row_wise=self.deterministic,
                 )
                 sampled_request_ids = [r.request_id for r in requests]
+                if while_device_runs is not None:
+                    while_device_runs()
+                    while_device_runs = None
                 if layout is not None:
                     # The token sampled after the last draft is the bonus token; verified
                     # before the samples are read, so the host waits for the device once.
@@ -660,6 +674,8 @@ class ModelRunner:
                 self.timeline.end()
         self._prev_request_id_to_sample_index = {r: i for i, r in enumerate(sampled_request_ids)}
         self._prev_sampled_token_ids = token_ids if request_id_to_token is None else None
+        if while_device_runs is not None:  # the step samples nothing
+            while_device_runs()
         load_failures: dict[str, int] = {}
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()

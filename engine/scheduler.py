@@ -343,6 +343,15 @@ class Scheduler:
             )
         return output
 
+    def hash_blocks_of(self, requests: Iterable[Request]) -> None:
+        """Finish the prefix-cache hashes of a step's requests. The engine core has the
+        model runner call it once the step's device work is queued, while the device
+        runs: admission hashed only as far as its GPU-cache search went, and the rest is
+        needed once the step's blocks are registered (`update_from_output`)."""
+        for request in requests:
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.hash_blocks(request)
+
     def roll_back(self, request: Request) -> None:
         """Send a request of a step that raised back to the front of the waiting queue, as
         a preemption does: its blocks are freed (the failed step's KV is never reused) and

@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,12 +212,18 @@ class PipelineExecutor:
         return self
 
     # ---- per step ------------------------------------------------------------------
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
+    ) -> RunnerOutput:
         """One step over every stage: the same interface as `ModelRunner.execute`
-        (`collect(submit(plan))`: one batch in flight). Raises PipelineStageError when the
-        step failed in some stage (every stage ended the step: the engine may retry),
-        PipelineDeadError when a stage is gone."""
-        return self.collect(self.submit(plan))
+        (`collect(submit(plan))`: one batch in flight; `while_device_runs` is called
+        between the two). Raises PipelineStageError when the step failed in some stage
+        (every stage ended the step: the engine may retry), PipelineDeadError when a
+        stage is gone."""
+        in_flight = self.submit(plan)
+        if while_device_runs is not None:
+            while_device_runs()
+        return self.collect(in_flight)
 
     def submit(self, plan: SchedulerOutput) -> StepInFlight:
         """Hand every later stage the plan and run stage 0's part of it here; returns at

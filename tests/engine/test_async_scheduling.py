@@ -209,13 +209,13 @@ def test_a_failed_async_step_ends_only_its_failing_request(model_dir, monkeypatc
     runner = engine.runner
     submit = runner.submit
 
-    def failing_submit(plan):
+    def failing_submit(plan, while_device_runs=None):
         if any(r.request_id == "r1" and len(r.output_token_ids) >= 4 for r in plan.requests):
             raise RuntimeError("injected failure")
-        return submit(plan)
+        return submit(plan, while_device_runs)
 
     monkeypatch.setattr(runner, "submit", failing_submit)
-    monkeypatch.setattr(runner, "execute", lambda plan: failing_submit(plan).result())
+    monkeypatch.setattr(runner, "execute", lambda plan, hook=None: failing_submit(plan, hook).result())
     from engine.engine_core import EngineStepError
 
     finished = {}

@@ -204,3 +204,30 @@ def test_cli_generate_reports_bad_input(qwen3_dir):
     result = CliRunner().invoke(main, ["generate", str(qwen3_dir), "--prompt", "hi", "--top-p", "2"])
     assert result.exit_code != 0
     assert "top_p must be in (0, 1]" in result.output
+
+
+def test_each_step_finishes_its_prefix_hashes_in_the_runners_device_time(qwen3_dir, monkeypatch):
+    from engine.block_manager import LOOKUP_BATCH_BLOCKS
+
+    llm = LLM(qwen3_dir, dtype="float32", device="cpu")
+    block_size = llm.engine.block_size
+    num_prompt = (LOOKUP_BATCH_BLOCKS + 3) * block_size + 5
+    scheduler = llm.engine.scheduler
+    hash_blocks_of = scheduler.hash_blocks_of
+    hashes_before_each_call = []
+
+    def record(requests):
+        requests = list(requests)
+        hashes_before_each_call.append([len(r.block_hashes) for r in requests])
+        hash_blocks_of(requests)
+
+    monkeypatch.setattr(scheduler, "hash_blocks_of", record)
+    prefix = random_prompt(num_prompt, seed=9)
+    steps_before = llm.stats.num_steps
+    llm.generate([prefix], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    # once per step; admission hashed one batch, the step's hook the rest
+    assert len(hashes_before_each_call) == llm.stats.num_steps - steps_before == 3
+    assert hashes_before_each_call[0] == [LOOKUP_BATCH_BLOCKS]
+    # every full block of the prompt was registered: a second prompt finds them all
+    (second,) = llm.generate([prefix[:-5] + random_prompt(7, seed=10)], GREEDY)
+    assert second.metrics.num_local_cached_tokens == (LOOKUP_BATCH_BLOCKS + 3) * block_size

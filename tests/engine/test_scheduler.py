@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
-from engine.block_manager import BlockManager, hash_block, root_hash
+from engine.block_manager import LOOKUP_BATCH_BLOCKS, BlockManager, hash_block, root_hash
 from engine.config import SamplingParams
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -167,9 +167,9 @@ def test_block_hash_is_a_blake2b_chain_over_little_endian_int64():
 def test_request_block_hashes_are_the_hash_block_chain_also_when_extended():
     manager = BlockManager(64, BLOCK_SIZE, True)
     request = make_request("a", 3 * BLOCK_SIZE + 2, first_token=65530)  # ids past 2**16
-    manager.find_cached_prefix(request)
+    manager.hash_blocks(request)
     request.all_token_ids.extend(range(7, 7 + 2 * BLOCK_SIZE))  # decoded tokens: two more blocks
-    manager.find_cached_prefix(request)
+    manager.hash_blocks(request)
     tokens = request.all_token_ids
     parent, expected = root_hash(None), []
     for start in range(0, len(tokens) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
@@ -177,6 +177,26 @@ def test_request_block_hashes_are_the_hash_block_chain_also_when_extended():
         expected.append(parent)
     assert len(expected) == 5
     assert request.block_hashes == expected
+
+
+def test_a_prefix_search_hashes_only_as_far_as_it_goes():
+    manager = BlockManager(256, BLOCK_SIZE, True)
+    num_blocks = 3 * LOOKUP_BATCH_BLOCKS + 5
+    miss = make_request("miss", num_blocks * BLOCK_SIZE + 1)
+    assert manager.find_cached_prefix(miss) == []
+    assert len(miss.block_hashes) == LOOKUP_BATCH_BLOCKS  # one batch, not the whole chain
+    manager.hash_blocks(miss)
+    assert len(miss.block_hashes) == num_blocks
+
+    # a cached prefix longer than several batches is still found whole
+    owner = make_request("owner", num_blocks * BLOCK_SIZE + 1)
+    assert manager.allocate_slots(owner, owner.num_tokens)
+    owner.num_computed_tokens = owner.num_tokens
+    manager.cache_computed_blocks(owner)
+    twin = make_request("twin", num_blocks * BLOCK_SIZE + 1)
+    assert twin.all_token_ids == owner.all_token_ids
+    assert manager.find_cached_prefix(twin) == owner.block_ids[:num_blocks]
+    assert twin.block_hashes == owner.block_hashes[: len(twin.block_hashes)]
 
 
 def test_allocation_failure_changes_nothing():

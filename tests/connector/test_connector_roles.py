@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from connector.base import ScheduledRequest
 from connector.request_transfer import TransferRegistry
@@ -168,3 +171,23 @@ def test_request_finished_waits_for_a_save_that_has_not_read_its_blocks():
     run_step(worker, kv_cache, metadata)
     assert worker.get_finished(set()) == ({"r6"}, set())
     assert worker.get_finished(set()) == (set(), set())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_size=st.integers(1, 16),
+    block_ids=st.lists(st.integers(0, 10_000), max_size=12),
+    data=st.data(),
+)
+def test_slot_mapping_is_block_id_times_block_size_plus_offset(block_size, block_ids, data):
+    num_tokens = data.draw(st.integers(0, len(block_ids) * block_size))
+    slots = slot_mapping_for(block_ids, block_size, num_tokens)
+    assert slots.dtype == torch.int64 and slots.shape == (num_tokens,)
+    assert slots.tolist() == [
+        block_ids[i // block_size] * block_size + i % block_size for i in range(num_tokens)
+    ]
+
+
+def test_slot_mapping_refuses_more_tokens_than_the_blocks_hold():
+    with pytest.raises(ValueError, match="cannot hold"):
+        slot_mapping_for([3, 4], 4, 9)

@@ -92,10 +92,10 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self.layout = layout
         self.pinned = pin_memory
         self._slab = _page_aligned_slab(self.num_slots, self.slot_numel, dtype, pin_memory=pin_memory)
-        # One full-chunk view per slot, made once: a read of whole chunks makes no tensor
-        # (each torch call would give up the GIL and wait to take it back, per chunk, on the
-        # step's path while the disk tier's I/O threads run).
-        self._slot_views = list(self._slab.view(self.num_slots, *self.chunk_shape).unbind(0))
+        # slot id -> its full-chunk view, made on the slot's first use and kept: a read of
+        # whole chunks then makes no tensor (each torch call gives up the GIL and waits to
+        # take it back, per chunk, on the step's path while the disk tier's I/O threads run)
+        self._slot_id_to_view: dict[int, torch.Tensor] = {}
         self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
         self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
         self._key_to_reservation: dict[str, Reservation] = {}
@@ -104,9 +104,12 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self._counters = Counters()
 
     def _view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
-        if shape == self.chunk_shape:
-            return self._slot_views[slot_id]
-        return self._slab[slot_id, : math.prod(shape)].view(shape)
+        if shape != self.chunk_shape:
+            return self._slab[slot_id, : math.prod(shape)].view(shape)
+        view = self._slot_id_to_view.get(slot_id)
+        if view is None:  # two threads may both make it: equal views, either one kept
+            view = self._slot_id_to_view[slot_id] = self._slab[slot_id].view(shape)
+        return view
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         expected = self.chunk_shape

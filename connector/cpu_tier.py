@@ -35,6 +35,9 @@ from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 from storage_backends.counters import Counters
 from storage_backends.lru import LRUIndex, SlabTierMixin
 
+#: alignment of the slab (the disk tier's O_DIRECT needs block-aligned memory)
+_PAGE_BYTES = 4096
+
 
 class PinKind(str, enum.Enum):
     """Who holds a pin: each kind is taken and released on its own, so one holder can
@@ -88,7 +91,11 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self.chunk_shape = tuple(chunk_shape)
         self.layout = layout
         self.pinned = pin_memory
-        self._slab = torch.empty((self.num_slots, self.slot_numel), dtype=dtype, pin_memory=pin_memory)
+        self._slab = _page_aligned_slab(self.num_slots, self.slot_numel, dtype, pin_memory=pin_memory)
+        # slot id -> its full-chunk view, made on the slot's first use and kept: a read of
+        # whole chunks then makes no tensor (each torch call gives up the GIL and waits to
+        # take it back, per chunk, on the step's path while the disk tier's I/O threads run)
+        self._slot_id_to_view: dict[int, torch.Tensor] = {}
         self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
         self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
         self._key_to_reservation: dict[str, Reservation] = {}
@@ -97,7 +104,12 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self._counters = Counters()
 
     def _view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return self._slab[slot_id, : math.prod(shape)].view(shape)
+        if shape != self.chunk_shape:
+            return self._slab[slot_id, : math.prod(shape)].view(shape)
+        view = self._slot_id_to_view.get(slot_id)
+        if view is None:  # two threads may both make it: equal views, either one kept
+            view = self._slot_id_to_view[slot_id] = self._slab[slot_id].view(shape)
+        return view
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         expected = self.chunk_shape
@@ -125,14 +137,18 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
     def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
         """Pin every present key and return its zero-copy view, under one lock (the
         read path of a retrieve). Each returned key holds one READ pin to release with :meth:`unpin`."""
-        key_to_chunk = {}
+        key_to_record = {}
         with self._lock:
             for key in keys:
                 entry = self._index.get(key)
                 if entry is not None:
                     self._add_pins(key, PinKind.READ, 1)
-                    slot_id, shape = entry.record
-                    key_to_chunk[key] = KVChunk(self._view(slot_id, shape), self.layout)
+                    key_to_record[key] = entry.record
+        # The views are made outside the lock: the READ pins keep the slots.
+        key_to_chunk = {
+            key: KVChunk(self._view(slot_id, shape), self.layout)
+            for key, (slot_id, shape) in key_to_record.items()
+        }
         self._counters.add("hits", len(key_to_chunk))
         self._counters.add("misses", len(keys) - len(key_to_chunk))
         return key_to_chunk
@@ -278,3 +294,18 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
             return True
 
     # keys comes from SlabTierMixin
+
+
+def _page_aligned_slab(
+    num_slots: int, slot_numel: int, dtype: torch.dtype, *, pin_memory: bool
+) -> torch.Tensor:
+    """``[num_slots, slot_numel]`` of ``dtype`` starting on a page boundary. Pinned memory is
+    page-aligned already; plain memory is allocated one page larger and offset, so that the
+    disk tier writes and reads slots with O_DIRECT (it falls back to buffered I/O, a
+    kernel copy through the page cache, for memory that is not block-aligned)."""
+    if pin_memory:
+        return torch.empty((num_slots, slot_numel), dtype=dtype, pin_memory=True)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(num_slots * slot_numel * element_size + _PAGE_BYTES, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE_BYTES
+    return raw[start : start + num_slots * slot_numel * element_size].view(dtype).view(num_slots, slot_numel)

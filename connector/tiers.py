@@ -356,11 +356,14 @@ class TierManager:
         self.expire_pins()
         deadline = self._clock() + self.pin_timeout_s
         key_to_tiers: dict[str, list[StorageBackend]] = {key: [] for key in keys}
+        # The tiers pin outside ``_lock``: a tier may wait on its own lock (the disk tier's,
+        # behind its writes), and ``unpin``/``expire_pins`` of other keys must not wait with
+        # it. A pin is recorded once taken, so a concurrent unpin releases only recorded pins.
+        for tier in self._pinnable:
+            for key, pinned in zip(keys, self._pin_each(tier, keys), strict=True):
+                if pinned:
+                    key_to_tiers[key].append(tier)
         with self._lock:
-            for tier in self._pinnable:
-                for key, pinned in zip(keys, self._pin_each(tier, keys), strict=True):
-                    if pinned:
-                        key_to_tiers[key].append(tier)
             for key, pinned_tiers in key_to_tiers.items():
                 if pinned_tiers:
                     self._key_to_pins.setdefault(key, []).append((deadline, pinned_tiers))

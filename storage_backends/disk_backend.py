@@ -39,8 +39,15 @@ caller's buffer for :meth:`get_into`, a new block-aligned value buffer for
 :meth:`get_encoded`, which is returned as a view, uncopied), the CRC verified once
 in the reading thread (counted in ``verified``);
 any mismatch is logged, counted in ``corrupt``, the file removed and the read is
-a miss. ``get_many``/``get_many_into``/``put_many`` keep up to ``io_threads``
-files in flight.
+a miss. ``get_many``/``get_many_into`` keep up to ``io_threads`` files in flight,
+``put_many`` up to ``WRITES_IN_FLIGHT`` (4) of them.
+
+Locks: ``_lock`` guards the index and is held only for index work, never across a
+file-system call; the engine's step waits on it (``pin``, ``unpin``, ``contains``) while
+writes are in flight. Renames into a chunk file's final path and unlinks of it (which can
+wait tens of milliseconds for the journal while other files are fsynced) run under a
+per-path lock (:meth:`DiskBackend._path_lock`) that orders them with the index decision
+before each.
 
 The cap counts whole chunk-file sizes, writes in flight included; victims are
 removed before the new file is written, so the chunk files never exceed the cap
@@ -102,6 +109,10 @@ ALIGN_MIN_PAYLOAD = 64 << 10
 #: a head (record header, key, padding, chunk header) is never larger than this
 _MAX_HEAD_BYTES = disk_io.round_up(_RECORD.size + 0xFFFF + 4096) + disk_io.BLOCK
 DEFAULT_IO_THREADS = 16
+#: most files one put_many writes at once (see put_many)
+WRITES_IN_FLIGHT = 4
+#: locks that order renames and unlinks of chunk files (see DiskBackend._path_lock)
+_NUM_PATH_LOCKS = 64
 #: the index file is rewritten after this many writes and removals (and on close)
 INDEX_EVERY_CHANGES = 1024
 
@@ -165,6 +176,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         self._index = LRUIndex(capacity_bytes, ordered=True)  # ordered: the cache server pages ListKeys
         self._lock = threading.Lock()
         self._index_file_lock = threading.Lock()
+        self._path_locks = [threading.Lock() for _ in range(_NUM_PATH_LOCKS)]  # see _path_lock
         self._counters = Counters()
         # per-thread aligned buffers: a file's head, a payload's last partial block, an lz4 payload
         self._head_scratch = disk_io.AlignedScratch()
@@ -492,8 +504,9 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         self._sync_folder()
 
     def put_many(self, items: Sequence[tuple[str, KVChunk]]) -> None:
-        """:meth:`put` of every item, up to ``io_threads`` files in flight, one folder fsync
-        at the end. Every item is attempted; the first error is raised afterwards."""
+        """:meth:`put` of every item, up to ``min(io_threads, WRITES_IN_FLIGHT)`` files in
+        flight, one folder fsync at the end. Every item is attempted; the first error is
+        raised afterwards. Called by the connector's write-through thread."""
         items = list(items)
         for _, chunk in items:
             if not isinstance(chunk, KVChunk):
@@ -506,7 +519,12 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             except Exception as exc:  # raised after the other writes have had their turn
                 errors.append(exc)
 
-        self._map(write_one, items)
+        # Each of a few threads writes its share in turn: threads that finish their writes
+        # together queue for the GIL together, and the engine's step thread waits behind
+        # each of them (issue 23); a few large writes in flight already keep a device busy.
+        num_groups = min(self.io_threads, WRITES_IN_FLIGHT, len(items))
+        groups = [items[index::num_groups] for index in range(num_groups)]
+        self._map(lambda group: [write_one(item) for item in group], groups)
         self._sync_folder()
         if errors:
             raise errors[0]
@@ -523,26 +541,31 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
                 f"chunk file of {size} bytes exceeds the disk tier's cap of {self._index.capacity} bytes"
             )
         path = os.path.join(self.root, key_to_filename(key))
-        with self._lock:
-            old = self._index.remove(key)  # its bytes count as free room for the new value
-            victim_keys = self._index.victims_for(size)
-            if victim_keys is None:
-                if old is not None:  # keep the old value: a refused put changes nothing
-                    self._index.add(key, old.size, old.record, old.num_pins)
-                self._counters.add("rejected")
-                raise CapacityError(
-                    f"disk tier: no room for {key!r} ({size} bytes): pinned or in-flight files fill "
-                    f"{self._index.used} of {self._index.capacity} bytes"
-                )
-            num_pins = 0 if old is None else old.num_pins
+        with self._path_lock(path):
+            with self._lock:
+                old = self._index.remove(key)  # its bytes count as free room for the new value
+                victim_keys = self._index.victims_for(size)
+                if victim_keys is None:
+                    if old is not None:  # keep the old value: a refused put changes nothing
+                        self._index.add(key, old.size, old.record, old.num_pins)
+                    self._counters.add("rejected")
+                    raise CapacityError(
+                        f"disk tier: no room for {key!r} ({size} bytes): pinned or in-flight files fill "
+                        f"{self._index.used} of {self._index.capacity} bytes"
+                    )
+                num_pins = 0 if old is None else old.num_pins
+                victims = [
+                    (victim_key, self._index.remove(victim_key).record.path) for victim_key in victim_keys
+                ]
+                self._counters.add("evictions", len(victim_keys))
+                self._num_changes += len(victim_keys)
+                # The reservation holds one pin so that no concurrent put evicts it mid-write.
+                entry = self._index.add(key, size, _FileRecord(path, ready=False), num_pins + 1)
             if old is not None:
                 self._remove_file(path)
-            for victim_key in victim_keys:
-                self._remove_file(self._index.remove(victim_key).record.path)
-            self._counters.add("evictions", len(victim_keys))
-            self._num_changes += len(victim_keys)
-            # The reservation holds one pin so that no concurrent put evicts it mid-write.
-            entry = self._index.add(key, size, _FileRecord(path, ready=False), num_pins + 1)
+        # Victims go before this file is written, so the chunk files stay within the cap.
+        for victim_key, victim_path in victims:
+            self._remove_unindexed(victim_key, victim_path)
         head = self._head_scratch.get(payload_offset)[:payload_offset]
         head[:] = bytes(payload_offset)
         _RECORD.pack_into(head, 0, RECORD_MAGIC, RECORD_VERSION, len(key_bytes), chunk_offset, payload_offset)
@@ -556,24 +579,28 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             self._counters.add("errors")
             self._drop_entry(key, entry)
             raise BackendError(f"disk tier: cannot write {path}: {exc}") from exc
-        with self._lock:
-            if self._index.get(key, touch=False) is entry:
+        with self._path_lock(path):
+            with self._lock:
+                current = self._index.get(key, touch=False) is entry
+            if current:
+                # Nothing removes ``entry`` meanwhile: a delete or another put of ``key`` needs
+                # this path lock, and eviction skips it (pinned).
                 try:
                     os.replace(tmp_path, path)
                 except OSError as exc:
-                    self._index.remove(key)
                     self._remove_file(tmp_path)
                     self._counters.add("errors")
+                    with self._lock:
+                        self._index.remove(key)
                     raise BackendError(f"disk tier: cannot rename into {path}: {exc}") from exc
-                entry.record.ready = True
-                entry.record.mtime_ns = mtime_ns
-                entry.num_pins -= 1
-                self._counters.add("puts")
-                self._num_changes += 1
-                index_due = self._num_changes >= INDEX_EVERY_CHANGES
-            else:
-                index_due = None
-        if index_due is None:
+                with self._lock:
+                    entry.record.ready = True
+                    entry.record.mtime_ns = mtime_ns
+                    entry.num_pins -= 1
+                    self._counters.add("puts")
+                    self._num_changes += 1
+                    index_due = self._num_changes >= INDEX_EVERY_CHANGES
+        if not current:
             self._remove_file(tmp_path)  # deleted or replaced while being written: the newer call wins
         elif index_due:
             self._write_index_file()
@@ -623,21 +650,43 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
                 raise BackendError(f"disk tier: cannot fsync folder {self.root}: {exc}") from exc
 
     def delete(self, key: str) -> bool:
-        with self._lock:
-            entry = self._index.remove(key)
-            if entry is None:
-                return False
+        path = os.path.join(self.root, key_to_filename(key))
+        with self._path_lock(path):
+            with self._lock:
+                entry = self._index.remove(key)
+                if entry is None:
+                    return False
+                self._num_changes += 1
             self._remove_file(entry.record.path)
-            self._num_changes += 1
-            return True
+        return True
 
     def _drop_entry(self, key: str, entry: LRUEntry) -> None:
         """Remove ``key`` and its file if the index still holds this very ``entry``."""
-        with self._lock:
-            if self._index.get(key, touch=False) is entry:
+        with self._path_lock(entry.record.path):
+            with self._lock:
+                if self._index.get(key, touch=False) is not entry:
+                    return
                 self._index.remove(key)
-                self._remove_file(entry.record.path)
                 self._num_changes += 1
+            self._remove_file(entry.record.path)
+
+    def _remove_unindexed(self, key: str, path: str) -> None:
+        """Unlink an evicted ``key``'s file unless a newer put of ``key`` has been indexed since
+        (its rename replaces the old file, or its failure removes it)."""
+        with self._path_lock(path):
+            with self._lock:
+                if key in self._index:
+                    return
+            self._remove_file(path)
+
+    def _path_lock(self, path: str) -> threading.Lock:
+        """The lock that orders the file-system calls on one chunk file's final ``path`` (the
+        rename into it, its unlink) with the index decision before each. Taken before ``_lock``,
+        never while holding ``_lock`` or another path lock. Renames and unlinks run under it and
+        not under ``_lock``: with fsyncs in flight they can wait tens of milliseconds for the
+        file system's journal, and ``_lock`` is what the engine's step waits on (``pin``,
+        ``unpin``, ``contains``). Paths share ``_NUM_PATH_LOCKS`` locks by file name."""
+        return self._path_locks[int(os.path.basename(path)[:8], 16) % _NUM_PATH_LOCKS]
 
     @staticmethod
     def _remove_file(path: str) -> None:

@@ -31,6 +31,7 @@ from connector.fetcher import ChunkFetcher, FetchJob
 from connector.lookup import TierLookups
 from connector.planner import TIER_PROBE_DEADLINE_S, LoadPlanner
 from connector.request_transfer import RequestTransfer, TransferPhase, TransferRegistry
+from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,9 @@ class OffloadScheduler(KVConnectorScheduler):
             # only when the whole prompt is present.
             transfer.num_saved = num_hit if num_hit == len(prompt) else num_hit - num_hit % self.chunk_size
         if num_external_tokens > 0:
+            # From here until the load's copies are queued and done, the step thread needs
+            # the host: the disk tier's background writes wait (the worker releases them).
+            self.cache_engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
             # Lookup pins: released by the load's plan (or the pin timeout).
             self.cache_engine.tiers.pin([span.key for span in spans if span.start < num_load_end])
             self._pending_loads.append(

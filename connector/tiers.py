@@ -35,6 +35,7 @@ from connector.token_db import KV_LAYOUT
 from storage_backends import create_backend
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk
+from storage_backends.write_gate import WriteGate
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,11 @@ def backend_urls(config: OffloadConfig) -> list[str]:
     return urls
 
 
+#: longest pause of the lower tiers' background writes per load (a hold the connector
+#: never releases, e.g. a request admitted and then aborted, ends after this)
+LOAD_WRITE_HOLD_S = 0.25
+
+
 class TierManager:
     """The ordered tiers of one connector. Thread-safe; called by the cache engine
     on every lookup, store and retrieve, and owns the write-through thread."""
@@ -143,6 +149,12 @@ class TierManager:
         self._closed = False
         #: lower tier name -> its circuit breaker (set by create_kv_connector with async loads)
         self.breakers: dict = {}
+        #: held by the connector while a step's loads are planned and copied: the lower
+        #: tiers' background writes (those that support it: the disk tier) wait at it
+        self.write_gate = WriteGate()
+        for tier in self.lower:
+            if hasattr(tier, "write_gate"):
+                tier.write_gate = self.write_gate
 
     @classmethod
     def from_config(

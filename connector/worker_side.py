@@ -34,6 +34,7 @@ from connector.cache_engine import CacheEngine, LoadPlan
 from connector.fetcher import ChunkFetcher
 from connector.planner import LoadPlanner
 from connector.request_transfer import TransferRegistry
+from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class OffloadWorker(KVConnectorWorker):
         if self.kv_cache is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
         engine = self.cache_engine
+        # The lower tiers' background writes wait until the loads are done (_finish_loads).
+        engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
         for spec in self._metadata.loads:
             began = time.perf_counter()
             plan = engine.plan_load(
@@ -216,6 +219,7 @@ class OffloadWorker(KVConnectorWorker):
             self.wait_for_layer_load(engine.num_layers - 1)
         for load in self._loads:
             engine.finish_load(load.plan)
+        engine.tiers.write_gate.release()
         move_seconds = self._move_seconds
         if self._timing is not None:
             move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
@@ -274,6 +278,7 @@ class OffloadWorker(KVConnectorWorker):
         loads, self._loads = self._loads, []
         for load in loads:
             self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins
+        self.cache_engine.tiers.write_gate.release()
         for spec in self._metadata.saves[self._num_saves_queued :]:
             self.registry.save_done(spec.request_id, 0)
         self._metadata = ConnectorMetadata()

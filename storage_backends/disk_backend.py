@@ -94,6 +94,7 @@ from storage_backends.disk_index import IndexEntry, IndexFormatError, read_index
 from storage_backends.folder_lock import FolderInUseError, FolderLock
 from storage_backends.lru import IndexedTierMixin, LRUEntry, LRUIndex
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
+from storage_backends.write_gate import WriteGate
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         self._lock = threading.Lock()
         self._index_file_lock = threading.Lock()
         self._path_locks = [threading.Lock() for _ in range(_NUM_PATH_LOCKS)]  # see _path_lock
+        #: background writes wait here between system calls while the engine holds it
+        #: (set by the connector's tier manager; None: writes never wait)
+        self.write_gate: WriteGate | None = None
         self._counters = Counters()
         # per-thread aligned buffers: a file's head, a payload's last partial block, an lz4 payload
         self._head_scratch = disk_io.AlignedScratch()
@@ -515,6 +519,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
 
         def write_one(item: tuple[str, KVChunk]) -> None:
             try:
+                self._wait_for_gate()
                 self._write(item[0], *encode_chunk_parts(item[1], self.codec, key=item[0]))
             except Exception as exc:  # raised after the other writes have had their turn
                 errors.append(exc)
@@ -579,6 +584,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             self._counters.add("errors")
             self._drop_entry(key, entry)
             raise BackendError(f"disk tier: cannot write {path}: {exc}") from exc
+        self._wait_for_gate()
         with self._path_lock(path):
             with self._lock:
                 current = self._index.get(key, touch=False) is entry
@@ -605,6 +611,12 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         elif index_due:
             self._write_index_file()
 
+    def _wait_for_gate(self) -> None:
+        """Between a write's system calls: wait while the engine holds the write gate."""
+        gate = self.write_gate
+        if gate is not None:
+            gate.wait_open()
+
     def _write_file(self, tmp_path: str, head: memoryview, payload: memoryview) -> int:
         """Write head then payload into a new file (fsynced when ``fsync``); its mtime in ns.
 
@@ -620,6 +632,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         )
         fd = os.open(tmp_path, flags | (disk_io.O_DIRECT if direct else 0), 0o644)
         try:
+            self._wait_for_gate()
             if direct:
                 num_aligned = len(payload) - len(payload) % disk_io.BLOCK
                 views = [head, payload[:num_aligned]]
@@ -635,6 +648,7 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
             else:
                 disk_io.write_from(fd, [head, payload], 0)
             if self.fsync:
+                self._wait_for_gate()
                 os.fsync(fd)
             return os.fstat(fd).st_mtime_ns
         finally:

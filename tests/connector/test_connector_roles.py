@@ -191,3 +191,28 @@ def test_slot_mapping_is_block_id_times_block_size_plus_offset(block_size, block
 def test_slot_mapping_refuses_more_tokens_than_the_blocks_hold():
     with pytest.raises(ValueError, match="cannot hold"):
         slot_mapping_for([3, 4], 4, 9)
+
+
+def test_background_writes_wait_from_a_loads_admission_until_its_loads_are_done():
+    engine, scheduler, worker = roles(layerwise=True)
+    gate = engine.tiers.write_gate
+    prompt = list(range(200, 230))
+    engine.store(prompt, kv_caches=new_kv_cache(3), slot_mapping=slot_mapping_for(range(8), BLOCK_SIZE, 30))
+    kv_cache = new_kv_cache(fill=0.0)
+    worker.register_kv_caches(kv_cache)
+    request = FakeRequest("r9", prompt, num_prompt_tokens=30)
+    block_ids = list(range(40, 48))
+    num_external, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    assert num_external > 0 and not gate.is_held
+    scheduler.update_state_after_alloc(request, block_ids, num_external)
+    assert gate.is_held  # from admission on
+    metadata = scheduler.build_connector_meta(
+        [scheduled(request, block_ids, num_external, 30 - num_external)]
+    )
+    worker.bind_connector_metadata(metadata)
+    worker.start_load_kv()
+    assert gate.is_held  # while the loads are queued and copied
+    for layer in range(2):
+        worker.wait_for_layer_load(layer)
+    worker.wait_for_save()
+    assert not gate.is_held  # the loads are done: the writes go on

@@ -4,14 +4,12 @@ idle gaps and the prepare times (numbers are not asserted: benchmarks only)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 
-def test_async_scheduling_tiny_run(tmp_path, repo_root, subprocess_env):
+def test_async_scheduling_tiny_run(tmp_path, run_benchmark):
     out = tmp_path / "async.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/async_scheduling.py", "--model-size", "tiny", "--device", "cpu"]
+    result = run_benchmark(
+        ["benchmarks/async_scheduling.py", "--model-size", "tiny", "--device", "cpu"]
         + ["--concurrency", "1", "2", "--prompt-len", "16", "--new-tokens", "5", "--rounds", "1"]
         + [
             "--prepare-requests",
@@ -23,13 +21,7 @@ def test_async_scheduling_tiny_run(tmp_path, repo_root, subprocess_env):
             "--out",
             str(out),
         ],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [row["concurrency"] for row in data["decode"]] == [1, 2]
     for row in data["decode"]:

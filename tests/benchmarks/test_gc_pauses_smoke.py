@@ -8,17 +8,11 @@ import subprocess
 import sys
 
 
-def test_gc_pauses_of_a_short_command(tmp_path, repo_root, subprocess_env):
+def test_gc_pauses_of_a_short_command(tmp_path, run_benchmark):
     out, model = tmp_path / "gc.json", tmp_path / "model"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gc_pauses.py", "--out", str(out), "--", "make-tiny-model", str(model)],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_benchmark(
+        ["benchmarks/gc_pauses.py", "--out", str(out), "--", "make-tiny-model", str(model)],
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["command"] == ["make-tiny-model", str(model)] and data["exit_code"] == 0
     assert (model / "config.json").exists()  # the command itself ran

@@ -5,22 +5,14 @@ prefill cap off and on in the same run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 
-def test_head_of_line_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
+def test_head_of_line_benchmark_tiny_run(tmp_path, run_benchmark):
     out = tmp_path / "hol.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/head_of_line.py", "--tiny", "--repeats", "1", "--length", "300"]
+    result = run_benchmark(
+        ["benchmarks/head_of_line.py", "--tiny", "--repeats", "1", "--length", "300"]
         + ["--tiers", "disk", "--load-policy", "always", "--out", str(out)],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     off, on = json.loads(out.read_text())["rows"]
     assert (off["max_decode_gap_ms"], on["max_decode_gap_ms"]) == (0, 50)
     for row in (off, on):

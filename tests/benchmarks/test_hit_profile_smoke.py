@@ -4,22 +4,14 @@ cached prefix (not the other prompt's suffix) and the profile lists operations."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 
-def test_hit_profile_tiny_run(tmp_path, repo_root, subprocess_env):
+def test_hit_profile_tiny_run(tmp_path, run_benchmark):
     out = tmp_path / "hit.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/hit_profile.py", "--tiny", "--prefix", "256", "--suffixes", "1,40"]
+    result = run_benchmark(
+        ["benchmarks/hit_profile.py", "--tiny", "--prefix", "256", "--suffixes", "1,40"]
         + ["--repeats", "1", "--profile", "--top", "3", "--out", str(out)],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [row["suffix_tokens"] for row in data["rows"]] == [1, 40]
     assert [row["loaded_tokens"] for row in data["rows"]] == [256, 256]

@@ -4,22 +4,14 @@ and the outputs equal the offload-off run (the script exits non-zero otherwise).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 
-def test_multi_round_qa_tiny_run(tmp_path, repo_root, subprocess_env):
+def test_multi_round_qa_tiny_run(tmp_path, run_benchmark):
     out = tmp_path / "mrqa.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/multi_round_qa.py", "--tiny", "--users", "3", "--rounds", "2"]
+    run_benchmark(
+        ["benchmarks/multi_round_qa.py", "--tiny", "--users", "3", "--rounds", "2"]
         + ["--out", str(out), "--png", str(tmp_path / "m.png")],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["outputs_identical"] is True
     # the GPU pool holds about one user's context: in round 2 each user's first chunk

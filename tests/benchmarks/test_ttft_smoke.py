@@ -4,23 +4,15 @@ disk tier through the asynchronous path: fetched into the emptied CPU tier, then
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 
-def test_ttft_benchmark_tiny_run(tmp_path, repo_root, subprocess_env):
+def test_ttft_benchmark_tiny_run(tmp_path, run_benchmark):
     out = tmp_path / "ttft.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/ttft.py", "--tiny", "--skip-hf", "--repeats", "1"]
+    run_benchmark(
+        ["benchmarks/ttft.py", "--tiny", "--skip-hf", "--repeats", "1"]
         + ["--lengths", "300", "--tiers", "cpu,disk", "--load-policy", "always"]
         + ["--out", str(out), "--png", str(tmp_path / "t.png")],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     # a repeated 300-token prompt loads everything but its last token from the tier alone
     assert row["cpu_ext_tokens"] == 299

@@ -4,25 +4,17 @@ has samples in both phases and the write-through window holds the disk writes.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 PROBES = {"gc", "ticker_proc", "ticker", "get_prefix", "pin", "torch_ops"}
 
 
-def test_write_through_stalls_small_run(tmp_path, repo_root, subprocess_env):
+def test_write_through_stalls_small_run(tmp_path, run_benchmark):
     out = tmp_path / "stalls.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/write_through_stalls.py", "--chunk-shape", "2", "2", "256", "2", "64"]
+    result = run_benchmark(
+        ["benchmarks/write_through_stalls.py", "--chunk-shape", "2", "2", "256", "2", "64"]
         + ["--num-read-chunks", "4", "--num-write-chunks", "16", "--idle-s", "0.3"]
         + ["--dir", str(tmp_path), "--out", str(out)],
-        cwd=repo_root,
-        env=subprocess_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     (run,) = json.loads(out.read_text())["runs"]
     assert run["num_write_chunks"] == 16 and run["chunk_mib"] == 0.25
     assert set(run["phases"]) == {"idle", "write_through"}

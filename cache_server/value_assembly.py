@@ -32,10 +32,10 @@ from storage_backends.chunk import ChunkFormatError, ChunkHeader, check_key, hea
 #: (or the whole value) have arrived the header can be parsed
 MAX_HEADER_BYTES = 1 << 16
 #: most bytes copied out of a staging area per step of :meth:`ValueAssembler.fill_from` (what the
-#: client has announced, up to this): on the 2-core VM a 1 MiB copy into fresh memory ran at
-#: 13 GB/s against 10 GB/s for 256 KiB pieces (glibc's memcpy streams past its cache from about
-#: 1 MiB), and the checksum's read-back cost the same either way (docs/benchmarks.md)
-FILL_PIECE_BYTES = 1 << 20
+#: client has announced, up to this): the checksum then reads back a piece that is still in the
+#: core's cache with its source (2 MiB of L2 on the 2-core VM); 256 KiB pieces took 10% less of
+#: the server's CPU per 2 MiB Put than 1 MiB ones, whose checksum ran at half speed (docs/benchmarks.md)
+FILL_PIECE_BYTES = 256 << 10
 
 
 class ValueAssembler:

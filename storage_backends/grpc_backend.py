@@ -159,6 +159,14 @@ class GrpcBackend(StorageBackend):
             max_connections=bulk_connections,
             host_id=host_identity() if host_id is None else host_id,
         )
+        #: finds and opens the bulk channel while the caller does other things (an engine loads
+        #: its model), so the first Put or Get finds it open; None with ``bulk=off``
+        self._discovery_thread: threading.Thread | None = None
+        if bulk:
+            self._discovery_thread = threading.Thread(
+                target=self._transport.prepare, name="kvstash-bulk-discovery", daemon=True
+            )
+            self._discovery_thread.start()
 
     @classmethod
     def from_url(cls, url: str) -> GrpcBackend:

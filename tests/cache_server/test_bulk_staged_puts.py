@@ -23,6 +23,7 @@ from storage_backends.grpc_backend import GrpcBackend
 from storage_backends.staging_area import StagingArea
 from tests.cache_server.helpers import Stubs, make_value
 from tests.cache_server.server_process import CacheServerProcess
+from tests.waiting import wait_until
 
 MIB = 1 << 20
 TOKEN = "tenant-a-token-0123456789"
@@ -67,15 +68,6 @@ def num_puts(paths: dict[str, kvstash_pb2.TransportStats], name: str) -> int:
 def memory_tier(stubs: Stubs) -> kvstash_pb2.TierStats:
     reply = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=10)
     return next(tier for tier in reply.tiers if tier.name == "memory")
-
-
-def wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 class RawUnixConnection:
@@ -129,7 +121,7 @@ def test_a_single_put_on_the_same_host_goes_through_a_staging_area(server, stubs
         backend.close()
     # its room is released once the connection ended (the area is kept, unreserved, for the
     # tenant's next connection: test below)
-    assert wait_for(lambda: used_while_open - memory_tier(stubs).bytes_used >= 5 * MIB)
+    assert wait_until(lambda: used_while_open - memory_tier(stubs).bytes_used >= 5 * MIB, 10)
     paths = transports(stubs)
     assert paths["shm"].num_puts == 2 and paths["shm"].bytes_received > len(value)
     assert paths["unix"].num_puts == 0 and paths["unix"].num_gets == 2
@@ -203,7 +195,7 @@ def test_progress_that_goes_back_or_past_the_value_closes_the_connection(server,
         finally:
             connection.close()
     assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
-    assert wait_for(lambda: memory_tier(stubs).bytes_used == 0)  # nothing stored or reserved
+    assert wait_until(lambda: memory_tier(stubs).bytes_used == 0, 10)  # nothing stored or reserved
     backend = GrpcBackend(server.address)  # the server still serves
     backend.put_encoded("ns/p", value)
     assert bytes(backend.get_encoded("ns/p")) == value
@@ -236,11 +228,11 @@ def test_a_stalled_staged_put_is_cut_and_its_room_freed(stubs) -> None:
         connection.sock.sendall(wire.PROGRESS.pack(MIB))  # then nothing more
         # the value's room is reserved meanwhile; cut after 2 s + 2 MiB at 1 MiB/s
         assert memory_tier(stubs).bytes_used >= area_only + len(value)
-        assert wait_for(lambda: connection.sock.recv(1) == b"", timeout_s=15)
+        assert wait_until(lambda: connection.sock.recv(1) == b"", 15)
     finally:
         connection.close()
     # the value's and the area's room are released (the area is kept for the next connection)
-    assert wait_for(lambda: memory_tier(stubs).bytes_used == 0)
+    assert wait_until(lambda: memory_tier(stubs).bytes_used == 0, 10)
     assert stubs.admin.ListKeys(kvstash_pb2.ListKeysRequest(), timeout=10).entries == []
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import grpc
 import psutil
@@ -19,6 +18,7 @@ from storage_backends import bulk_channel as wire
 from storage_backends import create_backend
 from tests.cache_server.helpers import Stubs, make_value
 from tests.cache_server.server_process import CacheServerProcess
+from tests.waiting import wait_until
 
 MIB = 1 << 20
 #: the servers below cut a request after 2 s plus its bytes at 1 MiB/s
@@ -55,15 +55,6 @@ def memory_stats(stubs: Stubs) -> kvstash_pb2.TierStats:
 
 def bulk_port(stubs: Stubs) -> int:
     return stubs.kv.GetBulkEndpoint(kvstash_pb2.BulkEndpointRequest(), timeout=10).port
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 class Trickler:

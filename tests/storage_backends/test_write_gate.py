@@ -13,18 +13,10 @@ import pytest
 from storage_backends.disk_backend import DiskBackend
 from storage_backends.write_gate import WriteGate
 from tests.storage_backends.helpers import aligned_copy, make_chunk
+from tests.waiting import wait_until
 
 #: bound on waits that only a hang would reach
 HANG_S = 30.0
-
-
-def wait_until(predicate, timeout_s: float = HANG_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def test_an_open_gate_lets_writers_through_and_a_held_one_stops_them_until_released():
@@ -36,7 +28,7 @@ def test_an_open_gate_lets_writers_through_and_a_held_one_stops_them_until_relea
     passed = threading.Event()
     writer = threading.Thread(target=lambda: (gate.wait_open(), passed.set()), daemon=True)
     writer.start()
-    assert wait_until(lambda: gate.num_waiting == 1)
+    assert wait_until(lambda: gate.num_waiting == 1, HANG_S)
     assert not passed.is_set()
     gate.release()
     assert passed.wait(HANG_S)
@@ -80,7 +72,7 @@ def test_the_disk_tiers_writes_wait_at_a_held_gate_and_finish_after_its_release(
     gate.hold(HANG_S)
     writer = threading.Thread(target=disk.put_many, args=(items,), daemon=True)
     writer.start()
-    assert wait_until(lambda: gate.num_waiting >= 1)
+    assert wait_until(lambda: gate.num_waiting >= 1, HANG_S)
     assert chunk_files(tmp_path) == [] and disk.contains([key for key, _ in items]) == 0
     gate.release()
     writer.join(HANG_S)

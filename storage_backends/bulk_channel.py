@@ -88,6 +88,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from storage_backends.receive_buffers import ReceiveBufferPool
 from storage_backends.staging_area import AREA_GRANULE_BYTES, StagingArea, area_size_for, staging_supported
 
 if TYPE_CHECKING:
@@ -320,6 +321,9 @@ class BulkClient:
         self._tls_context = tls_context
         # one permit per connection in use: callers beyond max_connections wait for one
         self._permits = threading.BoundedSemaphore(max_connections)
+        #: buffers of new values of 32 MiB and more (``get``, and ``get_chunk`` into a
+        #: ``chunk_receiver.pooled_tensor``), reused once their callers dropped them
+        self.receive_buffers = ReceiveBufferPool()
         self.max_value_bytes = max_value_bytes
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -622,8 +626,9 @@ class BulkClient:
         self._give_back(sock)
         return False
 
-    def get(self, key: str) -> bytearray | None:
-        """The value of ``key`` or None when the server does not hold it (not verified here)."""
+    def get(self, key: str) -> memoryview | None:
+        """The value of ``key`` (a new buffer the caller owns, ``receive_buffers``) or None when
+        the server does not hold it (not verified here)."""
         try:
             return self._call(_get, key)
         except BulkStatusError as error:
@@ -653,6 +658,7 @@ class BulkClient:
         with self._lock:
             self._closed = True
         self._close_idle()
+        self.receive_buffers.clear()
 
 
 class _PartsCache:
@@ -784,15 +790,15 @@ def _write_ring(
             return reply
 
 
-def _get(client: BulkClient, sock: socket.socket, key: bytes) -> bytearray:
+def _get(client: BulkClient, sock: socket.socket, key: bytes) -> memoryview:
     sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
     reply = read_reply(sock)
     if reply.status != STATUS_OK:
         raise BulkStatusError(reply.status, reply.message)
     if reply.value_len > client.max_value_bytes:
         raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
-    value = bytearray(reply.value_len)
-    recv_exactly(sock, memoryview(value))
+    value = client.receive_buffers.take(reply.value_len)
+    recv_exactly(sock, value)
     return value
 
 

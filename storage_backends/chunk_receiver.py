@@ -35,6 +35,7 @@ from storage_backends.chunk import (
     header_length,
     parse_header,
 )
+from storage_backends.receive_buffers import OWN_MAPPING_BYTES, ReceiveBufferPool
 
 #: most bytes received per call (the CRC then runs over them while they are in cache)
 RECV_PIECE_BYTES = 1 << 20
@@ -48,6 +49,19 @@ Destination = Callable[[ChunkHeader], torch.Tensor]
 def fresh_tensor(header: ChunkHeader) -> torch.Tensor:
     """A new, uninitialized tensor for the chunk (``get``: the chunk owns its memory)."""
     return torch.empty(header.shape, dtype=header.dtype)
+
+
+def pooled_tensor(pool: ReceiveBufferPool) -> Destination:
+    """A destination like :func:`fresh_tensor` whose chunks of
+    :data:`~storage_backends.receive_buffers.OWN_MAPPING_BYTES` or more land in a buffer of
+    ``pool`` (reused once the chunk and every view of it are dropped: no page faults per Get)."""
+
+    def destination(header: ChunkHeader) -> torch.Tensor:
+        if header.raw_len < OWN_MAPPING_BYTES:
+            return fresh_tensor(header)
+        return torch.frombuffer(pool.take(header.raw_len), dtype=header.dtype).view(header.shape)
+
+    return destination
 
 
 def out_view_for(out: torch.Tensor, header: ChunkHeader, key: str) -> torch.Tensor:

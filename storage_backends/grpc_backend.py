@@ -51,7 +51,7 @@ from storage_backends.chunk import (
     encode_chunk_parts,
     verify_chunk,
 )
-from storage_backends.chunk_receiver import Destination, fresh_tensor, out_view_for
+from storage_backends.chunk_receiver import Destination, out_view_for, pooled_tensor
 from storage_backends.grpc_channel import (
     AUTH_TOKEN_ENV,
     CHANNEL_OPTIONS,
@@ -271,7 +271,7 @@ class GrpcBackend(StorageBackend):
             raise self._error("contains", error) from None
         return reply.num_hits
 
-    def _fetch(self, key: str) -> bytes | bytearray | None:
+    def _fetch(self, key: str) -> bytes | memoryview | None:
         """Raw value bytes or None when the server does not hold ``key``."""
         bulk = self._bulk_client()
         if bulk is not None:
@@ -302,7 +302,7 @@ class GrpcBackend(StorageBackend):
             self._count("errors")
             raise BackendError(f"grpc tier get from {self.address} failed: {error}") from None
 
-    def get_encoded(self, key: str) -> bytes | bytearray | None:
+    def get_encoded(self, key: str) -> bytes | memoryview | None:
         data = self._fetch(key)
         if data is None:
             self._count("misses")
@@ -321,7 +321,7 @@ class GrpcBackend(StorageBackend):
         way (no value object, no decode copy); over gRPC the value is fetched and decoded."""
         bulk = self._bulk_client()
         if bulk is not None:
-            received = self._bulk_get_chunk(bulk, key, fresh_tensor)
+            received = self._bulk_get_chunk(bulk, key, pooled_tensor(bulk.receive_buffers))
             if received is not _USE_GRPC:
                 return received
         data = self._fetch_over_grpc(key)

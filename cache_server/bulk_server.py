@@ -292,15 +292,24 @@ class BulkServer:
 
     def _serve_requests(self, connection: _Connection) -> None:
         sock = connection.sock
+        # Within a request the watchdog enforces the deadline (it shuts the socket), so the
+        # socket blocks: Python polls before every recv and send of a socket with a timeout,
+        # a second system call each (~15 per 2 MiB staged Put, docs/benchmarks.md). A plain
+        # socket blocks for good and the kernel times out the wait for the next request
+        # (SO_RCVTIMEO: a recv that waits longer fails), so no system call switches modes
+        # per request; a TLS socket switches with settimeout (its reads must not fail midway).
+        kernel_idle_timeout = not isinstance(sock, ssl.SSLSocket)
+        if kernel_idle_timeout:
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, wire.timeval(IDLE_TIMEOUT_S))
         while not self._stopping:
-            sock.settimeout(IDLE_TIMEOUT_S)
+            if not kernel_idle_timeout:
+                sock.settimeout(IDLE_TIMEOUT_S)
             first = sock.recv(1)
             if not first:
                 return  # the client closed between requests: the normal end
-            # Within a request the watchdog enforces the deadline (it shuts the socket), so the
-            # socket blocks: Python polls before every recv and send of a socket with a timeout,
-            # a second system call each (~15 per 2 MiB staged Put, docs/benchmarks.md).
-            sock.settimeout(None)
+            if not kernel_idle_timeout:
+                sock.settimeout(None)
             connection.busy = True
             started = time.monotonic()
             connection.deadline = started + self._limits.request_timeout_s

@@ -83,18 +83,33 @@ class ValueAssembler:
             or (ring and (wait_for_more is None or len(source) > self.total_size))
         ):
             raise ChunkFormatError(f"expected {self.total_size} bytes to copy, got {len(source)}")
-        num_written = self.total_size if wait_for_more is None else 0
-        while self.num_received < self.total_size:
-            if self.num_received == num_written:
-                num_written = wait_for_more(self.num_received)
-            position = self.num_received % len(source)
-            space = self.next_space(
-                min(FILL_PIECE_BYTES, num_written - self.num_received, len(source) - position)
-            )
-            space[:] = source[position : position + len(space)]
-            self.advance(len(space))
+        # The loop runs once per piece (9 times for a 2 MiB Put): locals, and the checksum inline
+        # rather than through next_space/advance (docs/benchmarks.md).
+        total_size, source_len, view, crc32 = self.total_size, len(source), self._view, zlib_ng.crc32
+        num_written = total_size if wait_for_more is None else 0
+        start = 0
+        while start < total_size:
+            if start == num_written:
+                num_written = wait_for_more(start)
+            position = start % source_len
+            # the rest of what is announced (and before the ring wraps) in one piece when it
+            # is at most a piece and a half: no sliver of a piece left for another round
+            end = min(num_written, start + source_len - position)
+            if end - start > FILL_PIECE_BYTES + FILL_PIECE_BYTES // 2:
+                end = start + FILL_PIECE_BYTES
+            view[start:end] = source[position : position + end - start]
+            self.num_received = end
+            if self._header is None:
+                if end >= min(total_size, MAX_HEADER_BYTES):
+                    self._start_checksum()
+                    self._checksum = crc32(view[self._num_checked : end], self._checksum)
+                    self._num_checked = end
+            else:
+                self._checksum = crc32(view[start:end], self._checksum)
+                self._num_checked = end
+            start = end
             if copied is not None:
-                copied(self.num_received)
+                copied(end)
         return self.finish()
 
     def next_space(self, max_bytes: int) -> memoryview:

@@ -156,9 +156,24 @@ MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
 RING_AREA_BYTES, RING_MIN_AREA_BYTES = 16 << 20, 1 << 20
 
 
+#: most segments a staged Put's value is cut into (a progress frame each)
+MAX_STAGED_SEGMENTS = 8
+#: segments are whole multiples of this (but the last), so that no copy starts mid-page
+STAGED_SEGMENT_GRANULE_BYTES = 64 << 10
+
+
 def staged_segment_bytes(value_len: int) -> int:
-    """How many bytes a client writes to its staging area between two progress frames."""
-    return min(MAX_STAGED_SEGMENT_BYTES, max(MIN_STAGED_SEGMENT_BYTES, value_len // 8))
+    """How many bytes a client writes to its staging area between two progress frames: about
+    an eighth of the value, between the bounds above, and cut so that the last segment is
+    never a sliver (a 2 MiB chunk with its header, 93 bytes past 2 MiB, took a fifth progress
+    frame, send and wake-up for those 93 bytes, docs/benchmarks.md)."""
+    num_segments = max(
+        1,
+        min(MAX_STAGED_SEGMENTS, value_len // MIN_STAGED_SEGMENT_BYTES),
+        -(-value_len // MAX_STAGED_SEGMENT_BYTES),
+    )
+    granule = STAGED_SEGMENT_GRANULE_BYTES
+    return -(-value_len // num_segments // granule) * granule if value_len > granule else value_len
 
 
 #: send and receive buffer asked for on Unix sockets (the kernel doubles it, capped by
@@ -363,14 +378,31 @@ class BulkClient:
             raise
         return sock
 
+    def _set_timeout(self, sock: socket.socket) -> None:
+        """Give ``sock`` the client's ``timeout_s`` for each send and receive. A Unix socket
+        blocks and the kernel times out each call (SO_RCVTIMEO, SO_SNDTIMEO): Python polls
+        before every call on a socket with a timeout, a second system call each (~8 per 2 MiB
+        staged Put, docs/benchmarks.md); a call that times out raises BlockingIOError, which
+        :func:`_as_timeout` turns back into the TimeoutError a Python timeout raises."""
+        if self.unix_path is None:
+            sock.settimeout(self.timeout_s)
+            return
+        sock.settimeout(None)
+        limit = timeval(self.timeout_s)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+
     def _connect(self) -> socket.socket:
         sock = self._open_socket()
         try:
-            sock.settimeout(self.timeout_s)
+            self._set_timeout(sock)
             if self._tls_context is not None:
                 sock = self._tls_context.wrap_socket(sock, server_hostname=self.host)
             sock.sendall(HELLO.pack(MAGIC, len(self._token)) + self._token)
             reply = read_reply(sock)
+        except BlockingIOError as error:
+            sock.close()
+            raise _as_timeout(error) from None
         except BaseException:
             sock.close()
             raise
@@ -421,7 +453,8 @@ class BulkClient:
             except OSError as error:
                 raise BulkUnavailable(f"cannot connect to {self.endpoint}: {error}") from None
             try:
-                sock.settimeout(self.timeout_s)
+                if self.unix_path is None:  # a Unix socket keeps its kernel timeouts (_set_timeout)
+                    sock.settimeout(self.timeout_s)
                 result = operation(self, sock, encoded_key, *args)
             except BulkStatusError:
                 self._give_back(sock)
@@ -431,6 +464,7 @@ class BulkClient:
                 raise refused.error from None
             except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
                 sock.close()
+                error = _as_timeout(error)
                 if pooled and not isinstance(error, TimeoutError):
                     self._close_idle()  # they are as old as this one
                     continue
@@ -596,7 +630,8 @@ class BulkClient:
         pending: deque[int] = deque()
         num_replies = 0
         try:
-            sock.settimeout(self.timeout_s)
+            if self.unix_path is None:  # a Unix socket keeps its kernel timeouts (_set_timeout)
+                sock.settimeout(self.timeout_s)
             for index in [i for i, outcome in enumerate(outcomes) if outcome is None]:
                 try:
                     buffers = parts.get(index)
@@ -615,6 +650,7 @@ class BulkClient:
                 num_replies += 1
         except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
             sock.close()
+            error = _as_timeout(error)
             if pooled and num_replies == 0 and not isinstance(error, TimeoutError):
                 self._close_idle()  # closed while idle (a restart): they are as old as this one
                 return True
@@ -673,6 +709,20 @@ class _PartsCache:
             source = self._sources[index]
             self._made[index] = tuple(source() if callable(source) else source)
         return self._made[index]
+
+
+def timeval(seconds: float | None) -> bytes:
+    """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (None or 0: no limit);
+    both sides of the bulk channel use it."""
+    micros = round((seconds or 0) * 1_000_000)
+    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
+
+
+def _as_timeout(error: OSError) -> OSError:
+    """A blocking socket's call that its kernel timeout ended (EAGAIN) as a TimeoutError."""
+    if isinstance(error, BlockingIOError):
+        return TimeoutError(f"timed out ({error})")
+    return error
 
 
 def _settle(sock: socket.socket, index: int, outcomes: list) -> None:

@@ -283,7 +283,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     layout_bytes = bytes(view[layout_start : layout_start + layout_len])
     layout = _parse_layout(layout_bytes, ndim)
     dtype = _CODE_TO_DTYPE[dtype_code]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # torch.dtype.itemsize: no tensor made per parse
     # Python ints: the element count cannot wrap (numpy's uint64 product did, for (2^32, 2^32, 1)).
     if raw_len != math.prod(shape) * itemsize:
         raise ChunkFormatError(f"chunk raw length {raw_len} does not match shape {shape} of {dtype}")

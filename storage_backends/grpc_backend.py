@@ -449,6 +449,8 @@ class GrpcBackend(StorageBackend):
                         self._count("puts")
             if unavailable is not None:
                 self._bulk_failed(bulk, unavailable)
+        if not over_grpc:  # all went over the bulk channel
+            return errors
         if len(over_grpc) == 1:  # no thread hop for a single Put
             grpc_errors = [self._put_over_grpc(*items[over_grpc[0]])]
         else:

@@ -410,3 +410,59 @@ def test_a_32_mib_chunk_of_an_8b_model_is_staged_under_the_default_limits() -> N
             assert num_puts(paths, "unix") == 0
     finally:
         process.close()
+
+
+@pytest.mark.parametrize("value_bytes", [2 * MIB + 93, 8 * MIB + 93, 32 * MIB + 93, 700 << 10, 5000])
+def test_a_staged_value_is_announced_in_even_segments_without_a_sliver_at_the_end(value_bytes: int) -> None:
+    """A chunk is a power of two plus its header: its value used to end in a segment of a few
+    bytes, one more progress frame (a send, and a wake-up of the server) for 93 bytes. The
+    segments are now even: at most 8 of them for values up to 32 MiB, none larger than the
+    maximum, the last at least half as large as the others, and every count announced grows
+    to exactly the value's length."""
+    import mmap
+
+    area = StagingArea(mmap.mmap(-1, 33 * MIB), 33 * MIB)
+    value = bytes(range(256)) * (value_bytes // 256) + bytes(value_bytes % 256)
+    announced: list[int] = []
+    try:
+        area.write([value], wire.staged_segment_bytes(value_bytes), announced.append)
+        with area.view() as written:
+            assert written[:value_bytes] == value
+    finally:
+        area.close()
+    assert announced == sorted(set(announced)) and announced[-1] == value_bytes
+    segments = [end - start for start, end in zip([0, *announced], announced, strict=False)]
+    assert len(segments) <= max(8, -(-value_bytes // wire.MAX_STAGED_SEGMENT_BYTES))
+    assert max(segments) <= wire.MAX_STAGED_SEGMENT_BYTES
+    assert min(segments) >= max(segments) // 2
+
+
+def test_a_unix_socket_client_times_out_on_a_server_that_stops_answering() -> None:
+    """Over the Unix socket the client's sockets block and the kernel times out each call
+    (SO_RCVTIMEO) instead of Python polling before it: a server that stops answering (here
+    stopped with SIGSTOP, so it still accepts connections) still makes a call fail as timed
+    out, on the pooled connection without a second try on a new one (that would report
+    "cannot connect"), and a new connection whose HELLO goes unanswered as well."""
+    import signal
+
+    process = CacheServerProcess("--memory-gb", "0.25").start()
+    try:
+        with Stubs(process.address) as stubs:
+            client = client_for(endpoint(stubs))
+        client.timeout_s = 1.0  # new connections only; the ones opened below get it
+        value = make_value(13, MIB, key="ns/before-stop")
+        try:
+            assert client.put_many([("ns/before-stop", (value,))]) == [len(value)]  # pooled, staged
+            os.kill(process.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(wire.BulkUnavailable, match="bulk transfer with .* timed out"):
+                    client.get("ns/before-stop")  # the pooled connection
+                (outcome,) = client.put_many([("ns/after-stop", (value,))])  # a new one: HELLO unanswered
+                assert isinstance(outcome, wire.BulkUnavailable)
+                assert "cannot connect" in str(outcome) and "timed out" in str(outcome)
+            finally:
+                os.kill(process.process.pid, signal.SIGCONT)
+        finally:
+            client.close()
+    finally:
+        process.close()

@@ -60,9 +60,10 @@ Wire format (integers little-endian; status codes are gRPC's numbers):
   server sends an acknowledgement, an OK reply whose value length (always less than the
   value's) counts the bytes copied. A refusal is answered at once and the progress frames
   are read after it; the client, which may be waiting for an acknowledgement, then sends
-  its last frame (the value's length). A single Put whose value needs more than the largest
-  area the server grants goes this way through an area of at most ``RING_AREA_BYTES``; with
-  a version-3 server it is streamed.
+  its last frame (the value's length). A single Put whose value needs an area larger than
+  ``RING_AREA_BYTES`` (4 MiB), or than the largest area the server grants, goes this way
+  through an area of at most ``RING_AREA_BYTES``; with a version-3 server it is written whole
+  into an area that holds it, or streamed.
 
 :class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
 Unix socket): at most ``max_connections`` in use at once, each reused by the
@@ -151,9 +152,13 @@ TRANSPORT_SHM = "shm"
 MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
 
 
-#: the area a client asks for to send values larger than the largest area as a ring (protocol 4;
-#: at most the largest area the server grants, at least RING_MIN_AREA_BYTES)
-RING_AREA_BYTES, RING_MIN_AREA_BYTES = 16 << 20, 1 << 20
+#: the area a client asks for to send larger values through as a ring (protocol 4; at most the
+#: largest area the server grants, at least RING_MIN_AREA_BYTES). Small on purpose: a ring that
+#: stays in the CPU's caches is written and copied out faster than a whole area of the value
+#: in memory (a 32 MiB Put through a 4 MiB ring 6,454 MB/s against 4,601 through a 33 MiB area
+#: on the 2-core VM), costs its first Put 2-3 ms to set up instead of ~21, and each connection
+#: holds 4 MiB instead of up to the server's ``--max-staging-mb`` (docs/benchmarks.md)
+RING_AREA_BYTES, RING_MIN_AREA_BYTES = 4 << 20, 1 << 20
 
 
 #: most segments a staged Put's value is cut into (a progress frame each)
@@ -567,24 +572,31 @@ class BulkClient:
         if num_bytes == 0:
             return None  # streamed, and refused there as an empty value
         wanted = area_size_for(num_bytes)
-        if refused_bytes is not None and wanted >= refused_bytes:
-            wanted = self._ring_area_bytes()
-            if wanted is None:
-                return None
+        ring_bytes = self._ring_area_bytes()
+        refused = refused_bytes is not None and wanted >= refused_bytes
+        if ring_bytes is not None and (refused or wanted > ring_bytes):
+            wanted = ring_bytes
             if area is not None and area.size >= wanted:
                 return area
+        elif refused:
+            return None
         area = self._ask_area(sock, wanted)
-        if area is None and wanted == area_size_for(num_bytes) and self._ring_area_bytes() is not None:
-            return self._staging_area_for(sock, num_bytes)  # refused as too large: a ring then
+        new_ring_bytes = self._ring_area_bytes()
+        if area is None and new_ring_bytes is not None and new_ring_bytes < wanted:
+            # refused as too large: a ring of the largest the server grants then (each retry
+            # asks for less, so this ends)
+            return self._staging_area_for(sock, num_bytes)
         return area
 
     def _ring_area_bytes(self) -> int | None:
-        """The area to ask for to pass values larger than the largest area through as a ring."""
+        """The area to ask for to pass larger values through as a ring: ``RING_AREA_BYTES``, or
+        the largest area the server grants when a refusal said it is smaller; None when the
+        server has no rings (protocol 3) or grants less than ``RING_MIN_AREA_BYTES``."""
         with self._lock:
             largest = self._largest_area_bytes
-        if self.protocol_version < 4 or largest is None:
+        if self.protocol_version < 4:
             return None
-        size = min(RING_AREA_BYTES, largest) // AREA_GRANULE_BYTES * AREA_GRANULE_BYTES
+        size = min(RING_AREA_BYTES, largest or RING_AREA_BYTES) // AREA_GRANULE_BYTES * AREA_GRANULE_BYTES
         return size if size >= RING_MIN_AREA_BYTES else None
 
     def _ask_area(self, sock: socket.socket, wanted: int) -> StagingArea | None:

@@ -113,15 +113,16 @@ def test_a_single_put_on_the_same_host_goes_through_a_staging_area(server, stubs
         backend.put("ns/chunk", chunk)  # a chunk: its header and tensor memory, written in place
         assert torch.equal(backend.get("ns/chunk").tensor, chunk.tensor)
         assert backend.stats()["unix_calls"] == 4
-        # the area (grown to 5 MiB: 4 MiB and the header, rounded up) is reserved on top of
-        # the two values
+        # the area (4 MiB: the 3 MiB value and its header, rounded up; the 4 MiB chunk with its
+        # header went through it as a ring rather than growing it) is reserved on top of the
+        # two values
         used_while_open = memory_tier(stubs).bytes_used
-        assert used_while_open >= len(value) + 4 * MIB + 5 * MIB
+        assert used_while_open >= len(value) + 4 * MIB + 4 * MIB
     finally:
         backend.close()
     # its room is released once the connection ended (the area is kept, unreserved, for the
     # tenant's next connection: test below)
-    assert wait_until(lambda: used_while_open - memory_tier(stubs).bytes_used >= 5 * MIB, 10)
+    assert wait_until(lambda: used_while_open - memory_tier(stubs).bytes_used >= 4 * MIB, 10)
     paths = transports(stubs)
     assert paths["shm"].num_puts == 2 and paths["shm"].bytes_received > len(value)
     assert paths["unix"].num_puts == 0 and paths["unix"].num_gets == 2
@@ -388,10 +389,11 @@ def test_bulk_client_put_many_of_one_item_is_staged_and_reports_refusals(stubs) 
     assert os.path.exists(advertised.unix_path)
 
 
-def test_a_32_mib_chunk_of_an_8b_model_is_staged_under_the_default_limits() -> None:
-    """The engine stores 256-token chunks of an 8B model, 32 MiB each: under the default
-    ``--max-staging-mb`` (64) such a Put is written whole into a staging area (under the old
-    16 MiB default it was streamed over the socket), and reads back equal."""
+def test_a_32_mib_chunk_of_an_8b_model_is_staged_through_a_small_ring() -> None:
+    """The engine stores 256-token chunks of an 8B model, 32 MiB each: such a Put goes through
+    the connection's staging area as a ring of ``RING_AREA_BYTES`` (4 MiB, which stays in the
+    CPU's caches; it used to ask for a whole 33 MiB area, and under the old 16 MiB
+    ``--max-staging-mb`` it was streamed over the socket), and reads back equal."""
     process = CacheServerProcess("--memory-gb", "0.5").start()
     try:
         with Stubs(process.address) as stubs:
@@ -403,6 +405,8 @@ def test_a_32_mib_chunk_of_an_8b_model_is_staged_under_the_default_limits() -> N
                 assert torch.equal(backend.get("ns/8b-chunk").tensor, chunk.tensor)
                 bulk = backend._transport.client()
                 assert bulk.num_staged_puts == 1
+                assert [area.size for area in bulk._staging_areas.values()] == [wire.RING_AREA_BYTES]
+                assert wire.RING_AREA_BYTES == 4 * MIB
             finally:
                 backend.close()
             paths = transports(stubs)

@@ -578,6 +578,8 @@ class BulkClient:
             wanted = ring_bytes
             if area is not None and area.size >= wanted:
                 return area
+            if refused_bytes is not None and wanted >= refused_bytes:
+                return None  # even an area of the ring's size was refused: streamed
         elif refused:
             return None
         area = self._ask_area(sock, wanted)

@@ -470,3 +470,35 @@ def test_a_unix_socket_client_times_out_on_a_server_that_stops_answering() -> No
             client.close()
     finally:
         process.close()
+
+
+def test_a_server_that_grants_only_tiny_areas_is_asked_twice_then_values_are_streamed() -> None:
+    """A server whose largest area (512 KiB) is smaller than a ring's smallest refuses the
+    ring's area a large value asks for first, and a 2 MiB value's own area: the client
+    remembers both refusals instead of asking again before every Put, and streams the values."""
+    process = CacheServerProcess("--memory-gb", "0.1", "--max-staging-mb", "0.5").start()
+    try:
+        with Stubs(process.address) as stubs:
+            client = client_for(endpoint(stubs))
+            asked_bytes: list[int] = []
+            ask_area = client._ask_area  # the real request, counted
+
+            def counted_ask(sock: socket.socket, wanted: int):
+                asked_bytes.append(wanted)
+                return ask_area(sock, wanted)
+
+            client._ask_area = counted_ask
+            try:
+                for index in range(3):
+                    for size in (8 * MIB, 2 * MIB):
+                        key = f"ns/{index}-{size}"
+                        value = make_value(index, size, key=key)
+                        assert client.put_many([(key, (value,))]) == [len(value)]
+                        assert bytes(client.get(key)) == value
+            finally:
+                client.close()
+            assert client.num_staged_puts == 0
+            assert asked_bytes == [wire.RING_AREA_BYTES, 3 * MIB]
+            assert num_puts(transports(stubs), "unix") == 6
+    finally:
+        process.close()

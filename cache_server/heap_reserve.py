@@ -54,6 +54,11 @@ POPULATE_STEP_BYTES = 2 << 20
 THREAD_NICENESS = 19
 #: madvise advice numbers (Linux uapi)
 MADV_POPULATE_WRITE = 23
+#: the thread's name as the kernel shows it (``top -H``, ``/proc/PID/task/TID/comm``; 15
+#: bytes at most): its page faults are its own work, not the request path's
+THREAD_OS_NAME = b"kvstash-reserve"
+#: prctl option that names the calling thread (Linux uapi)
+PR_SET_NAME = 15
 PAGE_BYTES = 4096
 
 
@@ -118,6 +123,8 @@ class HeapReserve:
     def _run(self) -> None:
         with contextlib.suppress(OSError, AttributeError):  # Linux: a thread has its own nice value
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), THREAD_NICENESS)
+        with contextlib.suppress(AttributeError):
+            self._libc.prctl(PR_SET_NAME, ctypes.c_char_p(THREAD_OS_NAME), 0, 0, 0)
         try:
             while not self._stopped.wait(POLL_S):
                 if not self._top_up():

@@ -457,9 +457,7 @@ class BulkClient:
                 sock, pooled = self._take()
             except OSError as error:
                 raise BulkUnavailable(f"cannot connect to {self.endpoint}: {error}") from None
-            try:
-                if self.unix_path is None:  # a Unix socket keeps its kernel timeouts (_set_timeout)
-                    sock.settimeout(self.timeout_s)
+            try:  # the socket keeps the timeouts _connect gave it (_set_timeout)
                 result = operation(self, sock, encoded_key, *args)
             except BulkStatusError:
                 self._give_back(sock)
@@ -573,15 +571,12 @@ class BulkClient:
             return None  # streamed, and refused there as an empty value
         wanted = area_size_for(num_bytes)
         ring_bytes = self._ring_area_bytes()
-        refused = refused_bytes is not None and wanted >= refused_bytes
-        if ring_bytes is not None and (refused or wanted > ring_bytes):
+        if ring_bytes is not None and wanted > ring_bytes:  # passed through a ring
             wanted = ring_bytes
             if area is not None and area.size >= wanted:
                 return area
-            if refused_bytes is not None and wanted >= refused_bytes:
-                return None  # even an area of the ring's size was refused: streamed
-        elif refused:
-            return None
+        if refused_bytes is not None and wanted >= refused_bytes:
+            return None  # an area this large was refused for good: streamed
         area = self._ask_area(sock, wanted)
         new_ring_bytes = self._ring_area_bytes()
         if area is None and new_ring_bytes is not None and new_ring_bytes < wanted:
@@ -644,8 +639,6 @@ class BulkClient:
         pending: deque[int] = deque()
         num_replies = 0
         try:
-            if self.unix_path is None:  # a Unix socket keeps its kernel timeouts (_set_timeout)
-                sock.settimeout(self.timeout_s)
             for index in [i for i, outcome in enumerate(outcomes) if outcome is None]:
                 try:
                     buffers = parts.get(index)

@@ -41,27 +41,25 @@ def heap_rss_bytes(pid: int) -> int:
     return 0
 
 
-def thread_names(pid: int) -> list[str]:
-    """The kernel's names of the process's threads (``/proc/PID/task/TID/comm``)."""
-    names = []
+def threads(pid: int) -> list[tuple[str, int]]:
+    """Each thread of the process as (the kernel's name for it, its minor page faults), from
+    ``/proc/PID/task/TID/{comm,stat}``."""
+    found = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/comm") as comm:
-            names.append(comm.read().strip())
-    return names
+        task = f"/proc/{pid}/task/{tid}"
+        with (
+            contextlib.suppress(FileNotFoundError),  # a thread that ended meanwhile
+            open(f"{task}/comm") as comm,
+            open(f"{task}/stat") as stat,
+        ):
+            found.append((comm.read().strip(), int(stat.read().rsplit(")", 1)[1].split()[7])))
+    return found
 
 
 def request_path_minor_faults(pid: int) -> int:
     """Minor page faults of every thread of the process but the reserve's own (it faults the
     reserve in on purpose, off the request path, and may be doing so while Puts run)."""
-    num_faults = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                if comm.read().strip() == RESERVE_THREAD_NAME:
-                    continue
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                num_faults += int(stat.read().rsplit(")", 1)[1].split()[7])
-    return num_faults
+    return sum(num_faults for name, num_faults in threads(pid) if name != RESERVE_THREAD_NAME)
 
 
 def settled_heap_rss(pid: int, timeout_s: float = 20.0) -> int:
@@ -86,7 +84,7 @@ def test_a_fresh_server_keeps_free_memory_faulted_in_ahead_of_its_puts() -> None
     try:
         pid = process.process.pid
         assert "heap reserve: 64 MiB" in process.log()
-        assert thread_names(pid).count(RESERVE_THREAD_NAME) == 1
+        assert [name for name, _ in threads(pid)].count(RESERVE_THREAD_NAME) == 1
         backend = GrpcBackend(process.address)
         try:
             backend.put_encoded("ns/first", make_value(0, 2 * MIB, key="ns/first"))  # its staging area

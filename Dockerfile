@@ -9,9 +9,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/kvstash
 
-# The CPU wheel of torch first, from PyTorch's own index: the default index would
-# pull a multi-GB CUDA build.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.11"
+# The locked packages (versions and file hashes of requirements/lock.txt), then the CPU
+# wheel of torch at the version scripts/setup_env.sh pins, from PyTorch's own index: the
+# default index would pull a multi-GB CUDA build.
+COPY requirements/lock.txt ./requirements/lock.txt
+RUN pip install --require-hashes --no-deps -r requirements/lock.txt \
+ && pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 
 COPY pyproject.toml README.md ./
 COPY engine ./engine
@@ -20,7 +23,7 @@ COPY storage_backends ./storage_backends
 COPY cache_server ./cache_server
 COPY kernels ./kernels
 COPY protos ./protos
-RUN pip install .
+RUN pip install --no-deps --no-build-isolation . && pip check
 
 # Run as an unprivileged user; /data holds the cache server's disk tier and models.
 RUN useradd --create-home --uid 1000 kvstash && mkdir -p /data && chown kvstash /data

@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs into .venv.
-.PHONY: bench test lint format protos
+.PHONY: bench test lint format protos lock
 
 bench:
 	@scripts/setup_env.sh
@@ -19,3 +19,7 @@ format:
 protos:
 	@scripts/setup_env.sh dev
 	.venv/bin/python scripts/gen_protos.py
+
+# Refresh requirements/lock.txt and lock-dev.txt from pyproject.toml (newest releases today).
+lock:
+	@scripts/lock.sh

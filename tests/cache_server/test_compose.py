@@ -116,7 +116,9 @@ def test_compose_stack_services_commands_and_health_checks() -> None:
 def test_dockerfile_installs_the_package_on_a_cpu_torch() -> None:
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert dockerfile.startswith("#") and "FROM python:3.11-slim" in dockerfile
-    assert "download.pytorch.org/whl/cpu" in dockerfile and "pip install ." in dockerfile
+    assert "download.pytorch.org/whl/cpu" in dockerfile
+    assert "--require-hashes --no-deps -r requirements/lock.txt" in dockerfile
+    assert "pip install --no-deps --no-build-isolation ." in dockerfile
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 

@@ -47,6 +47,7 @@ period to finish, idle connections are closed).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from cache_server.ports import PortInUseError
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
 from cache_server.staging_pool import HeldArea, StagingAreaPool
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
@@ -155,7 +157,12 @@ class BulkServer:
         self.instance_id = secrets.token_hex(16)
         self._tls_context = tls_context
         self._max_connections = max_connections
-        self._listener = _Listener((host, port), self)
+        try:
+            self._listener = _Listener((host, port), self)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError("the bulk port", host, port) from None
+            raise
         self.port: int = self._listener.server_address[1]
         #: the Unix socket's path (None: no Unix socket)
         self.unix_path = unix_path

@@ -33,6 +33,7 @@ from cache_server.bulk_server import BulkServer
 from cache_server.config import ServerConfig
 from cache_server.heap_reserve import HeapReserve
 from cache_server.malformed import MalformedRequestInterceptor
+from cache_server.ports import SERVER_OPTIONS, check_port_free
 from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
@@ -80,7 +81,8 @@ class CacheServer:
             tenants = config.tenant_registry()
             interceptors = [BearerTokenInterceptor(tenants)] if tenants is not None else []
             interceptors.append(MalformedRequestInterceptor())  # after auth: no token, no parsing
-            server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+            check_port_free("the gRPC port", config.host, config.port)
+            server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS + SERVER_OPTIONS)
             counters = Counters()
             kvcache = KVCacheService(store, config.limits, counters, tenants)
             if config.bulk_port is not None:
@@ -209,6 +211,10 @@ async def serve(config: ServerConfig) -> None:
 def run(config: ServerConfig) -> None:
     """Blocking entry point for the CLI: the process serves only this server, so it may
     tune its allocator (``cache_server.allocator``)."""
+    # A taken port fails here, in a line, before the heap reserve faults memory in.
+    check_port_free("the gRPC port", config.host, config.port)
+    if config.bulk_port:
+        check_port_free("the bulk port", config.host, config.bulk_port)
     reserve = None
     if not retain_freed_memory():
         logger.warning("could not tune malloc; freed value memory goes back to the OS")

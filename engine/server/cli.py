@@ -48,7 +48,13 @@ def serve(
 ) -> None:
     """Serve the model in folder MODEL over an OpenAI-compatible HTTP API
     (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
-    import uvicorn
+    from engine.server.listen import listen_on, serve_on
+
+    try:
+        # The port first: a taken one fails now, in a line, before torch or the model load.
+        sock = listen_on(host, port)
+    except OSError as error:
+        raise click.ClickException(str(error)) from None
 
     from engine.config import EngineArgs
     from engine.engine_core import EngineCore
@@ -68,6 +74,7 @@ def serve(
             max_request_bytes=max_request_bytes,
         )
     except ValueError as error:
+        sock.close()
         raise click.UsageError(str(error)) from error
-    # uvicorn logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    # Logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).
+    serve_on(sock, app, log_level="info", timeout_graceful_shutdown=10)

@@ -140,7 +140,7 @@ def parse_grpc_url(url: str) -> dict[str, Any]:
         raise ValueError(f"local must be 'auto' or 'off', got {local!r}")
     codec = params.get("codec", "none")
     if codec not in VALUE_CODECS:
-        raise ValueError(f"codec must be one of {', '.join(VALUE_CODECS)}, got {codec!r}")
+        raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(VALUE_CODECS)})")
     ca_path = params.get("ca")
     if ca_path is not None:
         if parts.scheme != "grpcs":
@@ -186,7 +186,7 @@ def parse_redis_url(url: str) -> tuple[str, dict[str, Any]]:
             passed_on.append((name, value))
     codec = own.get("codec", "none")
     if codec not in VALUE_CODECS:
-        raise ValueError(f"codec must be one of {', '.join(VALUE_CODECS)}, got {codec!r}")
+        raise ValueError(f"unknown codec {codec!r} (expected one of {', '.join(VALUE_CODECS)})")
     kwargs: dict[str, Any] = {"codec": codec}
     if "ttl" in own:
         kwargs["ttl_s"] = int(parse_float(own["ttl"], "ttl"))

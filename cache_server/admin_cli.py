@@ -101,6 +101,11 @@ def _emit(as_json: bool, data: Any, table: Table | str) -> None:
         Console(soft_wrap=True).print(table)
 
 
+def _count(num: int, noun: str) -> str:
+    """``"1 key"``, ``"2 keys"``."""
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
+
+
 def _human_bytes(num_bytes: int) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -184,7 +189,8 @@ def stats(target: AdminTarget, as_json: bool) -> None:
     grid = Table.grid()
     grid.add_row(server_table)
     grid.add_row(tier_table)
-    grid.add_row(transport_table)
+    # A server that moved no value yet has no path to show (JSON: an empty list).
+    grid.add_row(transport_table if transports else "transports: no transfers yet")
     _emit(as_json, {"server": server, "tiers": tiers, "transports": transports}, grid)
 
 
@@ -224,12 +230,20 @@ def list_keys(target: AdminTarget, prefix: str, limit: int, as_json: bool) -> No
 @click.pass_obj
 def info(target: AdminTarget, key: str, as_json: bool) -> None:
     """Size, tier and chunk header of KEY."""
+    import grpc
+
     from protos import kvstash_pb2, kvstash_pb2_grpc
 
     with target.channel() as channel:
-        reply = kvstash_pb2_grpc.AdminStub(channel).Info(
-            kvstash_pb2.InfoRequest(key=key), timeout=target.timeout_s, metadata=target.metadata
-        )
+        try:
+            reply = kvstash_pb2_grpc.AdminStub(channel).Info(
+                kvstash_pb2.InfoRequest(key=key), timeout=target.timeout_s, metadata=target.metadata
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # the server's own text names a shortened key; this names the one asked for, once
+            raise click.ClickException(f"not found: no key {key!r} on {target.server}") from None
     data = {
         "key": reply.entry.key,
         "tier": reply.entry.tier,
@@ -265,7 +279,7 @@ def evict(target: AdminTarget, key: str | None, prefix: str | None, as_json: boo
             timeout=target.timeout_s,
             metadata=target.metadata,
         )
-    _emit(as_json, {"num_evicted": reply.num_evicted}, f"evicted {reply.num_evicted} keys")
+    _emit(as_json, {"num_evicted": reply.num_evicted}, f"evicted {_count(reply.num_evicted, 'key')}")
 
 
 @admin.command()
@@ -273,7 +287,8 @@ def evict(target: AdminTarget, key: str | None, prefix: str | None, as_json: boo
 @json_option
 @click.pass_obj
 def clear(target: AdminTarget, yes: bool, as_json: bool) -> None:
-    """Remove every key from every tier."""
+    """Remove every key from every tier (asks first, unless --yes); --json prints
+    ``{"num_cleared": N}``."""
     from protos import kvstash_pb2, kvstash_pb2_grpc
 
     if not yes:
@@ -282,4 +297,4 @@ def clear(target: AdminTarget, yes: bool, as_json: bool) -> None:
         reply = kvstash_pb2_grpc.AdminStub(channel).Clear(
             kvstash_pb2.ClearRequest(), timeout=target.timeout_s, metadata=target.metadata
         )
-    _emit(as_json, {"num_evicted": reply.num_evicted}, f"cleared {reply.num_evicted} keys")
+    _emit(as_json, {"num_cleared": reply.num_evicted}, f"cleared {_count(reply.num_evicted, 'key')}")

@@ -81,6 +81,19 @@ class HeapReserve:
         self._thread: threading.Thread | None = None
         self._libc: ctypes.CDLL | None = None
 
+    @property
+    def kept_bytes(self) -> int:
+        """The free memory actually kept faulted in: the reserve, capped by the heap limit (the
+        heap never grows past ``max_heap_bytes`` for it)."""
+        return min(self.reserve_bytes, self.max_heap_bytes)
+
+    def describe(self) -> str:
+        """The start-up log line: what is kept, and the cap when it cut the reserve asked for."""
+        kept = f"heap reserve: {self.kept_bytes >> 20} MiB of free memory kept faulted in ahead of new values"
+        if self.kept_bytes < self.reserve_bytes:
+            kept += f" ({self.reserve_bytes >> 20} MiB asked for, capped by the memory tier's size)"
+        return kept
+
     def start(self) -> bool:
         """Fault in the first reserve (blocking: called before the server serves), then start
         the thread; False (nothing started) where the C library or kernel lacks what it needs."""

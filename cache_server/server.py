@@ -221,10 +221,7 @@ def run(config: ServerConfig) -> None:
     elif config.heap_reserve_bytes:
         reserve = HeapReserve(config.heap_reserve_bytes, config.memory_bytes)
         if reserve.start():
-            logger.info(
-                "heap reserve: %d MiB of free memory kept faulted in ahead of new values",
-                config.heap_reserve_bytes >> 20,
-            )
+            logger.info("%s", reserve.describe())
         else:
             reserve = None
     try:

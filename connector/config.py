@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+
+# REMOTE_SCHEMES: the schemes accepted for ``remote_url`` (re-exported)
+from storage_backends.urls import REMOTE_SCHEMES, check_remote_url  # noqa: F401
 
 GIB = 1 << 30
 
-#: schemes accepted for ``remote_url`` (the storage backends implement each)
-REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs")
 CODECS = ("none", "lz4")
 LOAD_POLICIES = ("planned", "always")
 
@@ -103,12 +103,11 @@ class OffloadConfig:
         if self.disk_path is not None and self.disk_bytes == 0:
             raise ValueError("disk_bytes must be positive when disk_path is set")
         if self.remote_url is not None:
-            scheme = urlparse(self.remote_url).scheme if isinstance(self.remote_url, str) else None
-            if scheme not in REMOTE_SCHEMES:
-                raise ValueError(
-                    f"remote_url {self.remote_url!r} must start with one of "
-                    + ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
-                )
+            # in full (host, port, parameters), so that a bad URL fails here, before a model loads
+            try:
+                check_remote_url(self.remote_url)
+            except ValueError as error:
+                raise ValueError(f"remote_url {self.remote_url!r}: {error}") from None
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         for name in (
@@ -169,12 +168,17 @@ class OffloadConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> OffloadConfig:
         """Read a YAML mapping of field names (see :meth:`from_mapping`)."""
-        return cls.from_mapping(read_yaml(path), source=str(path))
+        return config_from_fields(
+            parse_fields(read_yaml(path), source=f"offload config file {str(path)!r}"), source=str(path)
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OffloadConfig:
         """Read ``KVSTASH_KV_OFFLOAD_<FIELD>`` variables (e.g. ``KVSTASH_KV_OFFLOAD_CPU_GB=8``)."""
-        return cls.from_mapping(env_values(os.environ if environ is None else environ), source="environment")
+        values = env_values(os.environ if environ is None else environ)
+        return config_from_fields(
+            parse_fields(values, source="environment", spelled=env_name), source="environment"
+        )
 
 
 def check_key_prefix(key_prefix: object) -> None:
@@ -209,9 +213,16 @@ def config_from_fields(fields: Mapping[str, Any], *, source: str) -> OffloadConf
 _GIB_ALIASES = {"cpu_gb": "cpu_bytes", "disk_gb": "disk_bytes"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_KIND_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean (1/0, true/false, yes/no, on/off)",
+}
 
 
-def _convert(name: str, value: Any, source: str) -> Any:
+def _convert(name: str, value: Any) -> Any:
+    """``value`` (a string from an environment variable or YAML, or already typed) as field
+    ``name``'s type; ValueError stating the reason."""
     kind = _FIELD_TYPES[name]
     if value is None or not isinstance(value, str):
         return value
@@ -228,33 +239,55 @@ def _convert(name: str, value: Any, source: str) -> Any:
                 return False
             raise ValueError(text)
     except ValueError:
-        raise ValueError(f"{source}: {name} has an invalid value {value!r}") from None
+        raise ValueError(f"{name} must be {_KIND_WORDS[kind]}") from None
     if kind == "str | None" and text.lower() in ("", "none"):
         return None
     return text
 
 
-def parse_fields(values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-    """Normalize a mapping of user-facing names to ``OffloadConfig`` keyword arguments.
+def _check_alone(name: str, value: Any) -> None:
+    """Check one setting on its own, as it would be on an otherwise default config (the rules
+    between settings, such as "some tier", are checked when the whole config is built)."""
+    if name == "remote_url":
+        if value is not None:
+            check_remote_url(value)  # states the reason only; the caller quotes the value
+        return
+    others = {"disk_path": "."} if name == "cpu_bytes" else {}  # 0 CPU bytes alone is no tier
+    OffloadConfig(**others, **{name: value})
+
+
+def parse_fields(
+    values: Mapping[str, Any], *, source: str, spelled: Callable[[str], str] | None = None
+) -> dict[str, Any]:
+    """Normalize a mapping of user-facing names to ``OffloadConfig`` keyword arguments, each
+    checked on its own, so that an error names where its value came from.
 
     ``cpu_gb``/``disk_gb`` (GiB, may be fractional) become ``cpu_bytes``/``disk_bytes``.
-    Unknown names raise ``ValueError`` listing them.
+    Unknown names or bad values raise ``ValueError`` as ``"{source}: {spelled(name)} {value!r}:
+    {reason}"``, quoting the value as given; ``spelled`` is how the user wrote a name (e.g.
+    ``KVSTASH_KV_OFFLOAD_CHUNK_SIZE``; default: the name itself).
     """
+    spell = spelled or (lambda name: name)
     unknown = sorted(set(values) - set(_FIELD_TYPES) - set(_GIB_ALIASES))
     if unknown:
-        raise ValueError(f"{source}: unknown offload setting(s) {', '.join(unknown)}")
+        raise ValueError(f"{source}: unknown offload setting(s) {', '.join(spell(name) for name in unknown)}")
     fields: dict[str, Any] = {}
     for name, value in values.items():
-        if name in _GIB_ALIASES:
-            try:
-                gib = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{source}: {name} must be a number of GiB, got {value!r}") from None
-            if gib < 0:
-                raise ValueError(f"{source}: {name} must not be negative, got {value!r}")
-            fields[_GIB_ALIASES[name]] = int(gib * GIB)
-        else:
-            fields[name] = _convert(name, value, source)
+        try:
+            if name in _GIB_ALIASES:
+                try:
+                    gib = float(value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{name} must be a number of GiB") from None
+                if not 0 <= gib < math.inf:
+                    raise ValueError(f"{name} must be a number of GiB >= 0")
+                field, converted = _GIB_ALIASES[name], int(gib * GIB)
+            else:
+                field, converted = name, _convert(name, value)
+            _check_alone(field, converted)
+        except ValueError as error:
+            raise ValueError(f"{source}: {spell(name)} {value!r}: {error}") from None
+        fields[field] = converted
     return fields
 
 
@@ -274,6 +307,11 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"offload config file {str(file)!r} must hold a mapping of settings")
     return data
+
+
+def env_name(name: str) -> str:
+    """The environment variable of setting ``name``: ``KVSTASH_KV_OFFLOAD_<NAME>``."""
+    return ENV_PREFIX + name.upper()
 
 
 def env_values(environ: Mapping[str, str]) -> dict[str, str]:

@@ -735,6 +735,8 @@ def bench(
         if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
     }
     try:
+        # checked before any model is made or loaded
+        explicit_offload = offload_config_from_options(options)
         settings = bench_settings(
             model,
             arch,
@@ -756,7 +758,7 @@ def bench(
         if settings.model_dir_to_make is not None:
             settings.model_source = str(ensure_bench_model(arch, settings.preset.name))
             settings.model_label = settings.model_source
-        offload = offload_config_from_options(options) or default_offload_config(
+        offload = explicit_offload or default_offload_config(
             settings.workload, kv_bytes_per_token(settings.model_source, settings.engine_args)
         )
         _print_banner(settings)

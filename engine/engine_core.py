@@ -116,6 +116,8 @@ class EngineCore:
         #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline); this
         #: process then runs stage 0 and `model` is None
         self.pipeline = None
+        # every setting was checked above (EngineArgs.validate, OffloadConfig at construction)
+        logger.info("loading the model from %s", self.model_dir or "an in-memory config")
         if args.pipeline_parallel_size > 1:
             from engine.pipeline import PipelineExecutor
 

@@ -18,11 +18,14 @@ from connector.config import (
     CODECS,
     GIB,
     OffloadConfig,
+    check_key_prefix,
     config_from_fields,
+    env_name,
     env_values,
     parse_fields,
     read_yaml,
 )
+from storage_backends.urls import check_remote_url
 
 #: option name -> OffloadConfig setting (values in the settings' user-facing units)
 _OPTION_TO_SETTING = {
@@ -34,8 +37,51 @@ _OPTION_TO_SETTING = {
     "kv_offload_codec": "codec",
     "kv_offload_key_prefix": "key_prefix",
 }
+#: OffloadConfig setting -> the flag that sets it (how errors name a flag's value)
+_SETTING_TO_FLAG = {setting: "--" + name.replace("_", "-") for name, setting in _OPTION_TO_SETTING.items()}
 _SWITCH_ENV = "KVSTASH_KV_OFFLOAD"
 _CONFIG_ENV = "KVSTASH_KV_OFFLOAD_CONFIG"
+
+
+class RemoteURL(click.ParamType):
+    """A remote tier's URL, checked in full (scheme, host, port, parameters) as the flag is
+    parsed, so that a bad one is refused before anything loads, quoting what was typed."""
+
+    name = "URL"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            check_remote_url(value)
+        except ValueError as error:
+            self.fail(f"{value!r}: {error}", param, ctx)
+        return value
+
+
+def _check_key_prefix(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            check_key_prefix(value)
+        except ValueError as error:
+            raise click.BadParameter(f"{value!r}: {error}", ctx, param) from None
+    return value
+
+
+def _check_disk_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The disk tier's folder must be one, or creatable: its nearest existing ancestor a
+    writable folder (the tier creates it when it opens)."""
+    if value is None:
+        return value
+    if not value.strip():
+        raise click.BadParameter(f"{value!r}: an empty path", ctx, param)
+    ancestor = os.path.abspath(value)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise click.BadParameter(f"{value!r}: {ancestor!r} is not a folder", ctx, param)
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{value!r}: cannot write to {ancestor!r}", ctx, param)
+    return value
+
 
 _OPTIONS = [
     click.option(
@@ -47,28 +93,32 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-offload-cpu-gb",
-        type=float,
+        type=click.FloatRange(min=0),
         default=None,
         help=f"CPU-memory tier size in GiB; 0 = no CPU tier [default: {OffloadConfig.cpu_bytes / GIB:g}].",
     ),
     click.option(
-        "--kv-offload-disk-path", type=click.Path(file_okay=False), default=None, help="Disk tier folder."
+        "--kv-offload-disk-path",
+        type=click.Path(file_okay=False),
+        default=None,
+        callback=_check_disk_path,
+        help="Disk tier folder (created if missing).",
     ),
     click.option(
         "--kv-offload-disk-gb",
-        type=float,
+        type=click.FloatRange(min=0, min_open=True),
         default=None,
         help=f"Disk tier size in GiB; needs --kv-offload-disk-path [default: {OffloadConfig.disk_bytes / GIB:g}].",
     ),
     click.option(
         "--kv-offload-remote",
-        metavar="URL",
+        type=RemoteURL(),
         default=None,
         help="Remote tier: redis://, rediss://, redis+cluster://, rediss+cluster://, grpc:// or grpcs:// URL.",
     ),
     click.option(
         "--kv-offload-chunk-size",
-        type=int,
+        type=click.IntRange(min=1),
         default=None,
         help=f"Tokens per stored chunk [default: {OffloadConfig.chunk_size}].",
     ),
@@ -79,6 +129,7 @@ _OPTIONS = [
         "--kv-offload-key-prefix",
         metavar="TEXT",
         default=None,
+        callback=_check_key_prefix,
         help="Text put in front of every chunk key (the tenant's prefix on a cache server with --tenants).",
     ),
     click.option(
@@ -103,7 +154,11 @@ def offload_config_from_options(
     """Pop the offload options from a command's parsed ``options`` and build the config.
 
     Offload is on when ``--kv-offload``, any other offload flag, a config file or
-    ``KVSTASH_KV_OFFLOAD=1`` asks for it. Bad values raise ``ValueError`` naming them.
+    ``KVSTASH_KV_OFFLOAD=1`` asks for it. Nothing is opened or connected here. Bad values
+    raise ``ValueError`` quoting them as given and where: the flag
+    (``--kv-offload-chunk-size 0: ...``), the variable (``KVSTASH_KV_OFFLOAD_REMOTE_URL
+    'grpc://h': no port ...``) or the file (``offload config file 'x.yaml': remote_url ...``).
+    The commands call it before loading a model, and turn the error into a usage error.
     """
     environ = os.environ if environ is None else environ
     switch = options.pop("kv_offload", False)
@@ -116,8 +171,12 @@ def offload_config_from_options(
     env_switch = environ.get(_SWITCH_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     if not (switch or flag_settings or config_path or env_switch):
         return None
-    settings = parse_fields(env_values(environ), source="environment")
+    settings = parse_fields(env_values(environ), source="environment", spelled=env_name)
     if config_path:
-        settings.update(parse_fields(read_yaml(config_path), source=str(config_path)))
-    settings.update(parse_fields(flag_settings, source="command line"))
+        settings.update(
+            parse_fields(read_yaml(config_path), source=f"offload config file {str(config_path)!r}")
+        )
+    settings.update(
+        parse_fields(flag_settings, source="command line", spelled=lambda name: _SETTING_TO_FLAG[name])
+    )
     return config_from_fields(settings, source="offload settings")

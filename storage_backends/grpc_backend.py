@@ -62,7 +62,7 @@ from storage_backends.grpc_channel import (
 from storage_backends.grpc_codec import PIECE_BYTES, put_messages, value_from_get_messages
 from storage_backends.host_identity import host_identity
 from storage_backends.transport_policy import TRANSPORT_GRPC, BulkTransportPolicy
-from storage_backends.urls import parse_float, split_backend_url
+from storage_backends.urls import parse_grpc_url
 
 if TYPE_CHECKING:
     import torch
@@ -171,44 +171,11 @@ class GrpcBackend(StorageBackend):
     @classmethod
     def from_url(cls, url: str) -> GrpcBackend:
         """``grpc://host:port`` or ``grpcs://host:port`` with the parameters in the module docstring."""
-        parts, params = split_backend_url(
-            url, ("token", "ca", "timeout", "codec", "concurrency", "bulk", "bulk_connections", "local")
-        )
-        if parts.scheme not in ("grpc", "grpcs"):
-            raise ValueError(f"not a grpc:// or grpcs:// URL: {url!r}")
-        if not parts.hostname or parts.port is None:
-            raise ValueError(f"grpc URL needs host and port, e.g. grpc://127.0.0.1:50051; got {url!r}")
-        if parts.path not in ("", "/"):
-            raise ValueError(f"grpc URL takes no path, got {parts.path!r} in {url!r}")
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        bulk = params.get("bulk", "on")
-        if bulk not in ("on", "off"):
-            raise ValueError(f"grpc bulk must be 'on' or 'off', got {bulk!r}")
-        local = params.get("local", "auto")
-        if local not in ("auto", "off"):
-            raise ValueError(f"grpc local must be 'auto' or 'off', got {local!r}")
-        counts = {}
-        for name, default in (
-            ("concurrency", DEFAULT_CONCURRENCY),
-            ("bulk_connections", DEFAULT_MAX_CONNECTIONS),
-        ):
-            text = params.get(name, str(default))
-            if not text.isdigit() or int(text) == 0:
-                raise ValueError(f"grpc {name} must be a positive integer, got {text!r}")
-            counts[name] = int(text)
-        return cls(
-            f"{host}:{parts.port}",
-            secure=parts.scheme == "grpcs",
-            token=params.get("token"),
-            ca_path=params.get("ca"),
-            timeout_s=parse_float(params["timeout"], "grpc timeout")
-            if "timeout" in params
-            else DEFAULT_TIMEOUT_S,
-            codec=params.get("codec", "none"),
-            bulk=bulk == "on",
-            local=local == "auto",
-            **counts,
-        )
+        try:
+            kwargs = parse_grpc_url(url)
+        except ValueError as error:
+            raise ValueError(f"grpc URL {url!r}: {error}") from None
+        return cls(kwargs.pop("address"), **kwargs)
 
     @property
     def transport(self) -> str:

@@ -26,7 +26,7 @@ import logging
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from storage_backends.base import BackendError, StorageBackend
 from storage_backends.chunk import (
@@ -39,7 +39,7 @@ from storage_backends.chunk import (
     verify_chunk,
 )
 from storage_backends.counters import Counters
-from storage_backends.urls import parse_float
+from storage_backends.urls import parse_redis_url
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_KEY_PREFIX = "kvstash:"
 NUM_CLUSTER_RETRIES = 2
-_OWN_PARAMS = ("ttl", "timeout", "codec", "key_prefix")
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
@@ -103,22 +102,11 @@ class RedisBackend(StorageBackend):
     @classmethod
     def from_url(cls, url: str) -> RedisBackend:
         """Split kvstash's own parameters (ttl, timeout, codec, key_prefix) from those redis-py reads."""
-        parts = urlsplit(url)
-        own: dict[str, str] = {}
-        passed_on: list[tuple[str, str]] = []
-        for name, value in parse_qsl(parts.query, keep_blank_values=True):
-            if name in _OWN_PARAMS:
-                own[name] = value
-            else:
-                passed_on.append((name, value))
-        ttl_s = int(parse_float(own["ttl"], "redis ttl")) if "ttl" in own else None
-        return cls(
-            urlunsplit(parts._replace(query=urlencode(passed_on))),
-            ttl_s=ttl_s,
-            timeout_s=parse_float(own.get("timeout", str(DEFAULT_TIMEOUT_S)), "redis timeout"),
-            codec=own.get("codec", "none"),
-            key_prefix=own.get("key_prefix", DEFAULT_KEY_PREFIX),
-        )
+        try:
+            client_url, kwargs = parse_redis_url(url)
+        except ValueError as error:
+            raise ValueError(f"redis URL {url!r}: {error}") from None
+        return cls(client_url, **kwargs)
 
     @contextlib.contextmanager
     def _guard(self, operation: str) -> Iterator[None]:

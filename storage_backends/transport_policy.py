@@ -18,7 +18,9 @@ over gRPC and reports the failure here; the channel is then asked for again
 ``BULK_RETRY_S`` seconds later, doubling after each failure in a row up to
 ``BULK_MAX_RETRY_S`` (an unreachable port costs a connect each time). A restarted
 server (new port, new socket) is found again that way. The path in use is logged
-once at INFO each time it changes.
+once at INFO each time it changes; a server that does not answer is logged once at
+WARNING (``remote tier grpc://HOST:PORT is unreachable (connection refused); its chunks
+are misses until it answers``), not as a path.
 
 Thread-safe; one instance per tier, called on every Put and Get.
 """
@@ -47,6 +49,8 @@ BULK_MAX_RETRY_S = 300.0
 #: seconds a bulk connection may take to open (a filtered port must not stall a call for the whole timeout)
 BULK_CONNECT_TIMEOUT_S = 3.0
 TRANSPORT_GRPC = "grpc"
+#: what ``_logged_transport`` holds while the server does not answer
+_UNREACHABLE = "unreachable"
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +119,6 @@ class BulkTransportPolicy:
                 self._asked_at = now
             client = self._discover()
             if client is None:
-                self._log_transport(TRANSPORT_GRPC, "the server has no usable bulk channel")
                 return None
             return self._install(client)
 
@@ -149,18 +152,25 @@ class BulkTransportPolicy:
         return client
 
     def _discover(self) -> BulkClient | None:
+        """The bulk channel the server offers, or None (logged once: the server is unreachable,
+        or it answers but offers no usable channel, so values go over gRPC)."""
         import grpc
 
         try:
             endpoint = self._ask_endpoint()
-        except grpc.RpcError:
-            return None  # an older server (UNIMPLEMENTED) or none at all: the gRPC call reports it
-        if (
-            not endpoint.port
-            or endpoint.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS
-            or endpoint.tls != self._secure
-        ):
+        except grpc.RpcError as error:
+            code = error.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._log_unreachable(code == grpc.StatusCode.DEADLINE_EXCEEDED, error.details() or "")
+            else:  # e.g. an older server without GetBulkEndpoint (UNIMPLEMENTED)
+                self._log_transport(TRANSPORT_GRPC, f"the server has no bulk channel: {code.name}")
+            return None
+        if not endpoint.port:
+            self._log_transport(TRANSPORT_GRPC, "the server has no bulk channel")
+            return None
+        if endpoint.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS or endpoint.tls != self._secure:
             # A server with TLS on gRPC has it on the bulk port too; anything else is not used.
+            self._log_transport(TRANSPORT_GRPC, "the server's bulk channel does not match this client")
             return None
         if self.same_host(endpoint):
             unix_client = self._client_for(endpoint, unix_path=endpoint.unix_path)
@@ -226,6 +236,25 @@ class BulkTransportPolicy:
         logger.info("bulk channel of %s failed, using gRPC for %g s: %s", self.address, retry_s, error)
         self._logged_transport = TRANSPORT_GRPC
         client.close()
+
+    def _log_unreachable(self, timed_out: bool, details: str) -> None:
+        """One plain WARNING line per outage: the tier is created (the engine starts) and its
+        reads are misses until the server answers (the connector's breaker keeps asking)."""
+        if timed_out:
+            reason = f"no answer within {self._timeout_s:g} s"
+        elif "refused" in details.lower():
+            reason = "connection refused"
+        else:  # gRPC's text ends with the cause, e.g. "...: DNS resolution failed for x:1"
+            reason = details.rsplit(": ", 1)[-1].strip() or "no connection"
+        if self._logged_transport != _UNREACHABLE:
+            self._logged_transport = _UNREACHABLE
+            scheme = "grpcs" if self._secure else "grpc"
+            logger.warning(
+                "remote tier %s://%s is unreachable (%s); its chunks are misses until it answers",
+                scheme,
+                self.address,
+                reason,
+            )
 
     def _log_transport(self, transport: str, detail: str) -> None:
         if transport != self._logged_transport:

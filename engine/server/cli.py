@@ -62,11 +62,12 @@ def serve(
     from engine.server.async_engine import AsyncEngine
 
     try:
+        # every flag is checked before the model loads
+        if api_key is not None and not api_key.strip():
+            raise ValueError("--api-key (KVSTASH_API_KEY) is empty; leave it unset to serve without a key")
         kv_offload = offload_config_from_options(options)
         engine_args = EngineArgs(kv_offload=kv_offload, **engine_args_from_options(options))
         engine = EngineCore(model, engine_args)
-        if api_key is not None and not api_key.strip():
-            raise ValueError("--api-key (KVSTASH_API_KEY) is empty; leave it unset to serve without a key")
         app = create_app(
             AsyncEngine(engine),
             served_model_name or model,

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from engine.cli import main
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import make_value, run_kvstash
-from tests.cache_server.server_process import free_port_for_tests
+from tests.cache_server.server_process import CacheServerProcess, free_port_for_tests
 
 
 def admin_json(address: str, *args: str):
@@ -66,12 +66,14 @@ def test_every_admin_command(cache_server, cache_server_url) -> None:
     )
 
     evicted = runner.invoke(main, ["admin", "--server", address, "evict", "model-a/0"])
-    assert evicted.exit_code == 0 and "evicted 1 keys" in evicted.stdout
-    assert admin_json(address, "evict", "--prefix", "model-a/") == {"num_evicted": 2}
+    assert evicted.exit_code == 0 and evicted.stdout.strip() == "evicted 1 key"
+    evicted = runner.invoke(main, ["admin", "--server", address, "evict", "--prefix", "model-a/1"])
+    assert evicted.exit_code == 0 and evicted.stdout.strip() == "evicted 1 key"
+    assert admin_json(address, "evict", "--prefix", "model-a/") == {"num_evicted": 1}
     declined = runner.invoke(main, ["admin", "--server", address, "clear"], input="n\n")
     assert declined.exit_code == 1 and "Aborted" in declined.output
     assert admin_json(address, "ls")["keys"][0]["key"] == "model-b/0"
-    assert admin_json(address, "clear", "--yes") == {"num_evicted": 1}
+    assert admin_json(address, "clear", "--yes") == {"num_cleared": 1}
     assert admin_json(address, "ls")["keys"] == []
 
 
@@ -83,9 +85,26 @@ def test_failures_exit_non_zero_with_one_line_reasons(cache_server, cache_server
 
     runner = CliRunner()
     missing = runner.invoke(main, ["admin", "--server", cache_server.address, "info", "no-such-key"])
-    assert missing.exit_code == 1 and "not found" in missing.stderr
+    assert missing.exit_code == 1
+    assert missing.stderr.strip() == f"Error: not found: no key 'no-such-key' on {cache_server.address}"
     assert len(missing.stderr.strip().splitlines()) == 1 and "Traceback" not in missing.output
     down = runner.invoke(main, ["admin", "--server", address, "--timeout", "3", "health"])
     assert down.exit_code == 1 and f"cannot reach {address}" in down.output
     usage = runner.invoke(main, ["admin", "--server", cache_server.address, "evict"])
     assert usage.exit_code == 2 and "exactly one of KEY or --prefix" in usage.output
+
+
+def test_an_idle_server_shows_no_empty_transports_table() -> None:
+    """A fresh server moved no value yet: `stats` says so instead of an empty table (the JSON
+    keeps its empty list); `clear` of nothing says 0 keys."""
+    process = CacheServerProcess("--memory-gb", "0.0625").start()
+    try:
+        assert admin_json(process.address, "stats")["transports"] == []
+        tables = run_kvstash("admin", "--server", process.address, "stats")
+        assert tables.returncode == 0, tables.stderr
+        assert "transports: no transfers yet" in tables.stdout
+        assert "transport " not in tables.stdout  # no table's header row
+        cleared = run_kvstash("admin", "--server", process.address, "clear", "--yes")
+        assert cleared.returncode == 0 and cleared.stdout.strip() == "cleared 0 keys"
+    finally:
+        process.close()

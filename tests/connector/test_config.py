@@ -144,7 +144,9 @@ def test_from_env_converts_strings():
         "/var/cache/kv",
         2 * GIB,
     )
-    with pytest.raises(ValueError, match="environment: chunk_size has an invalid value 'big'"):
+    with pytest.raises(
+        ValueError, match="environment: KVSTASH_KV_OFFLOAD_CHUNK_SIZE 'big': chunk_size must be an integer"
+    ):
         OffloadConfig.from_env({"KVSTASH_KV_OFFLOAD_CHUNK_SIZE": "big"})
 
 
@@ -201,7 +203,7 @@ def test_offload_is_off_unless_asked_for():
 
 def test_options_are_popped_and_bad_flag_values_raise():
     options = no_flags(kv_offload=True, kv_offload_remote="ftp://x", dtype="float32")
-    with pytest.raises(ValueError, match="remote_url 'ftp://x' must start with"):
+    with pytest.raises(ValueError, match="command line: --kv-offload-remote 'ftp://x': must start with"):
         offload_config_from_options(options, {})
     assert set(options) == {"dtype"}
 

@@ -1,0 +1,143 @@
+"""Bad offload settings are refused before the model loads, quoting what the user typed
+(issue 35): `kvstash serve`, `generate` and `bench` run for real as child processes over
+the tiny model. "Before the model loads" is read from the output: the engine logs
+`loading the model from …` first thing when it loads one (checked by the control test)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.serving.server_process import repo_env
+
+LOADING = "loading the model from"
+#: a guard against a hang only: a refused command exits long before it
+HANG_GUARD_S = 300
+
+
+def run_cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = repo_env()
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
+
+
+def assert_refused_before_loading(result: subprocess.CompletedProcess, *expected: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    assert LOADING not in output, output
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error_lines) == 1, output
+    for text in expected:
+        assert text in error_lines[0], output
+
+
+def test_a_good_config_logs_loading_the_model(tiny_model_dir, tmp_path):
+    """The control: the line the other tests look for is there when the model does load."""
+    result = run_cli(
+        "generate",
+        str(tiny_model_dir("llama")),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "2",
+        "--kv-offload-cpu-gb",
+        "0.01",
+        "--kv-offload-chunk-size",
+        "16",
+    )
+    assert result.returncode == 0, result.stderr
+    assert LOADING in result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            ["--kv-offload-remote", "grpc://127.0.0.1"],
+            ["--kv-offload-remote", "'grpc://127.0.0.1'", "no port (expected grpc://HOST:PORT)"],
+        ),
+        (
+            ["--kv-offload-remote", "grpc://127.0.0.1:http"],
+            ["--kv-offload-remote", "'grpc://127.0.0.1:http'", "port 'http' is not a number"],
+        ),
+        (
+            ["--kv-offload-remote", "grpc://127.0.0.1:5?bulk=maybe"],
+            ["--kv-offload-remote", "bulk must be 'on' or 'off'"],
+        ),
+        (
+            ["--kv-offload-remote", "redis://cache:6379/zero"],
+            ["--kv-offload-remote", "'redis://cache:6379/zero'", "database number"],
+        ),
+        (["--kv-offload-remote", "http://cache:80"], ["--kv-offload-remote", "must start with one of"]),
+        (["--kv-offload-cpu-gb", "-1"], ["--kv-offload-cpu-gb", "-1"]),
+        (["--kv-offload-chunk-size", "0"], ["--kv-offload-chunk-size", "0"]),
+        (["--kv-offload-key-prefix", "team a/"], ["--kv-offload-key-prefix", "'team a/'", "printable"]),
+    ],
+)
+def test_bad_flags_are_refused_before_the_model_loads(tiny_model_dir, command, flags, expected):
+    extra = ["--prompt", "hello"] if command == "generate" else ["--port", "0", "--host", "127.0.0.1"]
+    result = run_cli(command, str(tiny_model_dir("llama")), *extra, *flags)
+    assert_refused_before_loading(result, *expected)
+    # the URL the user typed, never one the engine built from it
+    assert "codec=none" not in result.stderr
+
+
+def test_a_disk_path_under_a_file_is_refused(tiny_model_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_cli(
+        "serve", str(tiny_model_dir("llama")), "--kv-offload-disk-path", str(blocker / "kv"), "--port", "0"
+    )
+    assert_refused_before_loading(result, "--kv-offload-disk-path", repr(str(blocker / "kv")), "not a folder")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("remote_url: grpc://127.0.0.1\n", ["remote_url 'grpc://127.0.0.1'", "no port"]),
+        ("chunk_size: -4\n", ["chunk_size -4", "positive"]),
+        ("cpu_gb: lots\n", ["cpu_gb 'lots'", "number of GiB"]),
+        ("chunk_size: [1\n", ["not valid YAML"]),
+        ("cpu_size: 3\n", ["unknown offload setting", "cpu_size"]),
+    ],
+)
+def test_a_bad_yaml_file_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, text, expected):
+    path = tmp_path / "offload.yaml"
+    path.write_text(text)
+    result = run_cli("serve", str(tiny_model_dir("llama")), "--port", "0", "--kv-offload-config", str(path))
+    assert_refused_before_loading(result, f"offload config file {str(path)!r}", *expected)
+
+
+def test_a_bad_environment_value_is_refused_naming_the_variable(tiny_model_dir):
+    result = run_cli(
+        "generate",
+        str(tiny_model_dir("llama")),
+        "--prompt",
+        "hello",
+        "--kv-offload",
+        env_extra={"KVSTASH_KV_OFFLOAD_REMOTE_URL": "grpc://127.0.0.1"},
+    )
+    assert_refused_before_loading(result, "KVSTASH_KV_OFFLOAD_REMOTE_URL 'grpc://127.0.0.1'", "no port")
+
+
+def test_bench_refuses_a_bad_config_file_before_making_or_loading_a_model(tmp_path):
+    """Without --model, bench makes its preset's model first: the file is read before that."""
+    path = tmp_path / "offload.yaml"
+    path.write_text("remote_url: grpc://127.0.0.1\n")
+    result = run_cli(
+        "bench", "--model-size", "tiny", "--out", str(tmp_path / "out"), "--kv-offload-config", str(path)
+    )
+    assert_refused_before_loading(result, "remote_url 'grpc://127.0.0.1'", "no port")
+    assert "preset" not in result.stdout  # printed once the preset (and its model) is resolved
+    assert not (tmp_path / "out").exists()

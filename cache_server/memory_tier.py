@@ -33,7 +33,8 @@ from storage_backends.lru import LRUIndex
 
 #: Process memory per stored entry beyond its value and key bytes: the Python objects of the
 #: key, the LRU entry and its OrderedDict and sorted-index slots, the value's buffer object
-#: (a numpy array over torch storage, the memoryview around it) and malloc's rounding.
+#: (a bytearray, the memoryview around it) and malloc's rounding (measured when it was a numpy
+#: array over torch storage, a larger object: the figure is an upper bound).
 #: Measured with ``benchmarks/cache_server_entry_overhead.py`` (RSS growth of a real server
 #: per tiny value under a 1 KiB key, less the value and key bytes); see docs/cache_server.md.
 ENTRY_OVERHEAD_BYTES = 1536

@@ -409,7 +409,7 @@ class AdminService(kvstash_pb2_grpc.AdminServicer, _Checks):
         return kvstash_pb2.InfoResponse(
             entry=kvstash_pb2.KeyEntry(key=key, tier=stored.tier),
             size_bytes=len(stored.data),
-            dtype=str(header.dtype).removeprefix("torch."),
+            dtype=header.dtype_name,
             shape=list(header.shape),
             layout=header.layout,
             num_tokens=header.shape[header.layout.index("T")],

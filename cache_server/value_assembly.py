@@ -11,9 +11,11 @@ chunk's CRC-32 is computed while it is in cache, so the checks that ``verify_chu
 over tens of MiB.
 
 Measured on the Put path (docs/benchmarks.md), filling fresh memory that is kept: the
-buffer comes from ``torch.empty`` (0.5 ms/MiB), not ``bytearray`` (zero-filled first, one
-more pass) nor ``numpy.empty`` (it asks for transparent huge pages from 4 MiB up, and
-faulting those in cost 2 to 3.5 ms/MiB of kernel compaction here). The CRC-32 is zlib-ng's:
+buffer is allocated without being filled, as ``torch.empty`` allocates (0.5 ms/MiB; through
+:func:`~storage_backends.receive_buffers.uninitialized_bytearray`, so the server needs no
+torch), not ``bytearray(n)`` (zero-filled first, one more pass) nor ``numpy.empty`` (it asks
+for transparent huge pages from 4 MiB up, and faulting those in cost 2 to 3.5 ms/MiB of kernel
+compaction here). The CRC-32 is zlib-ng's:
 the same CRC as ``zlib.crc32``, about 6x faster with its SIMD code. Memory is committed
 only as pieces arrive, so one Put holds at most its announced size (a list of pieces
 joined at the end held twice that).
@@ -23,10 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from zlib_ng import zlib_ng
 
 from storage_backends.chunk import ChunkFormatError, ChunkHeader, check_key, header_checksum, parse_header
+from storage_backends.receive_buffers import uninitialized_bytearray
 
 #: a chunk header is never longer (its length field is a u16), so once this many bytes
 #: (or the whole value) have arrived the header can be parsed
@@ -44,7 +46,7 @@ class ValueAssembler:
 
     def __init__(self, total_size: int, key: str) -> None:
         self.key = key
-        self._buffer = torch.empty(total_size, dtype=torch.uint8).numpy()  # [total_size], not zeroed
+        self._buffer = uninitialized_bytearray(total_size)  # not zeroed: filled whole before it is read
         self._view = memoryview(self._buffer)
         self.total_size = total_size
         self.num_received = 0

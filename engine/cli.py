@@ -1,21 +1,111 @@
 """The ``kvstash`` command line: the root group and the subcommands that belong to
 the engine. Subcommands of lower packages (cache server, admin) are defined
 next to their code and attached here, because only ``engine`` may import every
-package (DESIGN §1)."""
+package (DESIGN §1).
+
+The root group is lazy (click's LazyGroup pattern): a subcommand's module is
+imported only when that subcommand runs (or its own ``--help`` is asked for), so
+``kvstash --help``, ``kvstash admin ...`` and ``kvstash cache-server`` start
+without importing torch (issue 35). ``kvstash --help`` lists each lazy
+subcommand with the short help kept in :data:`LAZY_SUBCOMMANDS`; a test checks
+that it matches the command's own.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import NamedTuple
 
 import click
 
-from cache_server.cli import admin, cache_server
-from engine.bench import bench
-from engine.generate_cli import generate
-from engine.server.cli import serve
+
+class LazySubcommand(NamedTuple):
+    """Where a subcommand is defined (``"module:attribute"``) and the first paragraph of its
+    help, from which ``kvstash --help`` makes the one-line summary as click would."""
+
+    import_path: str
+    summary: str
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+#: subcommand name -> where it lives and the first paragraph of its help (a copy:
+#: tests/foundation/test_cli_imports.py checks that ``kvstash --help`` reads as it would
+#: with every command imported)
+LAZY_SUBCOMMANDS: dict[str, LazySubcommand] = {
+    "admin": LazySubcommand(
+        "cache_server.admin_cli:admin", "Inspect and manage a running kvstash cache server."
+    ),
+    "bench": LazySubcommand(
+        "engine.bench:bench",
+        "Multi-round QA with KV offload off, then on: TTFT per round, table, JSON and plot.",
+    ),
+    "cache-server": LazySubcommand(
+        "cache_server.cli:cache_server",
+        "Serve KV chunks over gRPC from memory, with optional disk and Redis tiers below.",
+    ),
+    "generate": LazySubcommand(
+        "engine.generate_cli:generate", "Generate text for each --prompt with the model in folder MODEL."
+    ),
+    "serve": LazySubcommand(
+        "engine.server.cli:serve",
+        "Serve the model in folder MODEL over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose ``lazy_subcommands`` (name -> :class:`LazySubcommand`) are imported
+    by name when resolved (to run them or show their own ``--help``); listing them in the
+    group's ``--help`` imports nothing."""
+
+    def __init__(self, *args, lazy_subcommands: dict[str, LazySubcommand] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_subcommands = dict(lazy_subcommands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_subcommands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy_subcommands:
+            return self._load(cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section of ``--help``, as :meth:`click.Group.format_commands` writes it,
+        with each lazy subcommand's summary shortened by click's own rule instead of importing it."""
+        commands = []
+        for name in self.list_commands(ctx):
+            if name in self.lazy_subcommands:
+                commands.append((name, None))
+                continue
+            command = super().get_command(ctx, name)
+            if command is not None and not command.hidden:
+                commands.append((name, command))
+        if not commands:
+            return
+        limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+        rows = []
+        for name, command in commands:
+            if command is None:  # a stand-in with the same help shortens it by click's own rule
+                command = click.Command(name, help=self.lazy_subcommands[name].summary)
+            rows.append((name, command.get_short_help_str(limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def _load(self, cmd_name: str) -> click.Command:
+        module_name, attribute = self.lazy_subcommands[cmd_name].import_path.split(":")
+        command = getattr(importlib.import_module(module_name), attribute)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{module_name}:{attribute} is not a click command")
+        return command
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy_subcommands=LAZY_SUBCOMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option(
     "--log-level",
     default="INFO",
@@ -55,15 +145,6 @@ def make_tiny_model_cmd(directory: str, arch: str, seed: int, size: str) -> None
 
     path = make_tiny_model(directory, arch=arch, seed=seed, size=size)
     click.echo(f"wrote a tiny {arch} model to {path}")
-
-
-main.add_command(cache_server)
-main.add_command(admin)
-
-
-main.add_command(generate)
-main.add_command(serve)
-main.add_command(bench)
 
 
 if __name__ == "__main__":

@@ -35,19 +35,27 @@ exactly (no wrap-around), the layout must name every dimension, and an lz4 raw
 length must be reachable from the payload (LZ4 expands at most 255x), so a
 hostile header is a :class:`ChunkFormatError`, never an ``OverflowError`` or a
 huge allocation.
+
+This module imports torch (and numpy) only where a tensor is made or read: parsing and
+verifying serialized chunks (what the cache server does) needs neither, so ``kvstash
+cache-server`` runs without torch (issue 35).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-import torch
 from zlib_ng.zlib_ng import crc32
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"KVSC"
 FORMAT_VERSION = 2
@@ -65,24 +73,43 @@ _LZ4_MAX_EXPANSION = 255
 _LZ4_MAX_RAW_BYTES = (1 << 31) - 1
 _DIM = struct.Struct("<Q")
 
-# float8 types exist only in newer torch builds, hence getattr.
-_DTYPE_TO_CODE = {
-    getattr(torch, name): code
-    for name, code in (
-        ("float32", 1),
-        ("float16", 2),
-        ("bfloat16", 3),
-        ("float64", 4),
-        ("int8", 5),
-        ("uint8", 6),
-        ("float8_e4m3fn", 7),
-        ("float8_e5m2", 8),
-    )
-    if hasattr(torch, name)
-}
-_CODE_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_CODE.items()}
+
+class _DType(NamedTuple):
+    name: str  # the torch dtype's name: getattr(torch, name)
+    itemsize: int
+
+
+#: dtype code -> the dtype's torch name and element size (torch-free: the header is parsed
+#: without torch; :func:`_torch_dtype_codes` maps torch's dtypes to these codes)
+_CODE_TO_DTYPE = MappingProxyType(
+    {
+        1: _DType("float32", 4),
+        2: _DType("float16", 2),
+        3: _DType("bfloat16", 2),
+        4: _DType("float64", 8),
+        5: _DType("int8", 1),
+        6: _DType("uint8", 1),
+        7: _DType("float8_e4m3fn", 1),
+        8: _DType("float8_e5m2", 1),
+    }
+)
 _CODEC_TO_CODE = {"none": 0, "lz4": 1}
 _CODE_TO_CODEC = {code: name for name, code in _CODEC_TO_CODE.items()}
+
+
+@functools.cache
+def _torch_dtype_codes() -> Mapping[torch.dtype, int]:
+    """torch dtype -> dtype code, for the dtypes this torch build has (float8 types exist
+    only in newer builds). Imports torch on first call."""
+    import torch
+
+    return MappingProxyType(
+        {
+            getattr(torch, dtype.name): code
+            for code, dtype in _CODE_TO_DTYPE.items()
+            if hasattr(torch, dtype.name)
+        }
+    )
 
 
 class ChunkFormatError(ValueError):
@@ -128,6 +155,8 @@ class KVChunk:
     layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
+        import torch
+
         if not isinstance(self.tensor, torch.Tensor):
             raise TypeError(f"KVChunk.tensor must be a torch.Tensor, got {type(self.tensor).__name__}")
         if len(self.layout) != self.tensor.dim() or "T" not in self.layout:
@@ -137,7 +166,7 @@ class KVChunk:
             )
         if len(set(self.layout)) != len(self.layout) or not self.layout.isascii():
             raise ValueError(f"layout {self.layout!r} must be distinct ASCII letters")
-        if self.tensor.dtype not in _DTYPE_TO_CODE:
+        if self.tensor.dtype not in _torch_dtype_codes():
             raise ValueError(f"unsupported chunk dtype {self.tensor.dtype}")
 
     @property
@@ -154,6 +183,8 @@ class KVChunk:
 
     def equal(self, other: KVChunk) -> bool:
         """Byte-exact comparison (NaN payloads included), same dtype, shape and layout."""
+        import torch
+
         return (
             self.layout == other.layout
             and self.dtype == other.dtype
@@ -167,7 +198,8 @@ class ChunkHeader(NamedTuple):
 
     version: int
     header_len: int
-    dtype: torch.dtype
+    #: the dtype's torch name, e.g. "bfloat16" (:attr:`dtype` is the torch dtype)
+    dtype_name: str
     codec: str
     shape: tuple[int, ...]
     layout: str
@@ -181,9 +213,22 @@ class ChunkHeader(NamedTuple):
         """Length of the whole serialized chunk, header and payload."""
         return self.header_len + self.payload_len
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of the chunk's tensor (imports torch); ChunkFormatError when this
+        torch build lacks it (a float8 type in an old build)."""
+        import torch
+
+        dtype = getattr(torch, self.dtype_name, None)
+        if dtype is None:
+            raise ChunkFormatError(f"dtype {self.dtype_name} of the chunk is not in this torch build")
+        return dtype
+
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bytes as a flat uint8 tensor (a view when contiguous; never a float conversion)."""
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8)
 
@@ -226,7 +271,7 @@ def encode_chunk_parts(chunk: KVChunk, codec: str = "none", *, key: str) -> tupl
         MAGIC,
         FORMAT_VERSION,
         header_len,
-        _DTYPE_TO_CODE[tensor.dtype],
+        _torch_dtype_codes()[tensor.dtype],
         _CODEC_TO_CODE[codec],
         len(shape),
         len(layout),
@@ -283,17 +328,19 @@ def parse_header(data: bytes | bytearray | memoryview) -> ChunkHeader:
     layout_bytes = bytes(view[layout_start : layout_start + layout_len])
     layout = _parse_layout(layout_bytes, ndim)
     dtype = _CODE_TO_DTYPE[dtype_code]
-    itemsize = dtype.itemsize  # torch.dtype.itemsize: no tensor made per parse
+    itemsize = dtype.itemsize
     # Python ints: the element count cannot wrap (numpy's uint64 product did, for (2^32, 2^32, 1)).
     if raw_len != math.prod(shape) * itemsize:
-        raise ChunkFormatError(f"chunk raw length {raw_len} does not match shape {shape} of {dtype}")
+        raise ChunkFormatError(
+            f"chunk raw length {raw_len} does not match shape {shape} of torch.{dtype.name}"
+        )
     codec = _CODE_TO_CODEC[codec_code]
     if codec == "none" and payload_len != raw_len:
         raise ChunkFormatError(f"uncompressed chunk payload {payload_len} bytes, expected {raw_len}")
     if codec == "lz4" and (raw_len > _LZ4_MAX_RAW_BYTES or raw_len > _LZ4_MAX_EXPANSION * payload_len + 16):
         raise ChunkFormatError(f"lz4 payload of {payload_len} bytes cannot decompress to {raw_len} bytes")
     return ChunkHeader(
-        version, header_len, dtype, codec, shape, layout, payload_len, raw_len, stored_key_hash, checksum
+        version, header_len, dtype.name, codec, shape, layout, payload_len, raw_len, stored_key_hash, checksum
     )
 
 
@@ -356,6 +403,9 @@ def decode_verified_chunk(data: bytes | bytearray | memoryview, header: ChunkHea
 
     For tiers that verify once on read and decode later, so the checksum is not computed twice.
     """
+    import numpy as np
+    import torch
+
     payload = memoryview(data)[header.header_len :]
     if header.codec == "lz4":
         import lz4.block

@@ -16,6 +16,7 @@ mappings for later values once nothing refers to them any more.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import sys
 import threading
@@ -27,6 +28,25 @@ HUGE_PAGE_BYTES = 2 << 20
 OWN_MAPPING_BYTES = 32 << 20
 #: idle mappings a pool keeps by default: three 32 MiB chunks of an 8B model with their headers
 DEFAULT_MAX_KEPT_BYTES = 3 * (34 << 20)
+
+
+_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_new_bytearray.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_new_bytearray.restype = ctypes.py_object
+
+
+def uninitialized_bytearray(num_bytes: int) -> bytearray:
+    """A new ``bytearray`` of ``num_bytes`` whose contents are NOT zero-filled (whatever the
+    memory held), for a buffer that is overwritten whole before it is read.
+
+    ``bytearray(n)`` zero-fills its n bytes first: one more pass over memory. CPython's
+    ``PyByteArray_FromStringAndSize(NULL, n)`` allocates without filling (from malloc, hence
+    from the heap that the cache server's :mod:`cache_server.allocator` settings keep faulted in),
+    as ``torch.empty`` does, without importing torch. ValueError for a negative size.
+    """
+    if num_bytes < 0:
+        raise ValueError(f"a bytearray of {num_bytes} bytes")
+    return _new_bytearray(None, num_bytes)
 
 
 def new_receive_buffer(num_bytes: int) -> memoryview:

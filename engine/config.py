@@ -14,12 +14,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-
-from engine.mixed_graphs import DEFAULT_MAX_GRAPH_TOKENS
 
 if TYPE_CHECKING:
+    import torch
+
     from connector import OffloadConfig
+
+#: the default of `EngineArgs.max_graph_tokens` (see engine.mixed_graphs). Here, not there,
+#: so that reading the engine's flags imports no torch (issue 35: `kvstash serve` checks its
+#: flags and takes its port before anything heavy loads).
+DEFAULT_MAX_GRAPH_TOKENS = 512
 
 #: Hugging Face `architectures` names this engine implements → model family.
 ARCHITECTURE_TO_FAMILY = {
@@ -29,16 +33,27 @@ ARCHITECTURE_TO_FAMILY = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+#: dtype names a user may give -> the torch dtype's attribute name (torch is imported only
+#: where a dtype is resolved)
 _DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
+
+
+def dtype_from_name(name: str) -> torch.dtype | None:
+    """The torch dtype a user's dtype name stands for (None for a name not in _DTYPE_NAMES)."""
+    import torch
+
+    attribute = _DTYPE_NAMES.get(name)
+    return None if attribute is None else getattr(torch, attribute)
+
 
 SPECULATIVE_METHODS = ("ngram",)
 #: the shortest decode gap one can ask for: a step's own fixed costs (launches, sampling,
@@ -190,13 +205,17 @@ class EngineArgs:
             )
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPE_NAMES[self.dtype]
+            return dtype_from_name(self.dtype)
         if device.type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
@@ -363,7 +382,7 @@ class ModelConfig:
         eos_ids = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
-            dtype = _DTYPE_NAMES.get(dtype)
+            dtype = dtype_from_name(dtype)
         max_model_len = hf_config.max_position_embeddings
         sliding_window = getattr(hf_config, "sliding_window", None)
         if family in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
@@ -383,7 +402,7 @@ class ModelConfig:
             vocab_size=hf_config.vocab_size,
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
-            checkpoint_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+            checkpoint_dtype=dtype if _is_torch_dtype(dtype) else None,
         )
 
     @staticmethod
@@ -416,3 +435,9 @@ def _replace_eos(config: ModelConfig, eos_ids: frozenset[int] | set[int]) -> Mod
     from dataclasses import replace
 
     return replace(config, eos_token_ids=frozenset(eos_ids))
+
+
+def _is_torch_dtype(value: object) -> bool:
+    import torch
+
+    return isinstance(value, torch.dtype)

@@ -44,8 +44,7 @@ from engine.host_copy import staged
 
 logger = logging.getLogger(__name__)
 
-#: default of EngineArgs.max_graph_tokens: steps of up to this many new tokens replay a graph
-DEFAULT_MAX_GRAPH_TOKENS = 512
+# (engine.config.DEFAULT_MAX_GRAPH_TOKENS: steps of up to this many new tokens replay a graph)
 #: the smallest bucket: a speculative verification of one request with K <= 7 drafts
 MIN_BUCKET_TOKENS = 8
 

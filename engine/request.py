@@ -6,11 +6,13 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
 from engine.spec_decode.backoff import DraftBackoff
+
+if TYPE_CHECKING:
+    import torch
 
 
 def index_of_token_outside_vocab(token_ids: Sequence[object], vocab_size: int) -> int | None:

@@ -1,0 +1,145 @@
+"""Build an engine's connector objects from an :class:`~connector.config.OffloadConfig`:
+the cache engine over its tiers, and the scheduler-side and worker-side connector that share
+it. Called once per engine (per pipeline stage) at start-up by ``engine``."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from connector.base import KVConnectorScheduler, KVConnectorWorker
+from connector.breaker import CircuitBreaker
+from connector.cache_engine import CacheEngine
+from connector.config import OffloadConfig
+from connector.fetcher import ChunkFetcher
+from connector.lookup import TierLookups
+from connector.planner import LoadPlanner
+from connector.request_transfer import TransferRegistry
+from connector.scheduler_side import OffloadScheduler
+from connector.step_time import StepTimeModel
+from connector.tiers import TierManager
+from connector.token_db import TokenDatabase, namespace_fingerprint
+from connector.worker_side import OffloadWorker
+
+
+def create_cache_engine(
+    config: OffloadConfig,
+    *,
+    model_id: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layer_range: tuple[int, int, int] | None = None,
+) -> CacheEngine:
+    """A :class:`CacheEngine` over the tiers ``config`` names, for KV of this shape.
+    Its tiers are closed (queued writes finished) when it is garbage-collected or at exit.
+    ``layer_range``: a pipeline stage's ``(first_layer, end_layer, num_model_layers)``
+    (part of the namespace; ``num_layers`` is then the stage's)."""
+    if not isinstance(config, OffloadConfig):
+        raise ValueError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    namespace = namespace_fingerprint(
+        model_id=model_id,
+        dtype=dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        chunk_size=config.chunk_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        layer_range=layer_range,
+    )
+    token_db = TokenDatabase(
+        namespace, config.chunk_size, config.save_partial_chunks, key_prefix=config.key_prefix
+    )
+    chunk_shape = (num_layers, 2, config.chunk_size, num_kv_heads, head_dim)
+    pin_memory = torch.device(device).type == "cuda"
+    tiers = TierManager.from_config(config, chunk_shape, dtype, pin_memory=pin_memory)
+    engine = CacheEngine(
+        token_db, tiers, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    engine.cpu_async_moves = config.cpu_async_moves
+    engine.direct_host_loads = config.direct_host_loads
+    weakref.finalize(engine, tiers.close)
+    return engine
+
+
+def create_kv_connector(
+    config: OffloadConfig,
+    *,
+    model_id: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+    step_times: StepTimeModel | None = None,
+    layer_range: tuple[int, int, int] | None = None,
+) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
+    """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
+    ``step_times`` is the engine's step-time model (its planner reads it). A
+    pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
+    cache_engine = create_cache_engine(
+        config,
+        model_id=model_id,
+        dtype=dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=device,
+        layer_range=layer_range,
+    )
+    registry = TransferRegistry()
+    tiers = cache_engine.tiers
+    lookups = planner = fetcher = None
+    if tiers.cpu is not None and (config.async_loads or not tiers.lower):
+        # Every load then reads the CPU tier: the planner measures its rate from them (the
+        # scheduler's prefill cap sizes loads by it, a CPU tier alone too) and plans fetches.
+        planner = LoadPlanner(
+            bytes_per_token=cache_engine.bytes_per_token,
+            deadline_fraction=config.fetch_deadline_fraction,
+            always_load=config.load_policy == "always",
+            step_times=step_times,
+            probe_interval_s=config.tier_probe_interval_s,
+        )
+    if config.async_loads and tiers.cpu is not None and tiers.lower:
+        name_to_breaker = {
+            tier.name: CircuitBreaker(tier.name, backoff_s=config.breaker_backoff_s) for tier in tiers.lower
+        }
+        tiers.breakers = name_to_breaker
+        lookups = TierLookups(
+            tiers, name_to_breaker, wait_s=config.lookup_wait_s, timeout_s=config.lookup_timeout_s
+        )
+        fetcher = ChunkFetcher(
+            tiers.cpu,
+            {tier.name: tier for tier in tiers.lower},
+            name_to_breaker,
+            reads_in_flight=config.reads_in_flight,
+            dtype=dtype,
+            layout=tiers.cpu.layout,
+        )
+        weakref.finalize(cache_engine, lookups.close)
+        weakref.finalize(cache_engine, fetcher.close)
+    scheduler = OffloadScheduler(
+        cache_engine,
+        registry,
+        block_size=block_size,
+        lookups=lookups,
+        planner=planner,
+        fetcher=fetcher,
+        pipelined_loads=config.pipelined_loads,
+    )
+    worker = OffloadWorker(
+        cache_engine,
+        registry,
+        layerwise=config.layerwise,
+        fetcher=fetcher,
+        planner=planner,
+        pipelined_loads=config.pipelined_loads,
+    )
+    return scheduler, worker

@@ -635,6 +635,7 @@ class Soak:
             asyncio.run(load.run())
             load_end_t = time.monotonic() - self.t0
             restart_thread.join()
+            time.sleep(1.0)  # the server notices a dropped stream within half a second
             sampler.stop()
             if restarter_error:
                 self.restart["error"] = f"{type(restarter_error[0]).__name__}: {restarter_error[0]}"

@@ -1026,7 +1026,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tolerance-pct", type=float, default=5.0, help="allowed deviation after warm-up (default 5)")
     add("--model", default=None, help="a model folder to serve instead of a generated one")
     add("--model-size", choices=("tiny", "bench", "8b"), default=None,
-        help="generated model: tiny (~0.2M), bench (~25M; default on CPU) or 8b (Llama-3.1-8B shape, random bf16-free "
+        help="generated model: tiny (~0.2M), bench (~25M; default on CPU) or 8b (Llama-3.1-8B shape, random "
         "weights made on the device with --load-format dummy; default on CUDA)")  # fmt: skip
     add("--device", default="auto", help="serve's --device (default auto)")
     add(

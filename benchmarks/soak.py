@@ -19,7 +19,11 @@ What runs, all real processes on free loopback ports:
   conversation;
 - at ``--restart-at`` seconds the cache server gets SIGTERM, stays down
   ``--restart-down-s`` seconds and starts again on the same port (empty: memory only).
-  Request errors are counted apart for the restart window (SIGTERM until the server
+  A first restart of the same kind happens during the warm-up (``--warmup-restart-at``,
+  a quarter of it by default; ``--no-warmup-restart``): an outage makes the engine's
+  thread pools grow to their caps (calls wait for a dead server), once, and the figures
+  after warm-up then tell whether the measured restart leaves anything behind.
+  Request errors are counted apart for the restart windows (SIGTERM until the server
   is back plus ``--restart-grace-s``) and for the rest of the run;
 - every ``--sample-interval`` seconds: the serve process's RSS, threads and open files
   (its children included), its GPU memory (``nvidia-smi``, when present), the disk
@@ -570,7 +574,9 @@ class Soak:
         self.t0 = time.monotonic()
         self.serve: Child | None = None
         self.cache_server: Child | None = None
+        #: the measured restart (at --restart-at) and the one during the warm-up
         self.restart: dict = {}
+        self.warmup_restart: dict = {}
 
     @property
     def url(self) -> str:
@@ -588,22 +594,33 @@ class Soak:
         ]  # fmt: skip
 
     def restart_cache_server(self, load: Load) -> None:
-        """At --restart-at: SIGTERM the cache server, wait, start it on the same port."""
+        """During the warm-up (at --warmup-restart-at, unless --no-warmup-restart) and at
+        --restart-at: SIGTERM the cache server, wait, start it on the same port. The first
+        restart lets every pool and connection of the engine reach the size an outage gives
+        it (a pool grows to its cap while calls wait for a dead server) before the figures are
+        taken; the measured one then shows whether a restart leaves anything behind."""
         args = self.args
         if args.no_restart:
             return
-        delay = self.t0 + args.restart_at - time.monotonic()
+        if args.warmup_restart:
+            self.warmup_restart.update(self._restart_at(args.warmup_restart_at))
+        self.restart.update(self._restart_at(args.restart_at))
+
+    def _restart_at(self, at_s: float) -> dict:
+        args = self.args
+        delay = self.t0 + at_s - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         port = self.cache_server.port
-        self.restart["sigterm_t_s"] = round(time.monotonic() - self.t0, 2)
-        self.restart["exit_code"] = self.cache_server.stop(timeout_s=30)
-        self.restart["down_t_s"] = round(time.monotonic() - self.t0, 2)
+        restart = {"sigterm_t_s": round(time.monotonic() - self.t0, 2)}
+        restart["exit_code"] = self.cache_server.stop(timeout_s=30)
+        restart["down_t_s"] = round(time.monotonic() - self.t0, 2)
         time.sleep(args.restart_down_s)
         self.cache_server = start_cache_server(port, args.cache_server_mib, self.out / "cache_server.log")
-        self.restart["back_t_s"] = round(time.monotonic() - self.t0, 2)
-        self.restart["port"] = port
-        self.restart["window_end_t_s"] = round(self.restart["back_t_s"] + args.restart_grace_s, 2)
+        restart["back_t_s"] = round(time.monotonic() - self.t0, 2)
+        restart["port"] = port
+        restart["window_end_t_s"] = round(restart["back_t_s"] + args.restart_grace_s, 2)
+        return restart
 
     def run(self) -> dict:
         args = self.args
@@ -676,10 +693,13 @@ class Soak:
     def report(self, load, sampler, load_end_t, prompts, soaked, reference, clean_shutdown) -> dict:
         args = self.args
         restart = self.restart
-        window = (restart.get("sigterm_t_s", math.inf), restart.get("window_end_t_s", math.inf))
+        windows = [
+            (r.get("sigterm_t_s", math.inf), r.get("window_end_t_s", math.inf))
+            for r in (self.warmup_restart, restart)
+        ]
 
         def in_window(t: float) -> bool:
-            return window[0] <= t <= window[1]
+            return any(begin <= t <= end for begin, end in windows)
 
         records = load.records
         errors = [r for r in records if r["error"]]
@@ -698,9 +718,10 @@ class Soak:
             if not values or not steady_values:
                 figures[key] = None
                 continue
-            # medians of the first and the last tenth (at least 3 samples each): a leak is a
-            # trend, a write or a request in flight at one sample is not
-            k = max(3, len(steady_values) // 10)
+            # medians of the first and the last quarter (at least 3 samples each): a leak is a
+            # trend, a write or a request in flight at one sample is not (a serve process holds
+            # ~20 files, so one file open for a write in flight is 5% of them)
+            k = max(3, len(steady_values) // 4)
             start, end = statistics.median(steady_values[:k]), statistics.median(steady_values[-k:])
             figures[key] = {
                 "first": values[0],
@@ -724,7 +745,7 @@ class Soak:
         tier_errors_outside: dict[str, float] = {}
         tier_errors_window: dict[str, float] = {}
         for before, after in zip(samples, samples[1:], strict=False):
-            touches = before["t_s"] <= window[1] and after["t_s"] >= window[0]
+            touches = any(before["t_s"] <= end and after["t_s"] >= begin for begin, end in windows)
             for name, value in after["metrics"].items():
                 if name.startswith("kvstash_tier_errors_total"):
                     delta = value - before["metrics"].get(name, 0.0)
@@ -794,6 +815,7 @@ class Soak:
                 "served_after": len(served_after),
                 "grpc_hit_chunks_after": grpc_hits_after,
             },
+            "warmup_restart": dict(self.warmup_restart),
             "figures_after_warmup": figures,
             "disk_cap_bytes": disk_cap,
             "disk_max_bytes": disk_max,
@@ -891,6 +913,18 @@ def git_commit() -> str | None:
 
 
 # ---- report ------------------------------------------------------------------------------------
+def warmup_restart_line(summary: dict) -> str:
+    """The warm-up restart in a few words (empty when there was none)."""
+    warmup = summary.get("warmup_restart") or {}
+    if "back_t_s" not in warmup:
+        return ""
+    late = warmup["window_end_t_s"] > summary["warmup_s"]
+    return (
+        f"; a first restart during the warm-up: SIGTERM at {warmup['sigterm_t_s']} s, back at "
+        f"{warmup['back_t_s']} s{' (its window outlasted the warm-up)' if late else ''}"
+    )
+
+
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -937,7 +971,8 @@ def print_table(result: dict) -> None:
         f"cache-server restart: SIGTERM at {restart.get('sigterm_t_s', '-')} s, back at "
         f"{restart.get('back_t_s', '-')} s (window until {restart.get('window_end_t_s', '-')} s); "
         f"{restart['served_after']} requests served after it, {restart['grpc_hit_chunks_after']:g} grpc chunks read "
-        f"after it{'; ERROR ' + restart['error'] if 'error' in restart else ''}\n"
+        f"after it{'; ERROR ' + restart['error'] if 'error' in restart else ''}"
+        f"{warmup_restart_line(summary)}\n"
         f"greedy: {summary['greedy']['differing']} of {summary['greedy']['prompts']} outputs differ from an engine "
         f"without offload ({summary['greedy']['with_external_hits_on_soaked']} of them loaded KV on the soaked server)"
     )
@@ -966,8 +1001,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.axvspan(0, summary["warmup_s"], color="0.9", linewidth=0)
-        if "sigterm_t_s" in restart and "back_t_s" in restart:
-            ax.axvspan(restart["sigterm_t_s"], restart["back_t_s"], color="tab:red", alpha=0.15, linewidth=0)
+        for down in (restart, summary.get("warmup_restart") or {}):
+            if "sigterm_t_s" in down and "back_t_s" in down:
+                ax.axvspan(down["sigterm_t_s"], down["back_t_s"], color="tab:red", alpha=0.15, linewidth=0)
         if key == "disk_bytes":
             ax.axhline(summary["disk_cap_bytes"] / unit, color="tab:red", linestyle="--", linewidth=0.8)
         if key in STEADY:
@@ -1060,6 +1096,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--restart-grace-s", type=float, default=10.0, help="seconds after the restart still in its window")
     add(
+        "--warmup-restart-at",
+        type=float,
+        default=None,
+        help="seconds into the load of a first restart, inside the warm-up (default: a quarter of --warmup)",
+    )
+    add(
+        "--no-warmup-restart",
+        dest="warmup_restart",
+        action="store_false",
+        help="restart only once, at --restart-at (the engine's pools then grow to their outage size there)",
+    )
+    add(
         "--sample-interval",
         type=float,
         default=None,
@@ -1098,6 +1146,11 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     args.restart_at = 0.5 * args.duration if args.restart_at is None else args.restart_at
     if not 0 < args.restart_at < args.duration:
         parser.error(f"--restart-at must be inside the load (0, {args.duration:g}), got {args.restart_at:g}")
+    args.warmup_restart_at = 0.25 * args.warmup if args.warmup_restart_at is None else args.warmup_restart_at
+    if args.warmup_restart and not 0 < args.warmup_restart_at < args.restart_at:
+        parser.error(
+            f"--warmup-restart-at must be in (0, --restart-at={args.restart_at:g}), got {args.warmup_restart_at:g}"
+        )
     if args.sample_interval is None:
         args.sample_interval = min(5.0, max(1.0, args.duration / 60))
     if args.sample_interval <= 0:

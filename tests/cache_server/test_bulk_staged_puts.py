@@ -10,6 +10,7 @@ import os
 import socket
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -459,6 +460,11 @@ def test_a_unix_socket_client_times_out_on_a_server_that_stops_answering() -> No
             assert client.put_many([("ns/before-stop", (value,))]) == [len(value)]  # pooled, staged
             os.kill(process.process.pid, signal.SIGSTOP)
             try:
+                # the signal is delivered asynchronously: a call sent before the server's threads
+                # are stopped may still be answered
+                assert wait_until(
+                    lambda: psutil.Process(process.process.pid).status() == psutil.STATUS_STOPPED, 10
+                )
                 with pytest.raises(wire.BulkUnavailable, match="bulk transfer with .* timed out"):
                     client.get("ns/before-stop")  # the pooled connection
                 (outcome,) = client.put_many([("ns/after-stop", (value,))])  # a new one: HELLO unanswered

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 
+import click
 import pytest
 import yaml
 
@@ -103,7 +104,8 @@ def test_compose_stack_services_commands_and_health_checks() -> None:
     assert f"--kv-offload --kv-offload-remote grpc://cache-server:{port}" in engine_command
     serve_argv = shlex.split(engine_command.split("exec kvstash serve", 1)[1])
     # Parsed by the real `kvstash serve` (resilient: the model folder exists only in the container).
-    serve_params = main.commands["serve"].make_context("serve", serve_argv, resilient_parsing=True).params
+    serve_command = main.get_command(click.Context(main), "serve")
+    serve_params = serve_command.make_context("serve", serve_argv, resilient_parsing=True).params
     assert (
         serve_params["kv_offload"] is True
         and serve_params["kv_offload_remote"] == f"grpc://cache-server:{port}"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage_backends import create_backend
-from storage_backends.chunk import KVChunk
+from storage_backends import create_backend, disk_io
+from storage_backends.chunk import KVChunk, encode_chunk
 from storage_backends.disk_backend import ALIGN_MIN_PAYLOAD, DiskBackend, key_to_filename
 from storage_backends.disk_io import BLOCK, address_of, probe_direct_io
 
@@ -91,6 +91,31 @@ def test_address_of_is_the_first_bytes_address_for_any_contiguous_buffer() -> No
     assert address_of(memoryview(data)[5:5]) == 0
     with pytest.raises(BufferError):
         address_of(memoryview(bytearray(8))[::2])
+
+
+@pytest.mark.parametrize("num_bytes", [ALIGN_MIN_PAYLOAD + 1000, 3 << 20])
+def test_get_encoded_reads_the_payload_directly_into_a_block_aligned_bytearray(
+    tmp_path: Path, num_bytes: int, monkeypatch
+) -> None:
+    """The cache server's read: the buffer ``get_encoded`` returns is an unfilled bytearray
+    whose payload starts on a block boundary, so the payload is read with O_DIRECT (the
+    file is never switched to buffered reads) and only its last partial block is copied."""
+    backend = DiskBackend(str(tmp_path), 1 << 26)
+    assert backend.direct_io
+    key = "ns:enc"
+    value = encode_chunk(
+        KVChunk(torch.randint(0, 256, (1, 2, num_bytes // 2, 1, 1), dtype=torch.uint8)), key=key
+    )
+    backend.put_encoded(key, value)
+    switched = []
+    monkeypatch.setattr(disk_io, "set_direct", lambda fd, direct: switched.append(direct))
+    got = backend.get_encoded(key)
+    assert bytes(got) == value and got.readonly
+    assert isinstance(got.obj, bytearray) and len(got.obj) == len(value) + BLOCK
+    header_len = len(value) - (num_bytes // 2) * 2
+    assert address_of(got[header_len:]) % BLOCK == 0
+    assert switched == []  # never fell back to buffered reads
+    backend.close()
 
 
 @pytest.mark.parametrize("where", ["first payload byte", "last full block", "last byte"])

@@ -42,6 +42,11 @@ any mismatch is logged, counted in ``corrupt``, the file removed and the read is
 a miss. ``get_many``/``get_many_into`` keep up to ``io_threads`` files in flight,
 ``put_many`` up to ``WRITES_IN_FLIGHT`` (4) of them.
 
+Torch is imported only by the calls that make or fill tensors (``get``, ``get_into``,
+``put`` and their ``_many`` forms: the engine's connector). The cache server's calls
+(``get_encoded``, ``put_encoded``, listing, stats) move bytes through ``bytearray`` and
+``mmap`` buffers and import neither torch nor numpy (issue 35).
+
 Locks: ``_lock`` guards the index and is held only for index work, never across a
 file-system call; the engine's step waits on it (``pin``, ``unpin``, ``contains``) while
 writes are in flight. Renames into a chunk file's final path and unlinks of it (which can
@@ -68,9 +73,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from zlib_ng.zlib_ng import crc32
 
 from storage_backends import disk_io
@@ -93,8 +97,12 @@ from storage_backends.counters import Counters
 from storage_backends.disk_index import IndexEntry, IndexFormatError, read_index, write_index
 from storage_backends.folder_lock import FolderInUseError, FolderLock
 from storage_backends.lru import IndexedTierMixin, LRUEntry, LRUIndex
+from storage_backends.receive_buffers import uninitialized_bytearray
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 from storage_backends.write_gate import WriteGate
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -449,6 +457,8 @@ class DiskBackend(IndexedTierMixin, StorageBackend):
         """Read ``key`` straight into ``out`` (see :meth:`StorageBackend.get_into`): the payload
         goes from the file into ``out``'s memory with O_DIRECT when ``out`` is 4 KiB aligned
         (pinned CPU-tier slots are), the checksum is computed over ``out`` in this thread."""
+        import torch
+
         if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
             raise ValueError(f"get_into needs a CPU tensor, got {type(out).__name__}")
 
@@ -788,7 +798,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _new_aligned_tensor(header: ChunkHeader) -> torch.Tensor:
-    """A new tensor of the chunk's shape whose memory starts on a block boundary (for O_DIRECT)."""
+    """A new tensor of the chunk's shape whose memory starts on a block boundary (for O_DIRECT).
+    Imports torch (the engine's :meth:`DiskBackend.get`; the cache server never calls it)."""
+    import torch
+
     storage = torch.empty(header.raw_len + disk_io.BLOCK, dtype=torch.uint8)
     start = -storage.data_ptr() % disk_io.BLOCK
     return storage[start : start + header.raw_len].view(header.dtype).view(header.shape)
@@ -796,12 +809,14 @@ def _new_aligned_tensor(header: ChunkHeader) -> torch.Tensor:
 
 def _new_value_buffer(header_len: int, payload_len: int) -> memoryview:
     """A writable view of ``header_len + payload_len`` new bytes whose payload part starts on a
-    block boundary (O_DIRECT reads land there). It views one larger allocation (at most one
-    block more, which ``memoryview.obj`` exposes, so a cap can count the whole of it);
-    ``torch.empty``: not zero-filled first (see cache_server.value_assembly)."""
-    backing = torch.empty(header_len + payload_len + disk_io.BLOCK, dtype=torch.uint8).numpy()
-    start = -(backing.ctypes.data + header_len) % disk_io.BLOCK
-    return memoryview(backing)[start : start + header_len + payload_len]
+    block boundary (O_DIRECT reads land there). It views one larger ``bytearray`` (one block
+    more, which ``memoryview.obj`` exposes, so a cap can count the whole of it) that is not
+    zero-filled first (:func:`~storage_backends.receive_buffers.uninitialized_bytearray`, as
+    the cache server's Put buffers in cache_server.value_assembly); its address never moves
+    (a bytearray with a view over it cannot be resized). No torch or numpy."""
+    backing = memoryview(uninitialized_bytearray(header_len + payload_len + disk_io.BLOCK))
+    start = -(disk_io.address_of(backing) + header_len) % disk_io.BLOCK
+    return backing[start : start + header_len + payload_len]
 
 
 def _decompress_lz4_into(stored: memoryview, raw: memoryview) -> None:

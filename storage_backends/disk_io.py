@@ -10,19 +10,19 @@ partial block) go through a small per-thread aligned scratch buffer.
 
 All functions release the GIL in the system call, so several threads keep
 several reads or writes in flight. Called only by :mod:`storage_backends.disk_backend`.
+Imports neither torch nor numpy (the cache server's disk tier runs without them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import threading
 import uuid
-
-import numpy as np
 
 #: alignment of addresses, offsets and lengths for O_DIRECT (the page size; covers 512-byte
 #: and 4 KiB logical blocks)
@@ -35,11 +35,47 @@ def round_up(value: int, multiple: int = BLOCK) -> int:
     return -(-value // multiple) * multiple
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (the buffer protocol's view of an object's memory)."""
+
+    _fields_ = (
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),  # a reference PyBuffer_Release drops
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("strides", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("suboffsets", ctypes.POINTER(ctypes.c_ssize_t)),
+        ("internal", ctypes.c_void_p),
+    )
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int)
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_PyBuffer),)
+_release_buffer.restype = None
+#: PyBUF_SIMPLE: a contiguous buffer, read-only ones accepted
+_PYBUF_SIMPLE = 0
+
+
 def address_of(view: memoryview) -> int:
-    """The address of a buffer's first byte (to check its alignment)."""
+    """The address of a buffer's first byte (to check its alignment); 0 for an empty one.
+
+    Any C-contiguous buffer, read-only ones (``bytes``) included; BufferError for a
+    non-contiguous one. Through CPython's buffer protocol (ctypes), without numpy."""
     if len(view) == 0:
         return 0
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    buffer = _PyBuffer()
+    _get_buffer(view, ctypes.byref(buffer), _PYBUF_SIMPLE)  # ctypes raises the Python error
+    try:
+        return buffer.buf or 0
+    finally:
+        _release_buffer(ctypes.byref(buffer))
 
 
 def is_aligned(view: memoryview) -> bool:

@@ -17,7 +17,7 @@ import click
 import pytest
 
 from engine.cli import LAZY_SUBCOMMANDS, main
-from tests.cache_server.helpers import make_value
+from tests.cache_server.helpers import Stubs, make_value
 from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
 
 #: runs ``kvstash ARGS`` (argv[1:]) in this process, then prints which heavy modules it imported
@@ -109,14 +109,7 @@ def test_kvstash_cache_server_stores_and_serves_without_torch(tmp_path) -> None:
     channel (values assembled and checksummed by the server), no torch library is mapped."""
     from storage_backends.grpc_backend import GrpcBackend
 
-    process = subprocess.Popen(
-        [*kvstash_command("cache-server", "--port", "0", "--memory-gb", "0.25")],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _start_kvstash_cache_server("--memory-gb", "0.25")
     try:
         first_line = _first_line(process)
         assert "listening on grpc://" in first_line, first_line + process.stderr.read()
@@ -143,6 +136,52 @@ def test_kvstash_cache_server_stores_and_serves_without_torch(tmp_path) -> None:
 
 
 @needs_proc
+def test_kvstash_cache_server_with_a_disk_tier_stores_and_serves_without_torch(tmp_path) -> None:
+    """The real ``kvstash cache-server`` with a disk tier and a memory tier too small for two
+    values: each Get below, over the bulk channel and over gRPC, reads its value back from
+    disk (direct I/O on the big ones: ext4 accepts it), and still no torch or numpy library
+    is mapped."""
+    from protos import kvstash_pb2
+    from storage_backends.grpc_backend import GrpcBackend
+
+    disk_path = tmp_path / "disk"
+    # 4 MiB of memory: one 3 MiB value fits, two do not
+    process = _start_kvstash_cache_server(
+        "--memory-gb", "0.004", "--disk-path", str(disk_path), "--disk-gb", "0.25"
+    )
+    try:
+        first_line = _first_line(process)
+        assert "listening on grpc://" in first_line, first_line + process.stderr.read()
+        url = first_line.strip().split("listening on ", 1)[1].split()[0]
+        values = {
+            "fastcli/disk/big0": make_value(10, num_bytes=(3 << 20) + 100, key="fastcli/disk/big0"),
+            "fastcli/disk/big1": make_value(11, num_bytes=(3 << 20) + 100, key="fastcli/disk/big1"),
+            "fastcli/disk/small": make_value(12, num_bytes=4096, key="fastcli/disk/small"),
+        }
+        for bulk in ("", "?bulk=off"):
+            backend = GrpcBackend.from_url(url + bulk)
+            try:
+                for key, value in values.items():
+                    backend.put_encoded(key, value)
+                # big1's Put evicted big0 from memory, and each disk hit evicts the other
+                for key in ("fastcli/disk/big0", "fastcli/disk/big1", "fastcli/disk/big0"):
+                    assert bytes(backend.get_encoded(key)) == values[key], (bulk, key)
+            finally:
+                backend.close()
+        with Stubs(url.split("://", 1)[1]) as stubs:
+            stats = stubs.admin.Stats(kvstash_pb2.StatsRequest(), timeout=30)
+        disk = next(tier for tier in stats.tiers if tier.name == "disk")
+        assert disk.hits >= 6 and disk.verified == disk.hits and disk.corrupt == 0, disk
+        assert len(list(disk_path.glob("*.kvc"))) == len(values)
+        maps = mapped_libraries(process.pid)
+        assert "libtorch" not in maps and "_multiarray_umath" not in maps
+        assert "cygrpc" in maps
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@needs_proc
 def test_python_m_cache_server_imports_no_torch() -> None:
     server = CacheServerProcess().start()
     try:
@@ -150,6 +189,18 @@ def test_python_m_cache_server_imports_no_torch() -> None:
         assert "cygrpc" in maps and "libtorch" not in maps
     finally:
         server.stop()
+
+
+def _start_kvstash_cache_server(*args: str) -> subprocess.Popen:
+    """``kvstash cache-server --port 0 ARGS`` as a child process (text pipes for its output)."""
+    return subprocess.Popen(
+        kvstash_command("cache-server", "--port", "0", *args),
+        cwd=REPO_ROOT,
+        env=repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _first_line(process: subprocess.Popen, timeout_s: float = 60.0) -> str:

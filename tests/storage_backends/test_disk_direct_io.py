@@ -4,7 +4,9 @@ files in flight."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import struct
 import subprocess
@@ -13,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage_backends import create_backend
-from storage_backends.chunk import KVChunk
+from storage_backends import create_backend, disk_io
+from storage_backends.chunk import KVChunk, encode_chunk
 from storage_backends.disk_backend import ALIGN_MIN_PAYLOAD, DiskBackend, key_to_filename
-from storage_backends.disk_io import BLOCK, probe_direct_io
+from storage_backends.disk_io import BLOCK, address_of, probe_direct_io
 
 # 2 layers x 2 x 33 tokens x 4 heads x 128 dims of bf16 = 132 KiB + 0 bytes: whole blocks.
 LARGE = {"num_layers": 2, "num_tokens": 33, "num_kv_heads": 4, "head_dim": 128}
@@ -68,6 +70,51 @@ def test_large_payload_is_block_aligned_and_read_into_the_callers_buffer(
     assert got.tensor.data_ptr() == out.data_ptr()
     assert bool((out[chunk.tensor.numel() :] == 7.0).all())
     assert backend.get("ns:big").equal(chunk)
+    backend.close()
+
+
+def test_address_of_is_the_first_bytes_address_for_any_contiguous_buffer() -> None:
+    """``disk_io.address_of`` (the buffer protocol through ctypes, no numpy) on the buffers the
+    disk tier meets: bytearrays and mmaps (the server's), tensors' bytes (the engine's) and
+    read-only bytes (a Put's value), slices of each; 0 when empty; non-contiguous refused."""
+    for writable in (bytearray(3 * BLOCK), mmap.mmap(-1, 3 * BLOCK)):
+        base = ctypes.addressof(ctypes.c_char.from_buffer(writable))
+        view = memoryview(writable)
+        assert address_of(view) == base
+        assert address_of(view[BLOCK + 5 :]) == base + BLOCK + 5
+        assert address_of(view[BLOCK:].toreadonly()) == base + BLOCK
+        del view
+    tensor = torch.arange(1000, dtype=torch.int32)
+    assert address_of(memoryview(tensor.numpy())[10:]) == tensor.data_ptr() + 40
+    data = bytes(range(100))
+    assert address_of(memoryview(data)[7:]) - address_of(memoryview(data)) == 7
+    assert address_of(memoryview(data)[5:5]) == 0
+    with pytest.raises(BufferError):
+        address_of(memoryview(bytearray(8))[::2])
+
+
+@pytest.mark.parametrize("num_bytes", [ALIGN_MIN_PAYLOAD + 1000, 3 << 20])
+def test_get_encoded_reads_the_payload_directly_into_a_block_aligned_bytearray(
+    tmp_path: Path, num_bytes: int, monkeypatch
+) -> None:
+    """The cache server's read: the buffer ``get_encoded`` returns is an unfilled bytearray
+    whose payload starts on a block boundary, so the payload is read with O_DIRECT (the
+    file is never switched to buffered reads) and only its last partial block is copied."""
+    backend = DiskBackend(str(tmp_path), 1 << 26)
+    assert backend.direct_io
+    key = "ns:enc"
+    value = encode_chunk(
+        KVChunk(torch.randint(0, 256, (1, 2, num_bytes // 2, 1, 1), dtype=torch.uint8)), key=key
+    )
+    backend.put_encoded(key, value)
+    switched = []
+    monkeypatch.setattr(disk_io, "set_direct", lambda fd, direct: switched.append(direct))
+    got = backend.get_encoded(key)
+    assert bytes(got) == value and got.readonly
+    assert isinstance(got.obj, bytearray) and len(got.obj) == len(value) + BLOCK
+    header_len = len(value) - (num_bytes // 2) * 2
+    assert address_of(got[header_len:]) % BLOCK == 0
+    assert switched == []  # never fell back to buffered reads
     backend.close()
 
 

@@ -53,6 +53,10 @@ class OffloadConfig:
     layerwise: bool = False
     #: chunks waiting to be written to lower tiers; beyond it lower-tier writes are dropped (counted)
     save_queue_size: int = 256
+    #: bytes of host buffers for chunks stored without a CPU-tier slot (it has no room, or
+    #: there is none) while they wait for the lower tiers; beyond it such writes are dropped
+    #: (counted). On CUDA they are pinned, and torch keeps pinned memory once used.
+    save_buffer_bytes: int = 1 << 30
     #: seconds after which a pin taken by ``lookup(pin=True)`` is released if no retrieve came
     pin_timeout_s: float = 30.0
     #: text put in front of every chunk key the engine reads or writes, in every tier: the
@@ -124,6 +128,10 @@ class OffloadConfig:
             raise ValueError(f"save_queue_size must be an integer, got {self.save_queue_size!r}")
         if self.save_queue_size <= 0:
             raise ValueError(f"save_queue_size must be positive, got {self.save_queue_size}")
+        if isinstance(self.save_buffer_bytes, bool) or not isinstance(self.save_buffer_bytes, int):
+            raise ValueError(f"save_buffer_bytes must be an integer, got {self.save_buffer_bytes!r}")
+        if self.save_buffer_bytes < 0:
+            raise ValueError(f"save_buffer_bytes must be >= 0, got {self.save_buffer_bytes}")
         if not isinstance(self.pin_timeout_s, (int, float)) or not self.pin_timeout_s > 0:
             raise ValueError(
                 f"pin_timeout_s must be a positive number of seconds, got {self.pin_timeout_s!r}"

@@ -32,6 +32,7 @@ import torch
 from connector.config import OffloadConfig
 from connector.cpu_tier import PinKind, PinnedChunkPool, Reservation
 from connector.token_db import KV_LAYOUT
+from connector.write_buffers import PrivateWriteBuffers
 from storage_backends import create_backend
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.chunk import KVChunk
@@ -126,6 +127,7 @@ class TierManager:
         dtype: torch.dtype,
         save_queue_size: int,
         pin_timeout_s: float,
+        save_buffer_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cpu = cpu
@@ -145,6 +147,8 @@ class TierManager:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()  # the writer thread counts too
         self._write_queue: queue.Queue = queue.Queue(maxsize=save_queue_size)
+        #: buffers of chunks stored without a CPU-tier slot, at most save_buffer_bytes of them
+        self.write_buffers = PrivateWriteBuffers(save_buffer_bytes)
         self._writer: threading.Thread | None = None
         self._closed = False
         #: lower tier name -> its circuit breaker (set by create_kv_connector with async loads)
@@ -185,6 +189,7 @@ class TierManager:
             dtype=dtype,
             save_queue_size=config.save_queue_size,
             pin_timeout_s=config.pin_timeout_s,
+            save_buffer_bytes=config.save_buffer_bytes,
         )
 
     # ---- reads ---------------------------------------------------------------
@@ -278,7 +283,12 @@ class TierManager:
                 self._count("dropped_writes_cpu", 1)
         if not self.lower:
             return None
-        return PendingPut(key, torch.empty(shape, dtype=self.dtype, pin_memory=pin_memory), None)
+        buffer = self.write_buffers.take(shape, self.dtype, pin_memory=pin_memory)
+        if buffer is None:
+            # the private buffers alive (chunks on their way below) are at their byte budget
+            self._count("dropped_writes_no_buffer", 1)
+            return None
+        return PendingPut(key, buffer, None)
 
     def end_put(self, pending: PendingPut) -> None:
         """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks).
@@ -351,9 +361,14 @@ class TierManager:
             held_keys = [key for key, _, held in entries if held]
             if held_keys:
                 self.cpu.unpin(held_keys, PinKind.WRITE_THROUGH)
-            for _ in batch:
+            done_stop = len(entries) != len(batch)
+            num_done = len(batch)
+            # Drop this batch's chunks before waiting for the next: a private buffer counts
+            # against save_buffer_bytes for as long as anything refers to it.
+            del item, batch, entries, items
+            for _ in range(num_done):
                 self._write_queue.task_done()
-            if len(entries) != len(batch):
+            if done_stop:
                 return
 
     def flush(self) -> None:
@@ -461,7 +476,14 @@ class TierManager:
                 self.health[id(tier)].failed("stats", exc)
                 backend = {}
             tier_stats[tier.name] = {**backend, "connector_errors": self.health[id(tier)].counts["errors"]}
-        return {**self.counters(), "pinned_keys": self.num_pinned(), "tiers": tier_stats}
+        buffers = self.write_buffers
+        return {
+            **self.counters(),
+            "pinned_keys": self.num_pinned(),
+            "write_buffer_bytes": buffers.num_bytes,
+            "write_buffer_peak_bytes": buffers.peak_bytes,
+            "tiers": tier_stats,
+        }
 
     def close(self) -> None:
         """Finish queued writes, stop the writer thread, close every tier. Idempotent."""

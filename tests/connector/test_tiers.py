@@ -10,6 +10,7 @@ import signal
 import torch
 
 from tests.connector.kv_helpers import make_cache_engine, new_kv_cache, random_slots, token_rows
+from tests.waiting import wait_until
 
 CHUNK_BYTES = 2 * 2 * 8 * 2 * 4 * 4  # [layers, K/V, chunk_size, heads, head_dim] float32
 
@@ -165,4 +166,33 @@ def test_a_store_with_a_private_buffer_never_publishes_another_stores_slot(tmp_p
     assert bool(engine.retrieve(seq(0), kv_caches=out, slot_mapping=read_slots).all())
     assert torch.equal(token_rows(out, read_slots), token_rows(kv, slots))
     assert engine.tiers.num_pinned() == 0 and engine.tiers.cpu._index.num_pinned() == 0
+    engine.tiers.close()
+
+
+def test_private_write_buffers_stay_within_their_byte_budget_while_a_tier_stalls(restartable_redis):
+    """Without a CPU-tier slot (here: no CPU tier) a stored chunk waits for the lower tiers in
+    a private buffer (pinned on CUDA, where torch keeps pinned memory once used). While Redis
+    hangs, at most save_buffer_bytes of them live; the stores past it are dropped and
+    counted; once Redis answers and the writes drain, every buffer is freed."""
+    engine = make_cache_engine(
+        cpu_bytes=0, remote_url=restartable_redis.url + "?timeout=10", save_buffer_bytes=3 * CHUNK_BYTES
+    )
+    buffers = engine.tiers.write_buffers
+    os.kill(restartable_redis.process.pid, signal.SIGSTOP)
+    try:
+        for index in range(10):
+            store(engine, seq(1000 * index))  # returns at once although Redis does not answer
+            assert buffers.num_bytes <= 3 * CHUNK_BYTES
+        assert engine.tiers.counters()["dropped_writes_no_buffer"] == 10 - 3
+        assert buffers.peak_bytes == 3 * CHUNK_BYTES and buffers.num_refused == 7
+    finally:
+        os.kill(restartable_redis.process.pid, signal.SIGCONT)
+    engine.tiers.flush()
+    assert wait_until(lambda: buffers.num_bytes == 0, 10)
+    assert engine.tiers.stats()["write_buffer_bytes"] == 0
+    # the three that had buffers were written; the budget is free for the next stores
+    assert sum(engine.lookup(seq(1000 * index)) == 8 for index in range(10)) == 3
+    store(engine, seq(50_000))
+    engine.tiers.flush()
+    assert engine.lookup(seq(50_000)) == 8
     engine.tiers.close()

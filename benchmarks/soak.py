@@ -906,7 +906,12 @@ class Soak:
 def git_commit() -> str | None:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+            # "-dirty" when the files differ from the commit (a copied work tree, local edits)
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (subprocess.SubprocessError, OSError):
         return None

@@ -1,7 +1,7 @@
 """The bulk data channel's server side: Put and Get values over plain TCP (or TLS).
 
-The wire format and the reasons for a second port are in
-``storage_backends/bulk_channel.py``. This side is a ``socketserver`` listener
+The wire format is in ``protos/bulk_wire.py`` (which the client imports too), the reasons
+for a second port in ``storage_backends/bulk_channel.py``. This side is a ``socketserver`` listener
 with one thread per connection: a Put's value goes from the socket with
 ``recv_into`` straight into the buffer the memory tier keeps
 (:class:`~cache_server.value_assembly.ValueAssembler`, checksummed as it
@@ -66,7 +66,7 @@ from cache_server.service import KVCacheService, RequestError, short_key, status
 from cache_server.staging_pool import HeldArea, StagingAreaPool
 from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
 from cache_server.value_assembly import ValueAssembler
-from storage_backends import bulk_channel as wire
+from protos import bulk_wire as wire
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.staging_area import create_sealed_area, staging_supported
 
@@ -561,7 +561,7 @@ class BulkServer:
 
 
 class _StagedProgress:
-    """The progress frames of one staged Put (``bulk_channel.PROGRESS``): how many bytes of
+    """The progress frames of one staged Put (``bulk_wire.PROGRESS``): how many bytes of
     its value the client has written to the staging area so far. Counts must grow and end at
     exactly the value's length; anything else is a ProtocolError (the connection is closed)."""
 

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
-from storage_backends import bulk_channel as wire
 from storage_backends.bulk_channel import BulkClient, BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend

@@ -24,7 +24,9 @@ and wait for one when all are busy. Values are sent straight from the caller's
 memory (``sendmsg`` of memoryviews: request header, chunk header and tensor
 bytes leave in one call, never joined). Thread-safe. Transport failures (refused, reset, closed, timed out,
 garbled) raise :class:`BulkUnavailable`; the gRPC tier then retries the call
-over gRPC. A reply with an error status raises :class:`BulkStatusError`.
+over gRPC. A reply with an error status raises :class:`BulkStatusError`
+(both in ``storage_backends/bulk_errors.py``). What one request sends and reads on a
+connection the pool handed out is in ``storage_backends/bulk_exchanges.py``.
 """
 
 from __future__ import annotations
@@ -44,27 +46,29 @@ from protos.bulk_wire import (
     MAGIC,
     MAX_KEY_BYTES,
     MAX_TOKEN_BYTES,
-    OP_GET,
-    OP_PUT,
-    OP_PUT_STAGED,
     OP_PUT_STREAMED,
     OP_STAGING_AREA,
-    PROGRESS,
     PROTOCOL_VERSION,
     REQUEST,
-    STATUS_NAMES,
     STATUS_NOT_FOUND,
     STATUS_OK,
     STATUS_RESOURCE_EXHAUSTED,
     TRANSPORT_TCP,
     TRANSPORT_UNIX,
-    Reply,
     read_reply,
     read_reply_with_fd,
-    recv_exactly,
     send_buffers,
     timeval,
     tune_unix_socket,
+)
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
+from storage_backends.bulk_exchanges import (
+    InStepError,
+    get_chunk_into,
+    get_value,
+    put_asking_first,
+    put_single,
+    settle_put,
 )
 from storage_backends.receive_buffers import ReceiveBufferPool
 from storage_backends.staging_area import AREA_GRANULE_BYTES, StagingArea, area_size_for, staging_supported
@@ -84,12 +88,6 @@ DEFAULT_MAX_CONNECTIONS = 4
 #: streamed Puts one connection sends before it waits for the oldest one's reply (each reply is
 #: at most a few KiB, so this many always fit in the socket's buffer: the server never blocks on them)
 DEFAULT_PUT_WINDOW = 8
-#: a staged Put's value is written in about 8 segments (the server copies one while the
-#: client writes the next), none smaller or larger than these (a progress frame each: a send
-#: and often a wake-up of the server; 512 KiB rather than 256 took 10% less CPU in all for a
-#: 2 MiB Put, docs/benchmarks.md)
-MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
-
 
 #: the area a client asks for to send larger values through as a ring (protocol 4; at most the
 #: largest area the server grants, at least RING_MIN_AREA_BYTES). Small on purpose: a ring that
@@ -98,40 +96,6 @@ MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
 #: on the 2-core VM), costs its first Put 2-3 ms to set up instead of ~21, and each connection
 #: holds 4 MiB instead of up to the server's ``--max-staging-mb`` (docs/benchmarks.md)
 RING_AREA_BYTES, RING_MIN_AREA_BYTES = 4 << 20, 1 << 20
-
-
-#: most segments a staged Put's value is cut into (a progress frame each)
-MAX_STAGED_SEGMENTS = 8
-#: segments are whole multiples of this (but the last), so that no copy starts mid-page
-STAGED_SEGMENT_GRANULE_BYTES = 64 << 10
-
-
-def staged_segment_bytes(value_len: int) -> int:
-    """How many bytes a client writes to its staging area between two progress frames: about
-    an eighth of the value, between the bounds above, and cut so that the last segment is
-    never a sliver (a 2 MiB chunk with its header, 93 bytes past 2 MiB, took a fifth progress
-    frame, send and wake-up for those 93 bytes, docs/benchmarks.md)."""
-    num_segments = max(
-        1,
-        min(MAX_STAGED_SEGMENTS, value_len // MIN_STAGED_SEGMENT_BYTES),
-        -(-value_len // MAX_STAGED_SEGMENT_BYTES),
-    )
-    granule = STAGED_SEGMENT_GRANULE_BYTES
-    return -(-value_len // num_segments // granule) * granule if value_len > granule else value_len
-
-
-class BulkUnavailable(Exception):
-    """The bulk channel could not carry the call (transport failure); retry it over gRPC."""
-
-
-class BulkStatusError(Exception):
-    """The server answered with an error status (``code``, a gRPC status number) and ``message``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{STATUS_NAMES.get(code, code)}: {message}")
-        self.code = code
-        self.message = message
-
 
 #: a value's buffers back to back (e.g. a chunk's header and its tensor's memory)
 ValueParts = tuple[bytes | bytearray | memoryview, ...]
@@ -313,7 +277,7 @@ class BulkClient:
             except BulkStatusError:
                 self._give_back(sock)
                 raise
-            except _InStepError as refused:
+            except InStepError as refused:
                 self._give_back(sock)
                 raise refused.error from None
             except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
@@ -347,7 +311,7 @@ class BulkClient:
     def put(self, key: str, *parts: bytes | memoryview) -> int:
         """Store the value made of ``parts`` back to back (one buffer, or a chunk's header and its
         tensor's memory, sent without joining them); returns the number of bytes the server stored."""
-        return self._call(_put, key, parts)
+        return self._call(put_asking_first, key, parts)
 
     def put_many(self, items: Sequence[tuple[str, PartsSource]]) -> list[PutOutcome]:
         """Streamed Puts of ``items`` (key, value parts) on one connection, pipelined: each value
@@ -403,11 +367,11 @@ class BulkClient:
         except Exception as error:  # noqa: BLE001 - reported as the item's outcome
             return error
         try:
-            return self._call(_put_one, key, buffers)
+            return self._call(put_single, key, buffers)
         except (BulkStatusError, BulkUnavailable) as error:
             return error
 
-    def _staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
+    def staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
         """The connection's staging area for a value of ``num_bytes``: one that holds it, asked
         for (or grown) when needed; or, for a value larger than any area the server grants
         (protocol 4), an area to pass it through as a ring (smaller than the value); None when
@@ -433,7 +397,7 @@ class BulkClient:
         if area is None and new_ring_bytes is not None and new_ring_bytes < wanted:
             # refused as too large: a ring of the largest the server grants then (each retry
             # asks for less, so this ends)
-            return self._staging_area_for(sock, num_bytes)
+            return self.staging_area_for(sock, num_bytes)
         return area
 
     def _ring_area_bytes(self) -> int | None:
@@ -497,14 +461,14 @@ class BulkClient:
                     outcomes[index] = error
                     continue
                 if len(pending) >= self.put_window:
-                    _settle(sock, pending.popleft(), outcomes)
+                    settle_put(sock, pending.popleft(), outcomes)
                     num_replies += 1
                 size = sum(memoryview(buffer).nbytes for buffer in buffers)
                 request = REQUEST.pack(OP_PUT_STREAMED, len(keys[index]), size) + keys[index]
                 pending.append(index)
                 send_buffers(sock, request, *buffers)
             while pending:
-                _settle(sock, pending.popleft(), outcomes)
+                settle_put(sock, pending.popleft(), outcomes)
                 num_replies += 1
         except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
             sock.close()
@@ -524,7 +488,7 @@ class BulkClient:
         """The value of ``key`` (a new buffer the caller owns, ``receive_buffers``) or None when
         the server does not hold it (not verified here)."""
         try:
-            return self._call(_get, key)
+            return self._call(get_value, key)
         except BulkStatusError as error:
             if error.code == STATUS_NOT_FOUND:
                 return None
@@ -536,11 +500,16 @@ class BulkClient:
         the server does not hold it. ChunkFormatError for a corrupt value, ValueError from
         ``destination`` (the connection stays usable after both)."""
         try:
-            return self._call(_get_chunk, key, destination)
+            return self._call(get_chunk_into, key, destination)
         except BulkStatusError as error:
             if error.code == STATUS_NOT_FOUND:
                 return None
             raise
+
+    def count_staged_put(self) -> None:
+        """One more Put went through a staging area (``num_staged_puts``)."""
+        with self._lock:
+            self.num_staged_puts += 1
 
     def _close_idle(self) -> None:
         with self._lock:
@@ -576,153 +545,7 @@ def _as_timeout(error: OSError) -> OSError:
     return error
 
 
-def _settle(sock: socket.socket, index: int, outcomes: list) -> None:
-    """Read the next reply: the outcome of the Put at ``index`` (replies come in request order)."""
-    reply = read_reply(sock)
-    outcomes[index] = (
-        reply.value_len if reply.status == STATUS_OK else BulkStatusError(reply.status, reply.message)
-    )
-
-
 def _fail_unsettled(outcomes: list, error: BulkUnavailable) -> None:
     for index, outcome in enumerate(outcomes):
         if outcome is None:
             outcomes[index] = error
-
-
-def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]) -> int:
-    views = [memoryview(part).cast("B") for part in parts]
-    sock.sendall(REQUEST.pack(OP_PUT, len(key), sum(len(view) for view in views)) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    send_buffers(sock, *views)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    return reply.value_len
-
-
-def _put_one(client: BulkClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
-    """A staged Put when the connection has (or gets) a staging area for the value (one that
-    holds it, or, protocol 4, a ring), else a streamed one; the number of bytes stored."""
-    size = sum(memoryview(part).nbytes for part in parts)
-    area = client._staging_area_for(sock, size)
-    if area is None:
-        send_buffers(sock, REQUEST.pack(OP_PUT_STREAMED, len(key), size) + key, *parts)
-        reply = read_reply(sock)
-    else:
-        unsent_request = [REQUEST.pack(OP_PUT_STAGED, len(key), size) + key]
-        announced = [0]
-
-        def announce(num_bytes: int) -> None:
-            sock.sendall(b"".join(unsent_request) + PROGRESS.pack(num_bytes))
-            unsent_request.clear()
-            announced[0] = num_bytes
-
-        if size > staged_segment_bytes(size):
-            # A value of several segments: the request leaves before the first byte is
-            # written, so the server's thread wakes up (20 to 50 us on the 2-core VM) and takes
-            # its buffer while the first segment is written. A value of one segment sends it with
-            # its only progress frame: one send, one wake-up (docs/benchmarks.md).
-            sock.sendall(unsent_request.pop())
-        if size <= area.size:
-            area.write(parts, staged_segment_bytes(size), announce)
-            reply = read_reply(sock)
-        else:
-            reply = _write_ring(sock, area, parts, size, announce, announced)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if area is not None:
-        with client._lock:
-            client.num_staged_puts += 1
-    return reply.value_len
-
-
-class _RingRefused(Exception):
-    """The server answered a ring Put (with its refusal) before the client had written it all."""
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def _write_ring(
-    sock: socket.socket,
-    area: StagingArea,
-    parts: ValueParts,
-    size: int,
-    announce: Callable[[int], None],
-    announced: list[int],
-) -> Reply:
-    """Write a value larger than ``area`` through it as a ring (protocol 4): a quarter of the
-    area at a time, overwriting a part only once the server acknowledged copying it out; the
-    server's final reply. A refusal that comes while the client waits ends the writing: the
-    last progress frame (the whole value) is sent so that the server, which reads the frames
-    after refusing, stays in step."""
-    num_copied = [0]
-
-    def next_reply() -> Reply:
-        reply = read_reply(sock)
-        if reply.status == STATUS_OK and reply.value_len < size:
-            if reply.value_len <= num_copied[0]:
-                raise ConnectionError(f"garbled acknowledgement of {reply.value_len} bytes")
-            num_copied[0] = reply.value_len
-            return None
-        return reply
-
-    def wait_for_room(num_bytes: int) -> None:
-        while num_copied[0] < num_bytes:
-            reply = next_reply()
-            if reply is not None:
-                raise _RingRefused(reply)
-
-    try:
-        area.write(parts, area.size // 4, announce, wait_for_room)
-    except _RingRefused as refused:
-        if refused.reply.status == STATUS_OK:
-            raise ConnectionError("a ring Put was answered before it was written") from None
-        if announced[0] < size:
-            announce(size)
-        return refused.reply
-    while True:
-        reply = next_reply()
-        if reply is not None:
-            return reply
-
-
-def _get(client: BulkClient, sock: socket.socket, key: bytes) -> memoryview:
-    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if reply.value_len > client.max_value_bytes:
-        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
-    value = client.receive_buffers.take(reply.value_len)
-    recv_exactly(sock, value)
-    return value
-
-
-def _get_chunk(client: BulkClient, sock: socket.socket, key: bytes, destination: Destination) -> KVChunk:
-    from storage_backends.chunk_receiver import receive_chunk
-
-    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if reply.value_len > client.max_value_bytes:
-        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
-    try:
-        return receive_chunk(
-            lambda view: recv_exactly(sock, view), reply.value_len, destination, key.decode()
-        )
-    except ValueError as error:  # ChunkFormatError too: the stream is in step, the connection reusable
-        raise _InStepError(error) from None
-
-
-class _InStepError(Exception):
-    """A refusal of the value that left the connection in step (carries the original ``error``)."""
-
-    def __init__(self, error: ValueError) -> None:
-        super().__init__(str(error))
-        self.error = error

@@ -17,7 +17,8 @@ import pytest
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import BackendError, create_backend
-from storage_backends.bulk_channel import BulkClient, BulkStatusError, BulkUnavailable
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value

@@ -18,14 +18,9 @@ from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.base import BackendError
-from storage_backends.bulk_channel import (
-    MAX_STAGED_SEGMENT_BYTES,
-    RING_AREA_BYTES,
-    BulkClient,
-    BulkStatusError,
-    BulkUnavailable,
-    staged_segment_bytes,
-)
+from storage_backends.bulk_channel import RING_AREA_BYTES, BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
+from storage_backends.bulk_exchanges import MAX_STAGED_SEGMENT_BYTES, staged_segment_bytes
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend
 from storage_backends.staging_area import StagingArea

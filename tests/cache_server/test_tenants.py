@@ -15,7 +15,8 @@ from cache_server.tenants import Tenant, build_registry, load_tenants
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import BackendError
-from storage_backends.bulk_channel import BulkClient, BulkStatusError
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
 from tests.cache_server.server_process import (

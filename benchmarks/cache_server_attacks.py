@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO_ROOT))
 import psutil  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from protos import bulk_wire as wire  # noqa: E402
 from protos import kvstash_pb2, kvstash_pb2_grpc  # noqa: E402
-from storage_backends import bulk_channel as wire  # noqa: E402
 from storage_backends import create_backend  # noqa: E402
 from storage_backends.grpc_backend import make_channel  # noqa: E402
 from tests.cache_server.helpers import make_value, put_all  # noqa: E402

@@ -1,11 +1,12 @@
 """The bulk data channel's server side: Put and Get values over plain TCP (or TLS).
 
-The wire format and the reasons for a second port are in
-``storage_backends/bulk_channel.py``. This side is a ``socketserver`` listener
-with one thread per connection: a Put's value goes from the socket with
-``recv_into`` straight into the buffer the memory tier keeps
-(:class:`~cache_server.value_assembly.ValueAssembler`, checksummed as it
-arrives), and ``recv``/``send`` release the GIL, so connections move bytes in
+The wire format is in ``protos/bulk_wire.py`` (which the client imports too), the
+reasons for a second port in ``storage_backends/bulk_channel.py``. This side is a
+``socketserver`` listener with one thread per connection: a Put's value goes from the
+socket with ``recv_into`` straight into the buffer the memory tier keeps
+(:class:`~cache_server.value_assembly.ValueAssembler`, checksummed as it arrives; a
+connection's state and reads are in ``cache_server/bulk_connection.py``), and
+``recv``/``send`` release the GIL, so connections move bytes in
 parallel with each other and with the gRPC event loop.
 
 Every request goes through the same checks as the gRPC handlers (it calls the
@@ -57,17 +58,24 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
+from cache_server.bulk_connection import (
+    BulkConnection,
+    ProtocolError,
+    StagedProgress,
+    decode_key,
+    discard_value,
+    receive_bytes,
+    receive_value,
+)
 from cache_server.ports import PortInUseError
 from cache_server.service import KVCacheService, RequestError, short_key, status_for
 from cache_server.staging_pool import HeldArea, StagingAreaPool
-from cache_server.tenants import OPEN_ACCESS, Tenant, TenantRegistry
+from cache_server.tenants import TenantRegistry
 from cache_server.value_assembly import ValueAssembler
-from storage_backends import bulk_channel as wire
-from storage_backends.chunk import ChunkFormatError
+from protos import bulk_wire as wire
 from storage_backends.staging_area import create_sealed_area, staging_supported
 
 logger = logging.getLogger(__name__)
@@ -77,32 +85,10 @@ logger = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 300.0
 #: how often the watchdog looks for connections past their deadline
 DEADLINE_POLL_S = 0.1
-#: most bytes asked of one recv_into (the checksum then runs over them while they are in cache)
-RECV_BYTES = 1 << 20
 #: how often stop() looks for connections that went idle
 STOP_POLL_S = 0.05
 #: the memory tier's name for the room a staging area holds (never a stored key)
 STAGING_RESERVATION_KEY = "<bulk staging area>"
-
-
-class ProtocolError(Exception):
-    """The client broke the wire format; the connection is answered (when possible) and closed."""
-
-
-@dataclass(eq=False)  # identity hashing: kept in a set
-class _Connection:
-    sock: socket.socket
-    #: "tcp" or "unix" (per-path counters)
-    transport: str
-    #: True while a request is being served (stop() lets it finish within the grace period)
-    busy: bool = False
-    #: whose token the HELLO carried (set once the HELLO is accepted)
-    tenant: Tenant = OPEN_ACCESS
-    #: time.monotonic() by which the current phase (hello, request) must end; None while idle
-    deadline: float | None = None
-    #: the shared-memory staging area this connection's client writes values into (Unix
-    #: only), with its descriptor and reserved room
-    staging: HeldArea | None = None
 
 
 class _Listener(socketserver.ThreadingTCPServer):
@@ -174,7 +160,7 @@ class BulkServer:
             except BaseException:
                 self._listener.server_close()
                 raise
-        self._connections: set[_Connection] = set()
+        self._connections: set[BulkConnection] = set()
         #: areas of ended connections, for the next connection of the same tenant
         self._staging_pool = StagingAreaPool(self.largest_staging_area)
         self._lock = threading.Lock()
@@ -240,7 +226,7 @@ class BulkServer:
     def serve_connection(self, sock: socket.socket, transport: str) -> None:
         """Serve one client until it disconnects, breaks the protocol or the server stops.
         Runs on the connection's own thread; never raises."""
-        connection = _Connection(sock, transport)
+        connection = BulkConnection(sock, transport)
         with self._lock:
             self._connections.add(connection)
             num_connections = len(self._connections)
@@ -276,16 +262,16 @@ class BulkServer:
             self._release_staging(connection)
             connection.sock.close()
 
-    def _accept_hello(self, connection: _Connection) -> bool:
+    def _accept_hello(self, connection: BulkConnection) -> bool:
         sock = connection.sock
-        magic, token_len = wire.HELLO.unpack(_receive(sock, wire.HELLO.size))
+        magic, token_len = wire.HELLO.unpack(receive_bytes(sock, wire.HELLO.size))
         if magic != wire.MAGIC:
             sock.sendall(wire.encode_reply(wire.STATUS_INVALID_ARGUMENT, "not a kvstash bulk client"))
             return False
         if token_len > wire.MAX_TOKEN_BYTES:
             sock.sendall(wire.encode_reply(wire.STATUS_UNAUTHENTICATED, "missing or wrong bearer token"))
             return False
-        token = _receive(sock, token_len)
+        token = receive_bytes(sock, token_len)
         if self._tenants is not None:
             # Constant-time comparisons: response timing must not reveal a token.
             tenant = self._tenants.tenant_for_token(token)
@@ -297,7 +283,7 @@ class BulkServer:
         sock.sendall(wire.encode_reply(wire.STATUS_OK, self.instance_id))
         return True
 
-    def _serve_requests(self, connection: _Connection) -> None:
+    def _serve_requests(self, connection: BulkConnection) -> None:
         sock = connection.sock
         # Within a request the watchdog enforces the deadline (it shuts the socket), so the
         # socket blocks: Python polls before every recv and send of a socket with a timeout,
@@ -320,8 +306,8 @@ class BulkServer:
             connection.busy = True
             started = time.monotonic()
             connection.deadline = started + self._limits.request_timeout_s
-            op, key_len, value_len = wire.REQUEST.unpack(first + _receive(sock, wire.REQUEST.size - 1))
-            key_bytes = _receive(sock, key_len)
+            op, key_len, value_len = wire.REQUEST.unpack(first + receive_bytes(sock, wire.REQUEST.size - 1))
+            key_bytes = receive_bytes(sock, key_len)
             if op in (wire.OP_PUT, wire.OP_PUT_STREAMED, wire.OP_PUT_STAGED):
                 connection.deadline = started + self._limits.transfer_deadline_s(value_len)
                 if op == wire.OP_PUT:
@@ -343,10 +329,10 @@ class BulkServer:
             connection.busy = False
             connection.deadline = None
 
-    def _put_key(self, connection: _Connection, key_bytes: bytes) -> str:
+    def _put_key(self, connection: BulkConnection, key_bytes: bytes) -> str:
         """The Put's key, checked and allowed for the connection's tenant (RequestError if not)."""
         service = self._service
-        return service.check_access(connection.tenant, service.check_key(_decode_key(key_bytes)), "put")
+        return service.check_access(connection.tenant, service.check_key(decode_key(key_bytes)), "put")
 
     def _receive_and_store(
         self, key: str, value_len: int, receive: Callable[[ValueAssembler], memoryview]
@@ -363,13 +349,13 @@ class BulkServer:
         finally:
             reservation.release()
 
-    def _put(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+    def _put(self, connection: BulkConnection, key_bytes: bytes, value_len: int) -> None:
         """Answer "send it" or an error before any value byte moves; then receive, verify and store."""
         service, sock = self._service, connection.sock
 
         def receive(assembler: ValueAssembler) -> memoryview:
             sock.sendall(wire.encode_reply(wire.STATUS_OK))
-            return _receive_value(sock, assembler)
+            return receive_value(sock, assembler)
 
         try:
             with service.stream_slot():
@@ -383,7 +369,7 @@ class BulkServer:
         service.counters.count_put(connection.transport, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
-    def _put_streamed(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+    def _put_streamed(self, connection: BulkConnection, key_bytes: bytes, value_len: int) -> None:
         """The value follows the request without a "send it": receive, verify and store it, then
         answer once. A refusal before the value was read (key, access, size, memory cap, stream
         slots) reads and drops the whole announced value first, so the connection stays in step
@@ -395,7 +381,7 @@ class BulkServer:
             nonlocal value_consumed
             # Past this point the value is read whatever happens (a refused one is drained).
             value_consumed = True
-            return _receive_value(sock, assembler)
+            return receive_value(sock, assembler)
 
         try:
             with service.stream_slot():
@@ -405,7 +391,7 @@ class BulkServer:
             raise
         except Exception as error:  # noqa: BLE001 - every refusal becomes a reply, never a crash
             if not value_consumed:
-                _discard(sock, value_len)
+                discard_value(sock, value_len)
             self._refuse(sock, error)
             return
         service.counters.count_put(connection.transport, value_len)
@@ -417,13 +403,13 @@ class BulkServer:
         reserved in it, so on a small tier they must leave room for the values."""
         return min(self._limits.max_staging_bytes, self._service.store.memory_capacity_bytes // 8)
 
-    def _release_staging(self, connection: _Connection) -> None:
+    def _release_staging(self, connection: BulkConnection) -> None:
         """The connection no longer uses its staging area: kept for its tenant's next one."""
         if connection.staging is not None:
             self._staging_pool.keep(connection.tenant.name, connection.staging)
             connection.staging = None
 
-    def _give_staging_area(self, connection: _Connection, key_bytes: bytes, num_bytes: int) -> None:
+    def _give_staging_area(self, connection: BulkConnection, key_bytes: bytes, num_bytes: int) -> None:
         """Replace the connection's staging area with one of at least ``num_bytes``: a kept area
         of the same tenant (``cache_server.staging_pool``) or a new sealed one, its room
         reserved in the memory tier; its size and descriptor go with the OK reply. Refused (in
@@ -475,7 +461,7 @@ class BulkServer:
             ) from None
         return HeldArea(fd, area, reservation)
 
-    def _put_staged(self, connection: _Connection, key_bytes: bytes, value_len: int) -> None:
+    def _put_staged(self, connection: BulkConnection, key_bytes: bytes, value_len: int) -> None:
         """Store the value the client writes into its staging area: the checks of a streamed Put,
         then each segment the client's progress frames announce is copied into a new buffer and
         checksummed while the client writes the next (the client can still write to the area,
@@ -489,7 +475,7 @@ class BulkServer:
         A refusal is then answered first and the progress frames read after it: the client,
         which may be waiting for an acknowledgement, reads the refusal and sends its last frame."""
         service, sock = self._service, connection.sock
-        progress = _StagedProgress(sock, value_len)
+        progress = StagedProgress(sock, value_len)
         area = connection.staging.area if connection.staging is not None else None
         ring = area is not None and value_len > area.size
         acknowledged = [0]
@@ -531,13 +517,11 @@ class BulkServer:
         service.counters.count_put(wire.TRANSPORT_SHM, value_len)
         sock.sendall(wire.encode_reply(wire.STATUS_OK, value_len=value_len))
 
-    def _get(self, connection: _Connection, key_bytes: bytes, started: float) -> None:
+    def _get(self, connection: BulkConnection, key_bytes: bytes, started: float) -> None:
         service, sock = self._service, connection.sock
         try:
             with service.stream_slot():
-                key = service.check_access(
-                    connection.tenant, service.check_key(_decode_key(key_bytes)), "get"
-                )
+                key = service.check_access(connection.tenant, service.check_key(decode_key(key_bytes)), "get")
                 service.counters.add(num_gets=1)
                 stored = service.store.get(key)
                 if stored is None:
@@ -558,90 +542,6 @@ class BulkServer:
         code, message = status_for(error)
         self._service.counters.count_failure(code)
         sock.sendall(wire.encode_reply(code.value[0], message))
-
-
-class _StagedProgress:
-    """The progress frames of one staged Put (``bulk_channel.PROGRESS``): how many bytes of
-    its value the client has written to the staging area so far. Counts must grow and end at
-    exactly the value's length; anything else is a ProtocolError (the connection is closed)."""
-
-    #: most bytes asked of one recv (frames that piled up while the server copied)
-    READ_BYTES = 64 * wire.PROGRESS.size
-
-    def __init__(self, sock: socket.socket, value_len: int) -> None:
-        self._sock = sock
-        self._value_len = value_len
-        #: the newest count the client announced
-        self.num_written = 0
-        self._partial = bytearray()
-
-    def wait_beyond(self, num_bytes: int) -> int:
-        """Block until more than ``num_bytes`` are announced; the newest count."""
-        while self.num_written <= num_bytes:
-            if self.num_written == self._value_len:
-                raise ProtocolError(f"asked for more than the {self._value_len} bytes of a staged value")
-            self._read()
-        return self.num_written
-
-    def drain(self) -> None:
-        """Read the frames still to come, up to the last one (the value's length)."""
-        while self.num_written < self._value_len:
-            self._read()
-
-    def _read(self) -> None:
-        data = self._sock.recv(self.READ_BYTES)
-        if not data:
-            raise ConnectionError(f"client closed after announcing {self.num_written} staged bytes")
-        self._partial += data
-        num_whole = len(self._partial) - len(self._partial) % wire.PROGRESS.size
-        for (count,) in wire.PROGRESS.iter_unpack(self._partial[:num_whole]):
-            if not self.num_written < count <= self._value_len:
-                raise ProtocolError(f"staged progress {count} after {self.num_written} of {self._value_len}")
-            self.num_written = count
-        del self._partial[:num_whole]
-        if self.num_written == self._value_len and self._partial:
-            raise ProtocolError("bytes after a staged value's last progress frame")
-
-
-def _decode_key(key_bytes: bytes) -> str:
-    try:
-        return key_bytes.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "key is not valid UTF-8") from None
-
-
-def _receive(sock: socket.socket, num_bytes: int) -> bytes:
-    """Exactly ``num_bytes`` (small: headers, keys, tokens); ConnectionError when the client closes first."""
-    buffer = bytearray(num_bytes)
-    wire.recv_exactly(sock, memoryview(buffer))
-    return bytes(buffer)
-
-
-def _receive_value(sock: socket.socket, assembler: ValueAssembler) -> memoryview:
-    """The verified value, received straight into the assembler's buffer. A header or checksum
-    that does not verify raises ChunkFormatError after the whole announced value has been read
-    (so the connection stays in step); a closed connection raises ConnectionError."""
-    value_len = assembler.total_size
-    while assembler.num_received < value_len:
-        num_bytes = sock.recv_into(assembler.next_space(RECV_BYTES))
-        if num_bytes == 0:
-            raise ConnectionError(f"client closed after {assembler.num_received} of {value_len} bytes")
-        try:
-            assembler.advance(num_bytes)
-        except ChunkFormatError:
-            _discard(sock, value_len - assembler.num_received)
-            raise
-    return assembler.finish()
-
-
-def _discard(sock: socket.socket, num_bytes: int) -> None:
-    """Read and drop ``num_bytes`` (the rest of a refused value)."""
-    scratch = memoryview(bytearray(min(num_bytes, RECV_BYTES)))
-    while num_bytes > 0:
-        received = sock.recv_into(scratch[: min(num_bytes, len(scratch))])
-        if received == 0:
-            raise ConnectionError("client closed in the middle of a refused value")
-        num_bytes -= received
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -37,7 +37,7 @@ from cache_server.ports import SERVER_OPTIONS, check_port_free
 from cache_server.service import AdminService, Counters, KVCacheService, kvcache_handler
 from cache_server.store import TieredStore
 from protos import kvstash_pb2, kvstash_pb2_grpc
-from storage_backends.bulk_channel import PROTOCOL_VERSION
+from protos.bulk_wire import PROTOCOL_VERSION
 from storage_backends.grpc_channel import CHANNEL_OPTIONS
 from storage_backends.host_identity import host_identity
 

@@ -1,4 +1,4 @@
-"""The cache server's bulk data channel: its wire format and the client side.
+"""The cache server's bulk data channel: the client side.
 
 gRPC moves a value through HTTP/2 framing, a copy into a Python ``bytes`` per
 message and a few asyncio callbacks per piece; for values of megabytes that
@@ -14,56 +14,8 @@ port in ``GetBulkEndpoint``, with the server's host identity); a client on the
 same host (``storage_backends.host_identity``) uses it instead of TCP: the same
 protocol, without the TCP/IP stack.
 
-Wire format (integers little-endian; status codes are gRPC's numbers):
-
-- on connect, client → server: ``HELLO`` = magic ``b"KVB1"``, u16 token length,
-  token bytes (empty without auth); server → client: a reply (below; its
-  message is the server's instance id, as in ``GetBulkEndpoint``). A wrong
-  token gets UNAUTHENTICATED and the connection is closed; so is, at once, a
-  connection beyond the server's ``--max-bulk-connections``.
-- request: u8 op (``OP_PUT``, ``OP_GET``), u16 key length, u64 value length
-  (0 for Get), key bytes (UTF-8).
-- reply: u8 status, u32 message length, u64 value length, message bytes
-  (UTF-8), then the value's bytes when a Get succeeds.
-- Put (``OP_PUT``): the server checks key, size, limits and memory cap and answers OK ("send
-  it") or an error before any value byte moves; then the client sends the value
-  and the server answers once more after verifying header and checksum and
-  storing it (or INVALID_ARGUMENT; it reads the whole announced value either
-  way, so the connection stays usable).
-- Streamed Put (``OP_PUT_STREAMED``, protocol version 2): the value follows the
-  request at once and the server answers once, after storing it or refusing it.
-  A refusal (any check above) reads and drops the announced value first, so the
-  connection stays in step and a refused Put stores nothing. Since nothing waits
-  for a "send it", a client sends the next Puts before the replies of the earlier
-  ones come (:meth:`BulkClient.put_many`: up to ``put_window`` unanswered Puts per
-  connection); replies come in request order, one per Put.
-- Staging area (``OP_STAGING_AREA``, protocol version 3, Unix socket only): the request
-  carries no key and, as its value length, the size wanted (no value bytes follow); the
-  server answers OK with the area's size (at least that asked; an area kept from an earlier
-  connection of the same tenant may be larger) and, as ancillary data (``SCM_RIGHTS``), the
-  descriptor of a sealed shared-memory file of that size (``storage_backends.staging_area``),
-  which replaces the connection's previous area; or an error (over its size limit, no room;
-  from version 4 the refusal of an area over the limit carries the largest it grants as its
-  value length).
-- Staged Put (``OP_PUT_STAGED``, version 3): the client sends the request, then writes the
-  value at the start of the connection's staging area a segment at a time, sending after
-  each segment a progress frame (u64: bytes written so far, growing; the last one is the
-  value length; an empty value, which is refused, has none). The server copies each
-  announced segment out while the client writes the next (no value bytes cross the
-  socket), verifies and stores the value and answers once; a refusal reads the remaining
-  progress frames first, so the connection stays in step. A single Put from a client on
-  the same host goes this way (:meth:`BulkClient.put_many` with one item) when its value
-  fits an area the server grants.
-- Ring Put (version 4): a staged Put of a value larger than the connection's area. Byte ``i``
-  goes to ``i % size``; the client writes a quarter of the area per segment and overwrites
-  a part only after the server acknowledged copying it out: after each quarter copied the
-  server sends an acknowledgement, an OK reply whose value length (always less than the
-  value's) counts the bytes copied. A refusal is answered at once and the progress frames
-  are read after it; the client, which may be waiting for an acknowledgement, then sends
-  its last frame (the value's length). A single Put whose value needs an area larger than
-  ``RING_AREA_BYTES`` (4 MiB), or than the largest area the server grants, goes this way
-  through an area of at most ``RING_AREA_BYTES``; with a version-3 server it is written whole
-  into an area that holds it, or streamed.
+The wire format (frames, op and status codes, protocol versions) is in
+``protos/bulk_wire.py``, which the server (``cache_server/bulk_server.py``) imports too.
 
 :class:`BulkClient` holds a small pool of connections to one endpoint (TCP or
 Unix socket): at most ``max_connections`` in use at once, each reused by the
@@ -72,23 +24,52 @@ and wait for one when all are busy. Values are sent straight from the caller's
 memory (``sendmsg`` of memoryviews: request header, chunk header and tensor
 bytes leave in one call, never joined). Thread-safe. Transport failures (refused, reset, closed, timed out,
 garbled) raise :class:`BulkUnavailable`; the gRPC tier then retries the call
-over gRPC. A reply with an error status raises :class:`BulkStatusError`.
+over gRPC. A reply with an error status raises :class:`BulkStatusError`
+(both in ``storage_backends/bulk_errors.py``). What one request sends and reads on a
+connection the pool handed out is in ``storage_backends/bulk_exchanges.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import ssl
-import struct
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
+from protos.bulk_wire import (
+    HELLO,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_TOKEN_BYTES,
+    OP_PUT_STREAMED,
+    OP_STAGING_AREA,
+    PROTOCOL_VERSION,
+    REQUEST,
+    STATUS_NOT_FOUND,
+    STATUS_OK,
+    STATUS_RESOURCE_EXHAUSTED,
+    TRANSPORT_TCP,
+    TRANSPORT_UNIX,
+    read_reply,
+    read_reply_with_fd,
+    send_buffers,
+    timeval,
+    tune_unix_socket,
+)
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
+from storage_backends.bulk_exchanges import (
+    InStepError,
+    get_chunk_into,
+    get_value,
+    put_asking_first,
+    put_single,
+    settle_put,
+)
 from storage_backends.receive_buffers import ReceiveBufferPool
 from storage_backends.staging_area import AREA_GRANULE_BYTES, StagingArea, area_size_for, staging_supported
 
@@ -98,43 +79,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: the version the server advertises: 2 added OP_PUT_STREAMED, 3 the staging area (OP_STAGING_AREA,
-#: OP_PUT_STAGED), 4 staged Puts of values larger than the area (a ring with acknowledgements)
-PROTOCOL_VERSION = 4
 #: versions a client speaks to (a version-1 server gets ask-first Puts, one at a time per connection)
 SUPPORTED_PROTOCOL_VERSIONS = (1, 2, 3, 4)
-MAGIC = b"KVB1"
-OP_PUT, OP_GET, OP_PUT_STREAMED, OP_STAGING_AREA, OP_PUT_STAGED = 1, 2, 3, 4, 5
-# Status codes: the numbers of grpc.StatusCode (this module does not import grpc).
-STATUS_OK = 0
-STATUS_INVALID_ARGUMENT = 3
-STATUS_NOT_FOUND = 5
-STATUS_PERMISSION_DENIED = 7
-STATUS_RESOURCE_EXHAUSTED = 8
-STATUS_INTERNAL = 13
-STATUS_UNAVAILABLE = 14
-STATUS_UNAUTHENTICATED = 16
-STATUS_NAMES = {
-    STATUS_OK: "OK",
-    STATUS_INVALID_ARGUMENT: "INVALID_ARGUMENT",
-    STATUS_NOT_FOUND: "NOT_FOUND",
-    STATUS_PERMISSION_DENIED: "PERMISSION_DENIED",
-    STATUS_RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
-    STATUS_INTERNAL: "INTERNAL",
-    STATUS_UNAVAILABLE: "UNAVAILABLE",
-    STATUS_UNAUTHENTICATED: "UNAUTHENTICATED",
-}
-
-HELLO = struct.Struct("<4sH")  # magic, token length
-PROGRESS = struct.Struct("<Q")  # a staged Put's bytes written so far
-REQUEST = struct.Struct("<BHQ")  # op, key length, value length
-REPLY = struct.Struct("<BIQ")  # status, message length, value length
-#: longest reply message either side sends or accepts
-MAX_MESSAGE_BYTES = 4096
-#: longest token the server reads from a HELLO
-MAX_TOKEN_BYTES = 4096
-#: longest key the wire format can carry (the server's own limit is lower)
-MAX_KEY_BYTES = 0xFFFF
 #: largest Get value a client accepts; a larger announced length means a garbled stream
 DEFAULT_MAX_VALUE_BYTES = 1 << 30
 #: connections one client keeps in use at once by default (values of MiBs: a few fill the link)
@@ -142,15 +88,6 @@ DEFAULT_MAX_CONNECTIONS = 4
 #: streamed Puts one connection sends before it waits for the oldest one's reply (each reply is
 #: at most a few KiB, so this many always fit in the socket's buffer: the server never blocks on them)
 DEFAULT_PUT_WINDOW = 8
-TRANSPORT_TCP, TRANSPORT_UNIX = "tcp", "unix"
-#: the path the server's stats name for staged Puts (their values crossed shared memory)
-TRANSPORT_SHM = "shm"
-#: a staged Put's value is written in about 8 segments (the server copies one while the
-#: client writes the next), none smaller or larger than these (a progress frame each: a send
-#: and often a wake-up of the server; 512 KiB rather than 256 took 10% less CPU in all for a
-#: 2 MiB Put, docs/benchmarks.md)
-MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
-
 
 #: the area a client asks for to send larger values through as a ring (protocol 4; at most the
 #: largest area the server grants, at least RING_MIN_AREA_BYTES). Small on purpose: a ring that
@@ -160,54 +97,6 @@ MIN_STAGED_SEGMENT_BYTES, MAX_STAGED_SEGMENT_BYTES = 512 << 10, 4 << 20
 #: holds 4 MiB instead of up to the server's ``--max-staging-mb`` (docs/benchmarks.md)
 RING_AREA_BYTES, RING_MIN_AREA_BYTES = 4 << 20, 1 << 20
 
-
-#: most segments a staged Put's value is cut into (a progress frame each)
-MAX_STAGED_SEGMENTS = 8
-#: segments are whole multiples of this (but the last), so that no copy starts mid-page
-STAGED_SEGMENT_GRANULE_BYTES = 64 << 10
-
-
-def staged_segment_bytes(value_len: int) -> int:
-    """How many bytes a client writes to its staging area between two progress frames: about
-    an eighth of the value, between the bounds above, and cut so that the last segment is
-    never a sliver (a 2 MiB chunk with its header, 93 bytes past 2 MiB, took a fifth progress
-    frame, send and wake-up for those 93 bytes, docs/benchmarks.md)."""
-    num_segments = max(
-        1,
-        min(MAX_STAGED_SEGMENTS, value_len // MIN_STAGED_SEGMENT_BYTES),
-        -(-value_len // MAX_STAGED_SEGMENT_BYTES),
-    )
-    granule = STAGED_SEGMENT_GRANULE_BYTES
-    return -(-value_len // num_segments // granule) * granule if value_len > granule else value_len
-
-
-#: send and receive buffer asked for on Unix sockets (the kernel doubles it, capped by
-#: net.core.wmem_max/rmem_max): the default ~200 KiB makes sender and receiver wake each other
-#: every ~200 KiB; with 1 MiB a socket pair carried 15-25% more on the 2-core VM (docs/benchmarks.md).
-#: TCP keeps the kernel's autotuning (setting a size turns it off).
-UNIX_SOCKET_BUFFER_BYTES = 1 << 20
-
-
-def tune_unix_socket(sock: socket.socket) -> None:
-    """Larger buffers on a Unix stream socket (either side); best effort."""
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, option, UNIX_SOCKET_BUFFER_BYTES)
-
-
-class BulkUnavailable(Exception):
-    """The bulk channel could not carry the call (transport failure); retry it over gRPC."""
-
-
-class BulkStatusError(Exception):
-    """The server answered with an error status (``code``, a gRPC status number) and ``message``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{STATUS_NAMES.get(code, code)}: {message}")
-        self.code = code
-        self.message = message
-
-
 #: a value's buffers back to back (e.g. a chunk's header and its tensor's memory)
 ValueParts = tuple[bytes | bytearray | memoryview, ...]
 #: the parts, or a callable that makes them (called once, just before the value is sent)
@@ -215,80 +104,6 @@ PartsSource = ValueParts | Callable[[], ValueParts]
 #: one streamed Put's outcome: bytes stored, or the error for that key (BulkStatusError: the
 #: server refused it and stored nothing; BulkUnavailable: the connection failed before its reply)
 PutOutcome = int | Exception
-
-
-class Reply(NamedTuple):
-    status: int
-    message: str
-    value_len: int
-
-
-def encode_reply(status: int, message: str = "", value_len: int = 0) -> bytes:
-    """One reply header plus its message (the server's side; a Get's value follows separately)."""
-    text = message.encode()[:MAX_MESSAGE_BYTES]
-    return REPLY.pack(status, len(text), value_len) + text
-
-
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first."""
-    num_received = 0
-    while num_received < len(view):
-        num_bytes = sock.recv_into(view[num_received:])
-        if num_bytes == 0:
-            raise ConnectionError(f"connection closed after {num_received} of {len(view)} bytes")
-        num_received += num_bytes
-
-
-def send_buffers(sock: socket.socket, *buffers: bytes | memoryview) -> None:
-    """Send ``buffers`` back to back without joining them: one ``sendmsg`` of memoryviews (each
-    is sent from where it lies), repeated for what a short send left. TLS sockets have no
-    ``sendmsg``; they send each buffer in turn."""
-    if isinstance(sock, ssl.SSLSocket):
-        for buffer in buffers:
-            sock.sendall(buffer)
-        return
-    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
-    while views:
-        num_sent = sock.sendmsg(views)
-        while views and num_sent >= len(views[0]):
-            num_sent -= len(views.pop(0))
-        if views:
-            views[0] = views[0][num_sent:]
-
-
-def read_reply(sock: socket.socket) -> Reply:
-    """One reply header and its message; ConnectionError for a closed or garbled stream."""
-    head = bytearray(REPLY.size)
-    recv_exactly(sock, memoryview(head))
-    return _reply_after_head(sock, head)
-
-
-def read_reply_with_fd(sock: socket.socket) -> tuple[Reply, int | None]:
-    """One reply and the descriptor sent with its first bytes (None when none came); the
-    caller owns (closes) the descriptor. ConnectionError for a closed or garbled stream."""
-    head, fds, flags, _ = socket.recv_fds(sock, REPLY.size, 1)
-    fd = fds[0] if fds else None
-    try:
-        if not head:
-            raise ConnectionError("connection closed before the reply")
-        if flags & socket.MSG_CTRUNC or len(fds) > 1:
-            raise ConnectionError("garbled bulk reply: unexpected descriptors")
-        rest = bytearray(REPLY.size - len(head))
-        recv_exactly(sock, memoryview(rest))
-        return _reply_after_head(sock, head + rest), fd
-    except BaseException:
-        for extra in fds:
-            os.close(extra)
-        raise
-
-
-def _reply_after_head(sock: socket.socket, head: bytes | bytearray) -> Reply:
-    status, message_len, value_len = REPLY.unpack(head)
-    if status not in STATUS_NAMES or message_len > MAX_MESSAGE_BYTES:
-        raise ConnectionError(f"garbled bulk reply (status {status}, message of {message_len} bytes)")
-    message = bytearray(message_len)
-    recv_exactly(sock, memoryview(message))
-    return Reply(status, message.decode(errors="replace"), value_len)
 
 
 class BulkClient:
@@ -462,7 +277,7 @@ class BulkClient:
             except BulkStatusError:
                 self._give_back(sock)
                 raise
-            except _InStepError as refused:
+            except InStepError as refused:
                 self._give_back(sock)
                 raise refused.error from None
             except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
@@ -496,7 +311,7 @@ class BulkClient:
     def put(self, key: str, *parts: bytes | memoryview) -> int:
         """Store the value made of ``parts`` back to back (one buffer, or a chunk's header and its
         tensor's memory, sent without joining them); returns the number of bytes the server stored."""
-        return self._call(_put, key, parts)
+        return self._call(put_asking_first, key, parts)
 
     def put_many(self, items: Sequence[tuple[str, PartsSource]]) -> list[PutOutcome]:
         """Streamed Puts of ``items`` (key, value parts) on one connection, pipelined: each value
@@ -552,11 +367,11 @@ class BulkClient:
         except Exception as error:  # noqa: BLE001 - reported as the item's outcome
             return error
         try:
-            return self._call(_put_one, key, buffers)
+            return self._call(put_single, key, buffers)
         except (BulkStatusError, BulkUnavailable) as error:
             return error
 
-    def _staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
+    def staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
         """The connection's staging area for a value of ``num_bytes``: one that holds it, asked
         for (or grown) when needed; or, for a value larger than any area the server grants
         (protocol 4), an area to pass it through as a ring (smaller than the value); None when
@@ -582,7 +397,7 @@ class BulkClient:
         if area is None and new_ring_bytes is not None and new_ring_bytes < wanted:
             # refused as too large: a ring of the largest the server grants then (each retry
             # asks for less, so this ends)
-            return self._staging_area_for(sock, num_bytes)
+            return self.staging_area_for(sock, num_bytes)
         return area
 
     def _ring_area_bytes(self) -> int | None:
@@ -646,14 +461,14 @@ class BulkClient:
                     outcomes[index] = error
                     continue
                 if len(pending) >= self.put_window:
-                    _settle(sock, pending.popleft(), outcomes)
+                    settle_put(sock, pending.popleft(), outcomes)
                     num_replies += 1
                 size = sum(memoryview(buffer).nbytes for buffer in buffers)
                 request = REQUEST.pack(OP_PUT_STREAMED, len(keys[index]), size) + keys[index]
                 pending.append(index)
                 send_buffers(sock, request, *buffers)
             while pending:
-                _settle(sock, pending.popleft(), outcomes)
+                settle_put(sock, pending.popleft(), outcomes)
                 num_replies += 1
         except OSError as error:  # ssl.SSLError and ConnectionError are OSErrors
             sock.close()
@@ -673,7 +488,7 @@ class BulkClient:
         """The value of ``key`` (a new buffer the caller owns, ``receive_buffers``) or None when
         the server does not hold it (not verified here)."""
         try:
-            return self._call(_get, key)
+            return self._call(get_value, key)
         except BulkStatusError as error:
             if error.code == STATUS_NOT_FOUND:
                 return None
@@ -685,11 +500,16 @@ class BulkClient:
         the server does not hold it. ChunkFormatError for a corrupt value, ValueError from
         ``destination`` (the connection stays usable after both)."""
         try:
-            return self._call(_get_chunk, key, destination)
+            return self._call(get_chunk_into, key, destination)
         except BulkStatusError as error:
             if error.code == STATUS_NOT_FOUND:
                 return None
             raise
+
+    def count_staged_put(self) -> None:
+        """One more Put went through a staging area (``num_staged_puts``)."""
+        with self._lock:
+            self.num_staged_puts += 1
 
     def _close_idle(self) -> None:
         with self._lock:
@@ -718,13 +538,6 @@ class _PartsCache:
         return self._made[index]
 
 
-def timeval(seconds: float | None) -> bytes:
-    """``seconds`` as the ``struct timeval`` of SO_RCVTIMEO / SO_SNDTIMEO (None or 0: no limit);
-    both sides of the bulk channel use it."""
-    micros = round((seconds or 0) * 1_000_000)
-    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
-
-
 def _as_timeout(error: OSError) -> OSError:
     """A blocking socket's call that its kernel timeout ended (EAGAIN) as a TimeoutError."""
     if isinstance(error, BlockingIOError):
@@ -732,153 +545,7 @@ def _as_timeout(error: OSError) -> OSError:
     return error
 
 
-def _settle(sock: socket.socket, index: int, outcomes: list) -> None:
-    """Read the next reply: the outcome of the Put at ``index`` (replies come in request order)."""
-    reply = read_reply(sock)
-    outcomes[index] = (
-        reply.value_len if reply.status == STATUS_OK else BulkStatusError(reply.status, reply.message)
-    )
-
-
 def _fail_unsettled(outcomes: list, error: BulkUnavailable) -> None:
     for index, outcome in enumerate(outcomes):
         if outcome is None:
             outcomes[index] = error
-
-
-def _put(client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]) -> int:
-    views = [memoryview(part).cast("B") for part in parts]
-    sock.sendall(REQUEST.pack(OP_PUT, len(key), sum(len(view) for view in views)) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    send_buffers(sock, *views)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    return reply.value_len
-
-
-def _put_one(client: BulkClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
-    """A staged Put when the connection has (or gets) a staging area for the value (one that
-    holds it, or, protocol 4, a ring), else a streamed one; the number of bytes stored."""
-    size = sum(memoryview(part).nbytes for part in parts)
-    area = client._staging_area_for(sock, size)
-    if area is None:
-        send_buffers(sock, REQUEST.pack(OP_PUT_STREAMED, len(key), size) + key, *parts)
-        reply = read_reply(sock)
-    else:
-        unsent_request = [REQUEST.pack(OP_PUT_STAGED, len(key), size) + key]
-        announced = [0]
-
-        def announce(num_bytes: int) -> None:
-            sock.sendall(b"".join(unsent_request) + PROGRESS.pack(num_bytes))
-            unsent_request.clear()
-            announced[0] = num_bytes
-
-        if size > staged_segment_bytes(size):
-            # A value of several segments: the request leaves before the first byte is
-            # written, so the server's thread wakes up (20 to 50 us on the 2-core VM) and takes
-            # its buffer while the first segment is written. A value of one segment sends it with
-            # its only progress frame: one send, one wake-up (docs/benchmarks.md).
-            sock.sendall(unsent_request.pop())
-        if size <= area.size:
-            area.write(parts, staged_segment_bytes(size), announce)
-            reply = read_reply(sock)
-        else:
-            reply = _write_ring(sock, area, parts, size, announce, announced)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if area is not None:
-        with client._lock:
-            client.num_staged_puts += 1
-    return reply.value_len
-
-
-class _RingRefused(Exception):
-    """The server answered a ring Put (with its refusal) before the client had written it all."""
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def _write_ring(
-    sock: socket.socket,
-    area: StagingArea,
-    parts: ValueParts,
-    size: int,
-    announce: Callable[[int], None],
-    announced: list[int],
-) -> Reply:
-    """Write a value larger than ``area`` through it as a ring (protocol 4): a quarter of the
-    area at a time, overwriting a part only once the server acknowledged copying it out; the
-    server's final reply. A refusal that comes while the client waits ends the writing: the
-    last progress frame (the whole value) is sent so that the server, which reads the frames
-    after refusing, stays in step."""
-    num_copied = [0]
-
-    def next_reply() -> Reply:
-        reply = read_reply(sock)
-        if reply.status == STATUS_OK and reply.value_len < size:
-            if reply.value_len <= num_copied[0]:
-                raise ConnectionError(f"garbled acknowledgement of {reply.value_len} bytes")
-            num_copied[0] = reply.value_len
-            return None
-        return reply
-
-    def wait_for_room(num_bytes: int) -> None:
-        while num_copied[0] < num_bytes:
-            reply = next_reply()
-            if reply is not None:
-                raise _RingRefused(reply)
-
-    try:
-        area.write(parts, area.size // 4, announce, wait_for_room)
-    except _RingRefused as refused:
-        if refused.reply.status == STATUS_OK:
-            raise ConnectionError("a ring Put was answered before it was written") from None
-        if announced[0] < size:
-            announce(size)
-        return refused.reply
-    while True:
-        reply = next_reply()
-        if reply is not None:
-            return reply
-
-
-def _get(client: BulkClient, sock: socket.socket, key: bytes) -> memoryview:
-    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if reply.value_len > client.max_value_bytes:
-        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
-    value = client.receive_buffers.take(reply.value_len)
-    recv_exactly(sock, value)
-    return value
-
-
-def _get_chunk(client: BulkClient, sock: socket.socket, key: bytes, destination: Destination) -> KVChunk:
-    from storage_backends.chunk_receiver import receive_chunk
-
-    sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
-    reply = read_reply(sock)
-    if reply.status != STATUS_OK:
-        raise BulkStatusError(reply.status, reply.message)
-    if reply.value_len > client.max_value_bytes:
-        raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
-    try:
-        return receive_chunk(
-            lambda view: recv_exactly(sock, view), reply.value_len, destination, key.decode()
-        )
-    except ValueError as error:  # ChunkFormatError too: the stream is in step, the connection reusable
-        raise _InStepError(error) from None
-
-
-class _InStepError(Exception):
-    """A refusal of the value that left the connection in step (carries the original ``error``)."""
-
-    def __init__(self, error: ValueError) -> None:
-        super().__init__(str(error))
-        self.error = error

@@ -36,13 +36,8 @@ import grpc
 
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends.base import BackendError, StorageBackend
-from storage_backends.bulk_channel import (
-    DEFAULT_MAX_CONNECTIONS,
-    BulkClient,
-    BulkStatusError,
-    BulkUnavailable,
-    PartsSource,
-)
+from storage_backends.bulk_channel import DEFAULT_MAX_CONNECTIONS, BulkClient, PartsSource
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import (
     CODECS,
     ChunkFormatError,

@@ -35,12 +35,8 @@ import time
 from collections.abc import Callable
 
 from protos import kvstash_pb2
-from storage_backends.bulk_channel import (
-    SUPPORTED_PROTOCOL_VERSIONS,
-    BulkClient,
-    BulkStatusError,
-    BulkUnavailable,
-)
+from storage_backends.bulk_channel import SUPPORTED_PROTOCOL_VERSIONS, BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 
 #: seconds values go over gRPC after the bulk channel failed (or was off) before it is asked for again
 BULK_RETRY_S = 5.0

@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import BackendError, create_backend
-from storage_backends import bulk_channel as wire
-from storage_backends.bulk_channel import BulkClient, BulkStatusError
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value
@@ -205,7 +206,7 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc() -> N
         with Stubs(limited.address) as stubs:
             port = bulk_port(stubs)
             held = [raw_connection(port), socket.create_connection(("127.0.0.1", port), timeout=10)]
-            with pytest.raises(wire.BulkUnavailable):
+            with pytest.raises(BulkUnavailable):
                 BulkClient("127.0.0.1", port, token=None, timeout_s=10).put(
                     "ns/k", make_value(14, key="ns/k")
                 )
@@ -225,7 +226,7 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc() -> N
                         14, 2 * MIB, key="ns/k"
                     )
                     break
-                except wire.BulkUnavailable:
+                except BulkUnavailable:
                     assert time.monotonic() < deadline
                     time.sleep(0.1)
     finally:
@@ -278,7 +279,7 @@ def test_tls_bulk_channel(tls_files) -> None:  # noqa: F811 - the fixture import
         untrusting = BulkClient(
             "127.0.0.1", port, token=None, timeout_s=10, tls_context=ssl.create_default_context()
         )
-        with pytest.raises(wire.BulkUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+        with pytest.raises(BulkUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
             untrusting.get("ns/tls")
         again = create_backend(f"grpcs://{secure.address}?ca={cert}")
         assert bytes(again.get_encoded("ns/tls")) == value

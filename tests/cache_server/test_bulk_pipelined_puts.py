@@ -10,9 +10,10 @@ import threading
 import pytest
 import torch
 
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
-from storage_backends import bulk_channel as wire
-from storage_backends.bulk_channel import BulkClient, BulkStatusError, BulkUnavailable
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value

@@ -14,11 +14,13 @@ import psutil
 import pytest
 import torch
 
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
-from storage_backends import bulk_channel as wire
 from storage_backends import create_backend
 from storage_backends.base import BackendError
-from storage_backends.bulk_channel import BulkClient, BulkStatusError
+from storage_backends.bulk_channel import RING_AREA_BYTES, BulkClient
+from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
+from storage_backends.bulk_exchanges import MAX_STAGED_SEGMENT_BYTES, staged_segment_bytes
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend
 from storage_backends.staging_area import StagingArea
@@ -406,8 +408,8 @@ def test_a_32_mib_chunk_of_an_8b_model_is_staged_through_a_small_ring() -> None:
                 assert torch.equal(backend.get("ns/8b-chunk").tensor, chunk.tensor)
                 bulk = backend._transport.client()
                 assert bulk.num_staged_puts == 1
-                assert [area.size for area in bulk._staging_areas.values()] == [wire.RING_AREA_BYTES]
-                assert wire.RING_AREA_BYTES == 4 * MIB
+                assert [area.size for area in bulk._staging_areas.values()] == [RING_AREA_BYTES]
+                assert RING_AREA_BYTES == 4 * MIB
             finally:
                 backend.close()
             paths = transports(stubs)
@@ -430,15 +432,15 @@ def test_a_staged_value_is_announced_in_even_segments_without_a_sliver_at_the_en
     value = bytes(range(256)) * (value_bytes // 256) + bytes(value_bytes % 256)
     announced: list[int] = []
     try:
-        area.write([value], wire.staged_segment_bytes(value_bytes), announced.append)
+        area.write([value], staged_segment_bytes(value_bytes), announced.append)
         with area.view() as written:
             assert written[:value_bytes] == value
     finally:
         area.close()
     assert announced == sorted(set(announced)) and announced[-1] == value_bytes
     segments = [end - start for start, end in zip([0, *announced], announced, strict=False)]
-    assert len(segments) <= max(8, -(-value_bytes // wire.MAX_STAGED_SEGMENT_BYTES))
-    assert max(segments) <= wire.MAX_STAGED_SEGMENT_BYTES
+    assert len(segments) <= max(8, -(-value_bytes // MAX_STAGED_SEGMENT_BYTES))
+    assert max(segments) <= MAX_STAGED_SEGMENT_BYTES
     assert min(segments) >= max(segments) // 2
 
 
@@ -465,10 +467,10 @@ def test_a_unix_socket_client_times_out_on_a_server_that_stops_answering() -> No
                 assert wait_until(
                     lambda: psutil.Process(process.process.pid).status() == psutil.STATUS_STOPPED, 10
                 )
-                with pytest.raises(wire.BulkUnavailable, match="bulk transfer with .* timed out"):
+                with pytest.raises(BulkUnavailable, match="bulk transfer with .* timed out"):
                     client.get("ns/before-stop")  # the pooled connection
                 (outcome,) = client.put_many([("ns/after-stop", (value,))])  # a new one: HELLO unanswered
-                assert isinstance(outcome, wire.BulkUnavailable)
+                assert isinstance(outcome, BulkUnavailable)
                 assert "cannot connect" in str(outcome) and "timed out" in str(outcome)
             finally:
                 os.kill(process.process.pid, signal.SIGCONT)
@@ -504,7 +506,7 @@ def test_a_server_that_grants_only_tiny_areas_is_asked_twice_then_values_are_str
             finally:
                 client.close()
             assert client.num_staged_puts == 0
-            assert asked_bytes == [wire.RING_AREA_BYTES, 3 * MIB]
+            assert asked_bytes == [RING_AREA_BYTES, 3 * MIB]
             assert num_puts(transports(stubs), "unix") == 6
     finally:
         process.close()

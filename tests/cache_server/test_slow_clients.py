@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from engine.cli import main
+from protos import bulk_wire as wire
 from protos import kvstash_pb2, kvstash_pb2_grpc
-from storage_backends import bulk_channel as wire
 from storage_backends import create_backend
 from tests.cache_server.helpers import Stubs, make_value
 from tests.cache_server.server_process import CacheServerProcess

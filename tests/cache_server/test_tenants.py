@@ -12,9 +12,11 @@ from click.testing import CliRunner
 
 from cache_server.cli import cache_server as cache_server_command
 from cache_server.tenants import Tenant, build_registry, load_tenants
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import BackendError
-from storage_backends import bulk_channel as wire
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError
 from storage_backends.grpc_backend import GrpcBackend
 from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
 from tests.cache_server.server_process import (
@@ -159,11 +161,11 @@ def test_unknown_tokens_stay_unauthenticated(stubs, server) -> None:
         assert rpc_error(lambda: nobody.get("team-a/k1")).code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def bulk_client(stubs: Stubs, token: str) -> wire.BulkClient:
+def bulk_client(stubs: Stubs, token: str) -> BulkClient:
     port = stubs.kv.GetBulkEndpoint(
         kvstash_pb2.BulkEndpointRequest(), timeout=10, metadata=stubs.metadata
     ).port
-    return wire.BulkClient("127.0.0.1", port, token=token, timeout_s=10)
+    return BulkClient("127.0.0.1", port, token=token, timeout_s=10)
 
 
 def test_the_bulk_channel_applies_the_same_rules_per_request(stubs) -> None:
@@ -175,7 +177,7 @@ def test_the_bulk_channel_applies_the_same_rules_per_request(stubs) -> None:
             lambda: as_b.get("team-a/k1"),
             lambda: as_b.put("team-a/k1", make_value(98, key="team-a/k1")),
         ):
-            with pytest.raises(wire.BulkStatusError) as caught:
+            with pytest.raises(BulkStatusError) as caught:
                 attack()
             assert caught.value.code == wire.STATUS_PERMISSION_DENIED
             assert "tenant 'team-b' may not" in caught.value.message
@@ -184,7 +186,7 @@ def test_the_bulk_channel_applies_the_same_rules_per_request(stubs) -> None:
         assert bytes(as_b.get("team-b/bulk")) == make_value(5, key="team-b/bulk")
         assert bytes(as_a.get("team-a/k1")) == make_value(1, key="team-a/k1")
         assert bytes(as_ops.get("team-b/bulk")) == make_value(5, key="team-b/bulk")
-        with pytest.raises(wire.BulkStatusError) as caught:
+        with pytest.raises(BulkStatusError) as caught:
             bulk_client(stubs["a"], "token-of-nobody-0123456789").get("team-a/k1")
         assert caught.value.code == wire.STATUS_UNAUTHENTICATED
     finally:

@@ -13,8 +13,10 @@ import grpc
 import pytest
 
 from connector import OffloadConfig
+from protos import bulk_wire as wire
 from protos import kvstash_pb2
-from storage_backends import bulk_channel as wire
+from storage_backends.bulk_channel import BulkClient
+from storage_backends.bulk_errors import BulkStatusError
 from tests.cache_server.helpers import Stubs, rpc_error
 from tests.cache_server.server_process import CacheServerProcess
 from tests.cache_server.test_tenants import TENANTS_YAML, TOKEN_A, TOKEN_B, TOKEN_OPS, bearer, listed
@@ -72,10 +74,10 @@ def test_another_tenant_cannot_list_read_overwrite_or_evict_an_engines_chunks(
             assert rpc_error(attack).code() == grpc.StatusCode.PERMISSION_DENIED
             attempts += 1
         port = attacker.kv.GetBulkEndpoint(kvstash_pb2.BulkEndpointRequest(), metadata=md).port
-    bulk = wire.BulkClient("127.0.0.1", port, token=TOKEN_B, timeout_s=10)
+    bulk = BulkClient("127.0.0.1", port, token=TOKEN_B, timeout_s=10)
     try:
         for attack in (lambda: bulk.get(victim_keys[0]), lambda: bulk.put(victim_keys[0], forged)):
-            with pytest.raises(wire.BulkStatusError) as caught:
+            with pytest.raises(BulkStatusError) as caught:
                 attack()
             assert caught.value.code == wire.STATUS_PERMISSION_DENIED
             attempts += 1

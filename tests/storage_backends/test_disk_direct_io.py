@@ -17,8 +17,9 @@ import torch
 
 from storage_backends import create_backend, disk_io
 from storage_backends.chunk import KVChunk, encode_chunk
-from storage_backends.disk_backend import ALIGN_MIN_PAYLOAD, DiskBackend, key_to_filename
+from storage_backends.disk_backend import DiskBackend, key_to_filename
 from storage_backends.disk_io import BLOCK, address_of, probe_direct_io
+from storage_backends.disk_record import ALIGN_MIN_PAYLOAD
 
 # 2 layers x 2 x 33 tokens x 4 heads x 128 dims of bf16 = 132 KiB + 0 bytes: whole blocks.
 LARGE = {"num_layers": 2, "num_tokens": 33, "num_kv_heads": 4, "head_dim": 128}

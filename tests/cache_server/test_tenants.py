@@ -10,18 +10,16 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
+from benchmarks.support.cache_server_process import CacheServerProcess, repo_env
+from benchmarks.support.cache_server_values import make_value
 from cache_server.cli import cache_server as cache_server_command
 from cache_server.tenants import Tenant, build_registry, load_tenants
 from protos import kvstash_pb2
 from storage_backends import BackendError
 from storage_backends import bulk_channel as wire
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
-from tests.cache_server.server_process import (
-    CacheServerProcess,
-    repo_env,
-    run_cache_server_briefly,
-)
+from tests.cache_server.helpers import Stubs, rpc_error, run_kvstash
+from tests.cache_server.server_process import run_cache_server_briefly
 
 TOKEN_A = "token-of-team-a-0123456789"
 TOKEN_B = "token-of-team-b-0123456789"

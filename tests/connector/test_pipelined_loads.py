@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
 from connector.request_transfer import TransferPhase
 from engine import SamplingParams
 from engine.request import RequestStatus
 from tests.connector.test_async_loads import close, connector_of, make_prompt, new_llm, write_to
-from tests.reliability.delay_proxy import DelayProxy
 
 CHUNK_SIZE = 32
 PROMPT_LEN = 256  # 8 chunks of 16 KiB of KV each for the tiny model

@@ -13,9 +13,9 @@ import pytest
 
 from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
-from connector.step_time import StepTimeModel
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
+from engine.step_time import StepTimeModel
 from storage_backends.disk_backend import key_to_filename
 
 CHUNK_SIZE = 32

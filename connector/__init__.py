@@ -1,5 +1,5 @@
 """The connector: chunk hashing, masked store/retrieve, tiers, and the role-split
-engine hooks (DESIGN §5). ``engine`` builds its two connector objects with
+engine hooks (docs/architecture.md, Connector). ``engine`` builds its two connector objects with
 :func:`create_kv_connector` (``connector/factory.py``).
 
 The package's names are loaded on first use (PEP 562): ``from connector.config import

@@ -1,4 +1,4 @@
-"""The load-or-recompute planner (DESIGN §5): per request, which chunks to load from
+"""The load-or-recompute planner (docs/architecture.md, Connector): per request, which chunks to load from
 which tier and which tokens to recompute, from measured rates.
 
 Tier rates are moving averages of the engine's own transfers (bytes per second per

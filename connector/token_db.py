@@ -1,4 +1,4 @@
-"""Token database: cut token ids into chunks and name each chunk (DESIGN §5).
+"""Token database: cut token ids into chunks and name each chunk (docs/architecture.md, Connector).
 
 Chunk ``i`` covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``; its key is
 ``key_prefix + namespace:hex(h_i)`` with the chain hash

@@ -1,5 +1,5 @@
 """How many prompt tokens one step may compute: the cap that keeps other requests'
-tokens flowing while a long prompt is prefilled (chunked prefill, DESIGN §3).
+tokens flowing while a long prompt is prefilled (chunked prefill, docs/architecture.md, Engine).
 
 Two limits, each below the scheduler's token budget:
 

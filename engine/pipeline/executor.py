@@ -1,6 +1,6 @@
 """The first process's side of pipeline parallelism: it starts the stage processes,
 runs stage 0 itself, hands each later stage its plan, and collects the sampled
-tokens that come back from the last stage (DESIGN §3; seed 001: only the last
+tokens that come back from the last stage (docs/architecture.md, Pipeline parallelism; seed 001: only the last
 stage samples, and its tokens reach the scheduler through this process, since
 the first and last stages never talk directly).
 

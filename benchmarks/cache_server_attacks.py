@@ -33,12 +33,12 @@ sys.path.insert(0, str(REPO_ROOT))
 import psutil  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from benchmarks.support.cache_server_process import CacheServerProcess  # noqa: E402
+from benchmarks.support.cache_server_values import make_value, put_all  # noqa: E402
 from protos import bulk_wire as wire  # noqa: E402
 from protos import kvstash_pb2, kvstash_pb2_grpc  # noqa: E402
 from storage_backends import create_backend  # noqa: E402
 from storage_backends.grpc_backend import make_channel  # noqa: E402
-from tests.cache_server.helpers import make_value, put_all  # noqa: E402
-from tests.cache_server.server_process import CacheServerProcess  # noqa: E402
 
 MIB = 1 << 20
 

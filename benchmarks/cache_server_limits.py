@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import psutil  # noqa: E402
 
+from benchmarks.support.cache_server_process import CacheServerProcess  # noqa: E402
+from benchmarks.support.cache_server_values import alternating_tiers_server, make_value, put_all  # noqa: E402
 from protos import kvstash_pb2, kvstash_pb2_grpc  # noqa: E402
 from storage_backends.grpc_backend import make_channel  # noqa: E402
-from tests.cache_server.helpers import alternating_tiers_server, make_value, put_all  # noqa: E402
-from tests.cache_server.server_process import CacheServerProcess  # noqa: E402
 
 KEY_BYTES = 1024
 

@@ -21,7 +21,7 @@ step's time and loads). ``--tiers cpu`` measures a hit that stays in the CPU tie
     python benchmarks/head_of_line.py --tiny --out /tmp/hol.json   # CPU: tiny model, redis behind a throttled proxy
 
 The CPU mode starts a real redis-server behind a real TCP proxy capped at
-``--proxy-rate`` bytes/s (tests/reliability/delay_proxy.py) and a disk tier; the
+``--proxy-rate`` bytes/s (benchmarks/support/delay_proxy.py) and a disk tier; the
 GPU mode measures disk, the cache server (``kvstash cache-server`` on the same
 host) and redis when a redis-server is installed.
 """
@@ -393,8 +393,8 @@ def main() -> None:
                     tier, OffloadConfig(**fields, remote_url=url), config, engine_args, args, length
                 )
         elif tier == "redis":
-            from tests.redis_fixtures import RedisServerProcess
-            from tests.reliability.delay_proxy import DelayProxy
+            from benchmarks.support.delay_proxy import DelayProxy
+            from benchmarks.support.redis_process import RedisServerProcess
 
             if shutil.which("redis-server") is None:
                 print("redis tier skipped: no redis-server on this machine")

@@ -7,7 +7,7 @@ x 64 dims, float32: 32 KiB per token), so that the load (the unpack into the pag
 which is the host→device copy's place on CPU) costs what a fetch costs. Tiers, each real:
 - ``disk``: the disk tier (O_DIRECT reads where the filesystem takes them);
 - ``redis``: a real redis-server behind a real TCP proxy capped at ``--proxy-rate-mb``
-  MB/s per connection (tests/reliability/delay_proxy.py, in a process of its own),
+  MB/s per connection (benchmarks/support/delay_proxy.py, in a process of its own),
   ``--reads-in-flight`` reads at once.
 Per repeat and tier: a fresh prompt is computed (and stored), then its KV is dropped from the
 CPU tier and the GPU prefix cache and it is asked again, once pipelined and once not (the
@@ -58,11 +58,11 @@ def wide_kv_config(num_layers: int):
     )
 
 
-#: runs tests/reliability/delay_proxy.py in a child process (its pacing threads would
+#: runs benchmarks/support/delay_proxy.py in a child process (its pacing threads would
 #: otherwise compete for this process's GIL with the engine's step thread)
 _PROXY_CHILD = """
 import sys
-from tests.reliability.delay_proxy import DelayProxy
+from benchmarks.support.delay_proxy import DelayProxy
 proxy = DelayProxy(int(sys.argv[1]), rate_bytes_per_s=float(sys.argv[2])).start()
 print(proxy.port, flush=True)
 sys.stdin.read()  # until the parent closes it
@@ -198,7 +198,7 @@ def main() -> None:
                 offload = OffloadConfig(**fields, disk_path=str(disk_root), disk_bytes=4 * kv_bytes)
                 rows.append(measure(tier, offload, config, engine_args, args))
             elif tier == "redis":
-                from tests.redis_fixtures import RedisServerProcess
+                from benchmarks.support.redis_process import RedisServerProcess
 
                 if shutil.which("redis-server") is None:
                     print("redis tier skipped: no redis-server on this machine")

@@ -133,7 +133,7 @@ def raw_redis_calls(client: object, batch: int) -> tuple[Callable, Callable]:
 
 
 def run_tiers(sizes: list[int], repeats: int, batch: int, workdir: str) -> list[dict]:
-    from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess
+    from benchmarks.support.redis_process import RedisClusterProcess, RedisServerProcess
 
     rows: list[dict] = []
     have_redis = shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None

@@ -1,4 +1,5 @@
-"""Tenants of one cache server: who may touch which keys (DESIGN §7, issue #17).
+"""Tenants of one cache server: who may touch which keys (docs/architecture.md, Cache
+server and protos; issue #17).
 
 ``kvstash cache-server --tenants FILE`` reads a YAML list of
 ``{name, token, prefixes: [...], admin: bool}``. A request's bearer token names

@@ -1,5 +1,5 @@
 """The connector: chunk hashing, masked store/retrieve, tiers, and the role-split
-engine hooks (DESIGN §5). ``engine`` builds its two connector objects with
+engine hooks (docs/architecture.md, Connector). ``engine`` builds its two connector objects with
 :func:`create_kv_connector` (``connector/factory.py``).
 
 The package's names are loaded on first use (PEP 562): ``from connector.config import
@@ -16,15 +16,13 @@ if TYPE_CHECKING:
     from connector.cache_engine import CacheEngine
     from connector.config import OffloadConfig
     from connector.factory import create_cache_engine, create_kv_connector
-    from connector.step_time import StepTimeModel
 
-__all__ = ["CacheEngine", "OffloadConfig", "StepTimeModel", "create_cache_engine", "create_kv_connector"]
+__all__ = ["CacheEngine", "OffloadConfig", "create_cache_engine", "create_kv_connector"]
 
 #: public name -> the module that defines it
 _NAME_TO_MODULE = {
     "CacheEngine": "connector.cache_engine",
     "OffloadConfig": "connector.config",
-    "StepTimeModel": "connector.step_time",
     "create_cache_engine": "connector.factory",
     "create_kv_connector": "connector.factory",
 }

@@ -1,4 +1,4 @@
-"""The engine ⇄ connector contract, split by role (DESIGN §5, after vLLM V1).
+"""The engine ⇄ connector contract, split by role (docs/architecture.md, Connector, after vLLM V1).
 
 The engine owns two objects built from one :class:`~connector.config.OffloadConfig`:
 the *scheduler side* (no tensors: decides what to load and save) and the
@@ -29,7 +29,7 @@ class ConnectorRequest(Protocol):
     num_prompt_tokens: int
     #: tokens whose KV is already in the paged cache (GPU prefix hits + computed + loaded)
     num_computed_tokens: int
-    #: the request's salt (None: none); it seeds the chain of its chunk keys (DESIGN §5)
+    #: the request's salt (None: none); it seeds the chain of its chunk keys (docs/architecture.md, Connector)
     cache_salt: str | None
 
 

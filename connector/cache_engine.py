@@ -1,4 +1,4 @@
-"""``CacheEngine``: masked, chunk-aligned lookup, store and retrieve (DESIGN §5).
+"""``CacheEngine``: masked, chunk-aligned lookup, store and retrieve (docs/architecture.md, Connector).
 
 Masks have the form ``F…FT…T`` (Falses only at the front). True means "store /
 retrieve this token"; False means the engine's GPU cache already holds it.

@@ -1,4 +1,4 @@
-"""``OffloadConfig``: what the connector stores where (DESIGN §5).
+"""``OffloadConfig``: what the connector stores where (docs/architecture.md, Connector).
 
 Built by the engine's caller (``engine.LLM(kv_offload=...)``), by the CLI flags
 in ``engine/offload_cli.py``, from a YAML file or from ``KVSTASH_KV_OFFLOAD_*``

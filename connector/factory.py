@@ -14,10 +14,9 @@ from connector.cache_engine import CacheEngine
 from connector.config import OffloadConfig
 from connector.fetcher import ChunkFetcher
 from connector.lookup import TierLookups
-from connector.planner import LoadPlanner
+from connector.planner import LoadPlanner, StepTimes
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
-from connector.step_time import StepTimeModel
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
 from connector.worker_side import OffloadWorker
@@ -78,11 +77,11 @@ def create_kv_connector(
     head_dim: int,
     block_size: int,
     device: torch.device,
-    step_times: StepTimeModel | None = None,
+    step_times: StepTimes,
     layer_range: tuple[int, int, int] | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
-    ``step_times`` is the engine's step-time model (its planner reads it). A
+    ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
         config,

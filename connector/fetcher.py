@@ -1,6 +1,6 @@
 """Background fetcher: brings a request's chunks from the lower tiers (disk, Redis,
 the cache server) into CPU-tier slots, several reads in flight per tier, so no
-step ever waits on a lower tier (DESIGN §5, "Loads never block a step").
+step ever waits on a lower tier (docs/architecture.md, Connector: "Loads never block a step").
 
 A :class:`FetchJob` lists the chunks of one request in prompt order. Each chunk
 is read with ``StorageBackend.get_into`` straight into a reserved CPU-tier slot

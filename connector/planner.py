@@ -1,10 +1,11 @@
-"""The load-or-recompute planner (DESIGN §5): per request, which chunks to load from
+"""The load-or-recompute planner (docs/architecture.md, Connector): per request, which chunks to load from
 which tier and which tokens to recompute, from measured rates.
 
 Tier rates are moving averages of the engine's own transfers (bytes per second per
 tier, measured by the fetcher from each finished fetch); until a tier has been measured
 its prior is conservative (slow). Recompute times come from the engine's step-time
-model (:class:`connector.step_time.StepTimeModel`, fitted from its own steps).
+model (:class:`engine.step_time.StepTimeModel`, fitted from its own steps), which the
+planner reads through :class:`StepTimes` (the connector does not import the engine).
 
 The plan for a prompt whose hit prefix is ``chunk_tiers`` (tier per chunk):
 the leading chunks already in the CPU tier are loaded in the admitting step
@@ -34,8 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-
-from connector.step_time import StepTimeModel
+from typing import Protocol
 
 #: bytes per second assumed for a tier before its first measured read
 TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
@@ -45,6 +45,19 @@ ALWAYS_LOAD_DEADLINE_S = 600.0
 TIER_PROBE_INTERVAL_S = 30.0
 #: how long a probe's read may take before it counts as what the tier delivered by then
 TIER_PROBE_DEADLINE_S = 30.0
+
+
+class StepTimes(Protocol):
+    """What the planner reads of the engine's step-time model (``engine.step_time.StepTimeModel``).
+    Both may be called from any thread (the scheduler's, fetch threads)."""
+
+    def rate(self, num_prompt_tokens: int) -> float:
+        """Tokens per second of a whole prompt of this length recomputed alone."""
+        ...
+
+    def prefill_seconds(self, begin: int, end: int) -> float:
+        """The predicted time to recompute prompt positions [begin, end) alone (0 when empty)."""
+        ...
 
 
 class MovingRate:
@@ -109,7 +122,7 @@ class LoadPlanner:
         always_load: bool = False,
         alpha: float = 0.3,
         tier_priors: dict[str, float] | None = None,
-        step_times: StepTimeModel | None = None,
+        step_times: StepTimes,
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
         clock=time.monotonic,
     ) -> None:
@@ -125,8 +138,8 @@ class LoadPlanner:
         self._clock = clock
         self._tier_to_observed_at: dict[str, float] = {}
         self._tier_to_next_probe_at: dict[str, float] = {}
-        #: the engine's (shared with its scheduler), or the planner's own
-        self.step_times = step_times if step_times is not None else StepTimeModel()
+        #: the engine's step-time model (shared with its scheduler's prefill cap)
+        self.step_times = step_times
         self._lock = threading.Lock()
         self._tier_to_rate: dict[str, MovingRate] = {}
         #: decisions so far, for /metrics (kvstash_planner_*)

@@ -1,5 +1,5 @@
 """One object per request for everything the connector does for it, with one
-lifecycle (DESIGN §5): its lookup, its load plan, its background fetch and the
+lifecycle (docs/architecture.md, Connector): its lookup, its load plan, its background fetch and the
 CPU-tier pins that fetch holds, its loads, its saves and whether it is still
 sending. Both connector roles read and change a request's transfer state only
 here; each change of phase is a method of :class:`TransferRegistry`.

@@ -1,4 +1,5 @@
-"""Tier manager: CPU memory → local disk → remote, over ``storage_backends`` (DESIGN §5).
+"""Tier manager: CPU memory → local disk → remote, over ``storage_backends``
+(docs/architecture.md, Connector).
 
 Stores go to the CPU tier at once and are written through to the lower tiers
 by one background thread fed by a bounded queue; when the queue is full the

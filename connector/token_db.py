@@ -1,4 +1,4 @@
-"""Token database: cut token ids into chunks and name each chunk (DESIGN §5).
+"""Token database: cut token ids into chunks and name each chunk (docs/architecture.md, Connector).
 
 Chunk ``i`` covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``; its key is
 ``key_prefix + namespace:hex(h_i)`` with the chain hash
@@ -44,23 +44,6 @@ NUM_RECENT_SEQUENCES = 64
 _UINT32 = next(code for code in ("I", "L") if array.array(code).itemsize == 4)
 #: domain separator of a salted chain's seed (never equal to an unsalted chain's empty seed)
 SALT_DOMAIN = b"kvstash-cache-salt-v1\0"
-#: longest ``cache_salt`` accepted, in UTF-8 bytes
-MAX_CACHE_SALT_BYTES = 1024
-
-
-def check_cache_salt(cache_salt: object) -> str | None:
-    """``cache_salt`` when it is None or a non-empty string of at most ``MAX_CACHE_SALT_BYTES``
-    UTF-8 bytes; ``ValueError`` otherwise. Called where a request enters the engine."""
-    if cache_salt is None:
-        return None
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    if not cache_salt:
-        raise ValueError("cache_salt must not be empty (leave it out for no salt)")
-    num_bytes = len(cache_salt.encode("utf-8", errors="surrogatepass"))
-    if num_bytes > MAX_CACHE_SALT_BYTES:
-        raise ValueError(f"cache_salt has {num_bytes} bytes, more than the limit of {MAX_CACHE_SALT_BYTES}")
-    return cache_salt
 
 
 def salt_seed(cache_salt: str | None) -> bytes:

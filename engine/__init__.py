@@ -1,4 +1,4 @@
-"""kvstash's inference engine: `LLM`, `SamplingParams`, `EngineArgs` (DESIGN §3).
+"""kvstash's inference engine: `LLM`, `SamplingParams`, `EngineArgs` (docs/architecture.md, Engine).
 
 The names below are imported on first use (PEP 562), not when the package is: the
 ``kvstash`` CLI root lives in this package, and ``kvstash --help``, ``kvstash admin``

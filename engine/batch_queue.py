@@ -42,8 +42,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
+from engine.runner_output import RunnerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_future import StepFuture
 

@@ -370,7 +370,7 @@ class BenchResult:
 
     @property
     def outputs_must_match(self) -> bool:
-        """float32 is the exactness rule's dtype (DESIGN §3); in bf16/fp16 the chunked
+        """float32 is the exactness rule's dtype (docs/architecture.md, Engine); in bf16/fp16 the chunked
         prefill of the off run and the loaded prefix of the on run sum in different orders."""
         return self.dtype == "float32"
 

@@ -18,7 +18,7 @@ import numpy as np
 from engine.request import Request
 
 _ROOT_HASH = b"kvstash-gpu-prefix-v1"
-#: domain separator of a salted chain's root (DESIGN §5: salts never share blocks)
+#: domain separator of a salted chain's root (docs/architecture.md, Connector: salts never share blocks)
 _SALT_DOMAIN = b"kvstash-gpu-prefix-salt-v1\0"
 #: blocks `find_cached_prefix` hashes at a time (then as many again as it has: it doubles)
 LOOKUP_BATCH_BLOCKS = 16

@@ -1,7 +1,7 @@
 """The ``kvstash`` command line: the root group and the subcommands that belong to
 the engine. Subcommands of lower packages (cache server, admin) are defined
 next to their code and attached here, because only ``engine`` may import every
-package (DESIGN §1).
+package (docs/architecture.md, Layout and dependency direction).
 
 The root group is lazy (click's LazyGroup pattern): a subcommand's module is
 imported only when that subcommand runs (or its own ``--help`` is asked for), so

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from connector.step_time import StepTimeModel
-from connector.token_db import check_cache_salt
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
+from engine.cache_salt import check_cache_salt
 from engine.config import EngineArgs, ModelConfig, SamplingParams
 from engine.host_threads import limit_host_threads
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -28,6 +27,7 @@ from engine.prefill_cap import PrefillCap
 from engine.request import Request, RequestOutput, index_of_token_outside_vocab
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer, SpecDecodeStats
+from engine.step_time import StepTimeModel
 from engine.warmup import WarmupLimits, warm_up
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from connector.token_db import check_cache_salt
+from engine.cache_salt import check_cache_salt
 from engine.config import EngineArgs, SamplingParams
 from engine.engine_core import EngineCore, EngineStats, EngineStepError
 from engine.request import RequestOutput, index_of_token_outside_vocab

@@ -29,6 +29,7 @@ from engine.host_readback import HostReadback
 from engine.input_batch import InputBatch
 from engine.mixed_graphs import MixedGraphs
 from engine.models.llama import LlamaFamilyForCausalLM
+from engine.runner_output import RunnerOutput
 from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import verify_drafts
@@ -55,19 +56,6 @@ class HostInputs:
     #: and whose sampled token each one is; filled on the device before the pass
     missing_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     missing_request_ids: tuple[str, ...] = ()
-
-
-@dataclass
-class RunnerOutput:
-    request_id_to_token: dict[str, int]
-    #: request id -> its drafts the rejection sampler accepted (requests that had drafts)
-    request_id_to_accepted_draft_ids: dict[str, list[int]]
-    #: request id -> leading tokens truly in the paged cache (connector load failures)
-    load_failures: dict[str, int]
-    finished_sending_ids: set[str]
-    num_computed_tokens: int
-    #: requests whose background connector fetch ended (they may be admitted now)
-    finished_recving_ids: set[str] = field(default_factory=set)
 
 
 class _DraftLayout(NamedTuple):

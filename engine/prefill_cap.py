@@ -1,5 +1,5 @@
 """How many prompt tokens one step may compute: the cap that keeps other requests'
-tokens flowing while a long prompt is prefilled (chunked prefill, DESIGN §3).
+tokens flowing while a long prompt is prefilled (chunked prefill, docs/architecture.md, Engine).
 
 Two limits, each below the scheduler's token budget:
 
@@ -7,7 +7,7 @@ Two limits, each below the scheduler's token budget:
   tokens per step, whatever else runs (0: off).
 - ``max_decode_gap_ms``: while at least one other request is decoding, a step's prompt
   tokens are sized so that the step is predicted to last about ``STEP_TARGET_FRACTION``
-  of it, by the engine's step-time model (:class:`connector.step_time.StepTimeModel`:
+  of it, by the engine's step-time model (:class:`engine.step_time.StepTimeModel`:
   a step's fixed cost, an eager pass's extra cost, a cost per token and per query-key
   pair of attention, fitted from the engine's own steps). When no chunk fits (a step
   that runs eagerly costs more than the budget by itself), the chunk is the smallest
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connector.step_time import StepTimeModel
+from engine.step_time import StepTimeModel
 
 #: the share of ``max_decode_gap_ms`` a capped step aims at. The rest is for what the
 #: estimate misses: the host's work between two steps (scheduling, sampling, outputs), a

@@ -102,7 +102,7 @@ class Request:
     #: speculative decoding: pauses drafting while this request's drafts are mostly rejected
     draft_backoff: DraftBackoff = field(default_factory=DraftBackoff)
     #: the request's cache salt (None: none). Requests share GPU prefix-cache blocks and
-    #: offloaded chunks only with requests of the same salt (DESIGN §5)
+    #: offloaded chunks only with requests of the same salt (docs/architecture.md, Connector)
     cache_salt: str | None = None
     #: async scheduling: tokens that steps in flight will sample and that the host does not
     #: have yet (the engine's batch queue sets it while it plans ahead; 0 otherwise)

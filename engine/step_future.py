@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # the model runner imports this module
+from engine.runner_output import RunnerOutput
+
+if TYPE_CHECKING:
     from engine.host_readback import PendingRead
-    from engine.model_runner import RunnerOutput
 
 
 class StepFuture:

@@ -1,4 +1,5 @@
-"""Storage tiers behind one interface (DESIGN §6): CPU memory, local disk, Redis, gRPC.
+"""Storage tiers behind one interface (docs/architecture.md, Storage backends): CPU memory,
+local disk, Redis, gRPC.
 
 ``create_backend(url)`` picks the tier by URL scheme (see :mod:`storage_backends.registry`).
 """

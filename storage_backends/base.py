@@ -1,4 +1,4 @@
-"""The one storage interface every tier implements (DESIGN §6).
+"""The one storage interface every tier implements (docs/architecture.md, Storage backends).
 
 Keys are ``str`` (a namespace fingerprint followed by a chunk hash); values are
 :class:`~storage_backends.chunk.KVChunk`. Backends are used from several threads

@@ -1,6 +1,6 @@
 """The first process's side of pipeline parallelism: it starts the stage processes,
 runs stage 0 itself, hands each later stage its plan, and collects the sampled
-tokens that come back from the last stage (DESIGN §3; seed 001: only the last
+tokens that come back from the last stage (docs/architecture.md, Pipeline parallelism; seed 001: only the last
 stage samples, and its tokens reach the scheduler through this process, since
 the first and last stages never talk directly).
 
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.model_runner import RunnerOutput
 from engine.pipeline.comm import StageLink, create_process_group, open_store
 from engine.pipeline.layer_split import (
     StageLayout,
@@ -45,6 +44,7 @@ from engine.pipeline.messages import StageReply, merge_load_failures, to_stage_p
 from engine.pipeline.stage_model import load_stage_model
 from engine.pipeline.stage_runner import StageRunner
 from engine.pipeline.worker import FLUSH, STOP, StageAllocation, StageSpec, create_stage_connectors, run_stage
+from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -177,6 +177,7 @@ def create_stage_connectors(
     its tiers are its share: `stage_offload_config`). The first stage's scheduler side
     is the engine's; a later stage uses its scheduler side only to flush its tiers."""
     from connector import create_kv_connector
+    from engine.step_time import StepTimeModel
 
     return create_kv_connector(
         stage_offload_config(kv_offload, layout),
@@ -187,6 +188,7 @@ def create_stage_connectors(
         head_dim=model_config.head_dim,
         block_size=block_size,
         device=device,
+        step_times=StepTimeModel(),
         layer_range=layout.layer_range,
     )
 

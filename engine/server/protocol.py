@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from connector.token_db import check_cache_salt
+from engine.cache_salt import check_cache_salt
 from engine.config import SamplingParams
 
 

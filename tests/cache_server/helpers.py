@@ -1,32 +1,17 @@
-"""Helpers for the cache server tests: valid values, raw stubs, CLI runs."""
+"""Helpers for the cache server tests: raw stubs, CLI runs (valid values: benchmarks.support.cache_server_values)."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import grpc
-import torch
 
-from cache_server.config import GIB
-from cache_server.memory_tier import entry_size
+from benchmarks.support.cache_server_process import REPO_ROOT, repo_env
 from protos import kvstash_pb2, kvstash_pb2_grpc
-from storage_backends import create_backend
-from storage_backends.chunk import KVChunk, encode_chunk
 from storage_backends.grpc_channel import make_channel
 from storage_backends.grpc_codec import PIECE_BYTES
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
-
-
-def make_value(seed: int, num_bytes: int = 4096, *, key: str) -> bytes:
-    """A valid serialized chunk of about ``num_bytes`` random bytes (uint8 [1, 2, T, 1, 1]), for ``key``."""
-    generator = torch.Generator().manual_seed(seed)
-    num_tokens = max(1, num_bytes // 2)
-    return encode_chunk(
-        KVChunk(torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator)),
-        key=key,
-    )
+from tests.cache_server.server_process import kvstash_command
 
 
 def put_requests(key: str, data: bytes) -> Iterator[kvstash_pb2.PutRequest]:
@@ -98,28 +83,3 @@ def run_kvstash(
         text=True,
         timeout=timeout,
     )
-
-
-def put_all(url: str, keys: Sequence[str], seed: int, num_bytes: int = 64, num_threads: int = 8) -> None:
-    """Put a value of ``num_bytes`` made for each key (values bind their key), all of one length,
-    through a real grpc tier. Tests and the cache-server benchmarks fill servers with it."""
-    backend = create_backend(url)
-    try:
-        with ThreadPoolExecutor(num_threads) as pool:
-            list(pool.map(lambda key: backend.put_encoded(key, make_value(seed, num_bytes, key=key)), keys))
-    finally:
-        backend.close()
-
-
-def alternating_tiers_server(disk_path: str, keys: Sequence[str], seed: int) -> CacheServerProcess:
-    """A started server whose memory tier holds the even-numbered ``keys`` and whose disk tier
-    holds them all: the memory cap fits half; the odd ones are put first and evicted from
-    memory by the even ones. The caller stops it."""
-    per_entry = entry_size(keys[0], len(make_value(seed, 64, key=keys[0])))
-    memory_bytes = (len(keys) // 2) * per_entry + per_entry // 2
-    server = CacheServerProcess(
-        "--memory-gb", repr(memory_bytes / GIB), "--disk-path", disk_path, "--disk-gb", "1"
-    ).start()
-    put_all(server.url, keys[1::2], seed, num_threads=1)
-    put_all(server.url, keys[0::2], seed, num_threads=1)
-    return server

@@ -10,10 +10,12 @@ import json
 
 from click.testing import CliRunner
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from engine.cli import main
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import make_value, run_kvstash
-from tests.cache_server.server_process import CacheServerProcess, free_port_for_tests
+from tests.cache_server.helpers import run_kvstash
+from tests.cache_server.server_process import free_port_for_tests
 
 
 def admin_json(address: str, *args: str):

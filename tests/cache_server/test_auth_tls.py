@@ -10,11 +10,12 @@ import pytest
 from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.support.cache_server_process import CacheServerProcess, repo_env
+from benchmarks.support.cache_server_values import make_value
 from engine.cli import main
 from protos import kvstash_pb2
 from storage_backends import BackendError, create_backend
-from tests.cache_server.helpers import Stubs, make_value, rpc_error
-from tests.cache_server.server_process import CacheServerProcess, repo_env
+from tests.cache_server.helpers import Stubs, rpc_error
 
 TOKEN = "s3cret-token"
 

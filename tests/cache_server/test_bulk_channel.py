@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import BackendError, create_backend
@@ -21,12 +23,8 @@ from storage_backends.bulk_channel import BulkClient
 from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import (
-    CacheServerProcess,
-    free_port_for_tests,
-    run_cache_server_briefly,
-)
+from tests.cache_server.helpers import Stubs
+from tests.cache_server.server_process import free_port_for_tests, run_cache_server_briefly
 from tests.cache_server.test_auth_tls import tls_files  # noqa: F401 - the module-scoped certificate fixture
 
 MIB = 1 << 20

@@ -18,14 +18,16 @@ import psutil
 import pytest
 import torch
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.bulk_channel import BulkClient
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.chunk_receiver import fresh_tensor
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess, free_port_for_tests
+from tests.cache_server.helpers import Stubs
+from tests.cache_server.server_process import free_port_for_tests
 
 MIB = 1 << 20
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from storage_backends import create_backend
 from storage_backends.chunk import decode_chunk
-from tests.cache_server.helpers import make_value
-from tests.cache_server.server_process import CacheServerProcess
 
 MIB = 1 << 20
 #: a fresh 32 MiB buffer costs 8,193 faults of 4 KiB pages; a reused one none of its own

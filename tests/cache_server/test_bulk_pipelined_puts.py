@@ -10,14 +10,15 @@ import threading
 import pytest
 import torch
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends.bulk_channel import BulkClient
 from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs
 
 MIB = 1 << 20
 

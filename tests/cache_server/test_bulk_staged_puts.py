@@ -14,6 +14,8 @@ import psutil
 import pytest
 import torch
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends import create_backend
@@ -24,8 +26,7 @@ from storage_backends.bulk_exchanges import MAX_STAGED_SEGMENT_BYTES, staged_seg
 from storage_backends.chunk import ChunkFormatError, KVChunk
 from storage_backends.grpc_backend import GrpcBackend
 from storage_backends.staging_area import StagingArea
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs
 from tests.waiting import wait_until
 
 MIB = 1 << 20

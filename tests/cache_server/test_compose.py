@@ -16,9 +16,9 @@ import click
 import pytest
 import yaml
 
+from benchmarks.support.cache_server_process import REPO_ROOT
 from cache_server.cli import admin, cache_server
 from engine.cli import main
-from tests.cache_server.server_process import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 CACHE_PORT_OVERRIDE = REPO_ROOT / "docker-compose.cache-port.yml"

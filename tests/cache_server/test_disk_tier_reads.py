@@ -13,13 +13,14 @@ import os
 import grpc
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from cache_server.config import GIB, ServerConfig
 from cache_server.memory_tier import entry_size, num_bytes_held
 from cache_server.store import TieredStore
 from protos import kvstash_pb2
 from storage_backends.disk_backend import key_to_filename
-from tests.cache_server.helpers import Stubs, make_value, run_kvstash, status_of
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs, run_kvstash, status_of
 
 #: one value below the disk tier's aligned-payload size (64 KiB), one above (O_DIRECT path)
 SIZES = (4096, 3 << 20)

@@ -14,8 +14,8 @@ import grpc
 import psutil
 import pytest
 
+from benchmarks.support.cache_server_process import REPO_ROOT, CacheServerProcess, repo_env
 from cache_server.ports import SERVER_OPTIONS, PortInUseError, check_port_free
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, repo_env
 
 
 def listening_pids(port: int) -> set[int]:

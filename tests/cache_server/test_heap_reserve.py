@@ -14,13 +14,11 @@ import time
 
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from cache_server.heap_reserve import THREAD_OS_NAME
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import make_value
-from tests.cache_server.server_process import (
-    CacheServerProcess,
-    run_cache_server_briefly,
-)
+from tests.cache_server.server_process import run_cache_server_briefly
 
 MIB = 1 << 20
 PAGE_BYTES = 4096

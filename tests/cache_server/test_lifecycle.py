@@ -10,11 +10,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.support.cache_server_process import REPO_ROOT, CacheServerProcess, repo_env
+from benchmarks.support.cache_server_values import make_value
 from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.grpc_codec import PIECE_BYTES
-from tests.cache_server.helpers import Stubs, make_value, put_requests
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
+from tests.cache_server.helpers import Stubs, put_requests
+from tests.cache_server.server_process import kvstash_command
 
 
 def test_sigterm_lets_in_flight_calls_finish_and_turns_health_not_serving() -> None:

@@ -7,10 +7,10 @@ import random
 import psutil
 import torch
 
+from benchmarks.support.cache_server_process import CacheServerProcess
 from protos import kvstash_pb2
 from storage_backends.chunk import KVChunk, encode_chunk
 from tests.cache_server.helpers import Stubs
-from tests.cache_server.server_process import CacheServerProcess
 
 CAP_BYTES = 48 << 20  # --memory-gb 0.046875
 NUM_PUTS = 1000

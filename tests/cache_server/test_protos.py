@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from tests.cache_server.server_process import REPO_ROOT
+from benchmarks.support.cache_server_process import REPO_ROOT
 
 STUB_NAMES = ("kvstash_pb2.py", "kvstash_pb2_grpc.py", "kvstash_pb2.pyi")
 

@@ -9,11 +9,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from cache_server.memory_tier import entry_size
 from protos import kvstash_pb2
 from storage_backends.grpc_codec import PIECE_BYTES
-from tests.cache_server.helpers import Stubs, make_value, put_requests, rpc_error, status_of
-from tests.cache_server.server_process import CacheServerProcess, clear_server
+from tests.cache_server.helpers import Stubs, put_requests, rpc_error, status_of
+from tests.cache_server.server_process import clear_server
 from tests.storage_backends.helpers import forge_chunk
 
 MAX_STREAMS = 2

@@ -12,12 +12,13 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from engine.cli import main
 from protos import bulk_wire as wire
 from protos import kvstash_pb2, kvstash_pb2_grpc
 from storage_backends import create_backend
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs
 from tests.waiting import wait_until
 
 MIB = 1 << 20

@@ -10,6 +10,8 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
+from benchmarks.support.cache_server_process import CacheServerProcess, repo_env
+from benchmarks.support.cache_server_values import make_value
 from cache_server.cli import cache_server as cache_server_command
 from cache_server.tenants import Tenant, build_registry, load_tenants
 from protos import bulk_wire as wire
@@ -18,12 +20,8 @@ from storage_backends import BackendError
 from storage_backends.bulk_channel import BulkClient
 from storage_backends.bulk_errors import BulkStatusError
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import Stubs, make_value, rpc_error, run_kvstash
-from tests.cache_server.server_process import (
-    CacheServerProcess,
-    repo_env,
-    run_cache_server_briefly,
-)
+from tests.cache_server.helpers import Stubs, rpc_error, run_kvstash
+from tests.cache_server.server_process import run_cache_server_briefly
 
 TOKEN_A = "token-of-team-a-0123456789"
 TOKEN_B = "token-of-team-b-0123456789"

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import alternating_tiers_server, make_value, put_all
+from benchmarks.support.redis_process import RedisServerProcess
 from cache_server.config import GIB, ServerConfig
 from cache_server.memory_tier import ENTRY_OVERHEAD_BYTES, entry_size
 from cache_server.store import TieredStore
@@ -18,9 +21,8 @@ from protos import kvstash_pb2
 from storage_backends import create_backend
 from storage_backends.chunk import ChunkFormatError
 from storage_backends.grpc_channel import MAX_MESSAGE_BYTES
-from tests.cache_server.helpers import Stubs, alternating_tiers_server, make_value, put_all, run_kvstash
-from tests.cache_server.server_process import CacheServerProcess
-from tests.redis_fixtures import RedisServerProcess
+from tests.cache_server.helpers import Stubs, run_kvstash
+from tests.redis_fixtures import require_redis_server
 
 MIB = 1 << 20
 KEY_BYTES = 1024
@@ -225,6 +227,7 @@ def test_a_value_a_lower_tier_refuses_after_the_size_check_is_stored_nowhere(tmp
 def test_every_call_skips_a_redis_that_went_down() -> None:
     """With Redis down, Contains, Delete, Evict, Clear and ListKeys failed with UNAVAILABLE
     although the memory tier answers; Get already skipped it."""
+    require_redis_server()
     redis = RedisServerProcess().start()
     server = CacheServerProcess("--memory-gb", "0.25", "--redis-url", redis.url).start()
     try:

@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from storage_backends.base import BackendError
 from storage_backends.grpc_backend import GrpcBackend
-from tests.cache_server.helpers import make_value
-from tests.cache_server.server_process import CacheServerProcess
 
 POLICY_LOGGER = "storage_backends.transport_policy"
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.cache_server_values import make_value
 from cache_server.value_assembly import MAX_HEADER_BYTES, ValueAssembler
 from storage_backends.chunk import ChunkFormatError, ChunkKeyError, verify_chunk
-from tests.cache_server.helpers import make_value
 
 # Both sides of MAX_HEADER_BYTES: small values are checked at the end, large ones as they arrive.
 SIZES = (40, 3000, 3 * MAX_HEADER_BYTES)

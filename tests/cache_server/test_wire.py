@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.cache_server_values import make_value
 from protos import kvstash_pb2
 from storage_backends.grpc_channel import make_channel
 from storage_backends.grpc_codec import PIECE_BYTES, parse_fields, put_messages, value_from_get_messages
-from tests.cache_server.helpers import make_value
 
 
 @settings(max_examples=40, deadline=None)

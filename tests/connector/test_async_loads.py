@@ -11,12 +11,12 @@ import random
 
 import pytest
 
+from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
-from connector.step_time import StepTimeModel
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
+from engine.step_time import StepTimeModel
 from storage_backends.disk_backend import key_to_filename
-from tests.reliability.delay_proxy import DelayProxy
 
 CHUNK_SIZE = 32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

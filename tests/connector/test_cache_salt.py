@@ -12,9 +12,10 @@ import random
 import pytest
 
 from connector import OffloadConfig
-from connector.token_db import MAX_CACHE_SALT_BYTES, TokenDatabase
+from connector.token_db import TokenDatabase
 from engine import LLM, SamplingParams
 from engine.block_manager import root_hash
+from engine.cache_salt import MAX_CACHE_SALT_BYTES
 
 CHUNK_SIZE = 64
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -18,9 +18,9 @@ import dataclasses
 import pytest
 
 from connector import OffloadConfig
-from connector.step_time import StepTimeModel
 from engine import SamplingParams
 from engine.prefill_cap import STEP_TARGET_FRACTION
+from engine.step_time import StepTimeModel
 from tests.connector.test_async_loads import close, connector_of, make_prompt, new_llm, write_to
 
 CHUNK_SIZE = 32
@@ -339,6 +339,7 @@ def test_fit_load_tokens_takes_whole_chunks_within_the_time_and_at_least_the_fir
         head_dim=8,
         block_size=16,
         device=torch.device("cpu"),
+        step_times=StepTimeModel(),
     )
     # a CPU tier that loads 1,000 tokens per second (its prior: nothing measured yet)
     scheduler.planner.tier_priors["cpu"] = 1_000 * scheduler.cache_engine.bytes_per_token

@@ -47,10 +47,10 @@ def test_pipelined_loads_from_a_slow_cache_server_keep_tokens_exact_on_cuda(tiny
     """The fetch's chunks are copied to the GPU as they arrive (several pieces, each in a
     step that computes nothing for the request), on the mover's CUDA stream; the tokens
     equal recompute's and those of the same hit loaded in one piece."""
+    from benchmarks.support.cache_server_process import CacheServerProcess
+    from benchmarks.support.delay_proxy import DelayProxy
     from engine import LLM, SamplingParams
-    from tests.cache_server.server_process import CacheServerProcess
     from tests.connector.test_pipelined_loads import step_until_loaded
-    from tests.reliability.delay_proxy import DelayProxy
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = [(i * 17 + 3) % 480 + 5 for i in range(256)]

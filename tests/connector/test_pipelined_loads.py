@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
 from connector.request_transfer import TransferPhase
 from engine import SamplingParams
 from engine.request import RequestStatus
+from engine.step_time import StepTimeModel
 from tests.connector.test_async_loads import close, connector_of, make_prompt, new_llm, write_to
-from tests.reliability.delay_proxy import DelayProxy
 
 CHUNK_SIZE = 32
 PROMPT_LEN = 256  # 8 chunks of 16 KiB of KV each for the tiny model
@@ -250,6 +251,7 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
             head_dim=8,
             block_size=4,
             device=torch.device("cpu"),
+            step_times=StepTimeModel(),
         )
         fetcher, registry = scheduler.fetcher, scheduler.registry
         scheduler.cache_engine.tiers.cpu.put("k0", KVChunk(torch.ones(shape)))

@@ -11,8 +11,8 @@ import pytest
 from connector import OffloadConfig
 from connector.breaker import CircuitBreaker
 from connector.planner import LoadPlanner
-from connector.step_time import StepTimeModel
 from engine import SamplingParams
+from engine.step_time import StepTimeModel
 from tests.connector.test_async_loads import make_prompt, new_llm
 
 MIB = 1 << 20
@@ -43,7 +43,7 @@ def plan(planner, tiers, *, chunk=256, computed=0, prompt=None):
 
 
 def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
-    planner = LoadPlanner(bytes_per_token=MIB)  # 256 MiB per chunk
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel())  # 256 MiB per chunk
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)  # 0.256 s per chunk
     planner.observe_read("disk", 1 << 30, 1.0)  # 1 GiB/s: 0.25 s per chunk, a bit faster
     planner.observe_read("redis", 1 << 30, 100.0)  # far slower than recompute
@@ -67,7 +67,7 @@ def test_planner_loads_cpu_chunks_always_and_lower_tiers_only_when_faster():
 
 
 def test_planner_waits_for_a_tier_much_faster_than_prefill():
-    planner = LoadPlanner(bytes_per_token=MIB)
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel())
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)
     planner.observe_read("disk", 100 << 30, 1.0)  # 0.0025 s per chunk
     decision = plan(planner, ["disk", "disk", "disk", "disk"])
@@ -76,7 +76,7 @@ def test_planner_waits_for_a_tier_much_faster_than_prefill():
 
 
 def test_planner_with_always_load_fetches_every_hit():
-    planner = LoadPlanner(bytes_per_token=MIB, always_load=True)
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), always_load=True)
     planner.observe_read("redis", 1, 100.0)
     decision = plan(planner, ["redis", "redis"], computed=16)
     assert decision.num_fetch_chunks == 2 and decision.num_fetch_end == 512
@@ -84,7 +84,7 @@ def test_planner_with_always_load_fetches_every_hit():
 
 
 def test_forced_loading_loads_within_the_block_and_plans_again_after():
-    planner = LoadPlanner(bytes_per_token=MIB)
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel())
     planner.observe_read("redis", 1, 100.0)  # far slower than recompute
     with planner.forced_loading():
         forced = plan(planner, ["redis", "redis"])
@@ -222,7 +222,9 @@ def test_step_time_model_ignores_empty_measurements_and_rejects_a_bad_prior():
 
 def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
     clock = [0.0]
-    planner = LoadPlanner(bytes_per_token=MIB, probe_interval_s=30.0, clock=lambda: clock[0])
+    planner = LoadPlanner(
+        bytes_per_token=MIB, step_times=StepTimeModel(), probe_interval_s=30.0, clock=lambda: clock[0]
+    )
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)
     planner.tier_priors["redis"] = 1e3  # its prior: far slower than recompute
     tiers = ["cpu", "disk", "redis", "redis"]
@@ -255,8 +257,8 @@ def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
 
 def test_planner_never_probes_with_always_load_or_a_zero_interval():
     for planner in (
-        LoadPlanner(bytes_per_token=MIB, always_load=True),
-        LoadPlanner(bytes_per_token=MIB, probe_interval_s=0),
+        LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), always_load=True),
+        LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), probe_interval_s=0),
     ):
         planner.tier_priors["redis"] = 1e3
         decision = plan(planner, ["redis", "redis"])

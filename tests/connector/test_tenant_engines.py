@@ -10,10 +10,10 @@ import random
 
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
 from tests.cache_server.helpers import Stubs
-from tests.cache_server.server_process import CacheServerProcess
 from tests.cache_server.test_tenants import TENANTS_YAML, TOKEN_A, TOKEN_B, TOKEN_OPS, bearer, listed
 
 CHUNK_SIZE = 64

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
-from connector.step_time import STEP_PRIOR_S, StepTimeModel
 from engine import LLM, EngineArgs, EngineCore, SamplingParams
 from engine.block_manager import BlockManager
 from engine.prefill_cap import CAP_PRIOR_TOKENS_PER_S, STEP_TARGET_FRACTION, PrefillCap
 from engine.scheduler import Scheduler
+from engine.step_time import STEP_PRIOR_S, StepTimeModel
 from tests.engine.hf_reference import random_prompt
 from tests.engine.test_scheduler import BLOCK_SIZE, make_request
 

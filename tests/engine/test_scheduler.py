@@ -1,4 +1,4 @@
-"""Scheduler and block-manager rules (DESIGN §3), without a model: one token budget
+"""Scheduler and block-manager rules (docs/architecture.md, Engine), without a model: one token budget
 per step, chunked prefill, max_num_seqs, preemption by recompute, prefix hits."""
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ from pathlib import Path
 import click
 import pytest
 
+from benchmarks.support.cache_server_process import REPO_ROOT, CacheServerProcess, repo_env
+from benchmarks.support.cache_server_values import make_value
 from engine.cli import LAZY_SUBCOMMANDS, main
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import REPO_ROOT, CacheServerProcess, kvstash_command, repo_env
+from tests.cache_server.helpers import Stubs
+from tests.cache_server.server_process import kvstash_command
 
 #: runs ``kvstash ARGS`` (argv[1:]) in this process, then prints which heavy modules it imported
 _RUN_AND_REPORT = """

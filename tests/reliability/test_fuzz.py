@@ -18,10 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from protos import kvstash_pb2
 from storage_backends.grpc_channel import make_channel
-from tests.cache_server.helpers import Stubs, make_value
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs
 from tests.reliability.rpc_calls import METHODS, Method, raw_call
 
 MEMORY_CAP_BYTES = 8 << 20

@@ -12,9 +12,9 @@ import logging
 
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
 from connector import OffloadConfig
 from storage_backends.disk_backend import parse_record
-from tests.cache_server.server_process import CacheServerProcess
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
     StreamTally,

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
-from tests.cache_server.server_process import CacheServerProcess
-from tests.reliability.delay_proxy import DelayProxy
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
     StreamTally,

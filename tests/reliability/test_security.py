@@ -12,11 +12,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.support.cache_server_process import CacheServerProcess
+from benchmarks.support.cache_server_values import make_value
 from connector import OffloadConfig
 from protos import kvstash_pb2
 from storage_backends.grpc_channel import make_channel
-from tests.cache_server.helpers import Stubs, make_value, status_of
-from tests.cache_server.server_process import CacheServerProcess
+from tests.cache_server.helpers import Stubs, status_of
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,
     Reference,

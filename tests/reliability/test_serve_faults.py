@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from tests.cache_server.server_process import CacheServerProcess
+from benchmarks.support.cache_server_process import CacheServerProcess
 from tests.reliability.engine_stream import CHUNK_SIZE, PARAMS, RESUME_TIMEOUT_S, full_hits, make_prompts
 from tests.serving.server_process import ServeProcess, metric_value
 

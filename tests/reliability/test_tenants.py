@@ -12,13 +12,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from benchmarks.support.cache_server_process import CacheServerProcess
 from connector import OffloadConfig
 from protos import bulk_wire as wire
 from protos import kvstash_pb2
 from storage_backends.bulk_channel import BulkClient
 from storage_backends.bulk_errors import BulkStatusError
 from tests.cache_server.helpers import Stubs, rpc_error
-from tests.cache_server.server_process import CacheServerProcess
 from tests.cache_server.test_tenants import TENANTS_YAML, TOKEN_A, TOKEN_B, TOKEN_OPS, bearer, listed
 from tests.reliability.engine_stream import (
     CHUNK_SIZE,

@@ -14,7 +14,7 @@ import time
 import httpx
 import redis
 
-from tests.cache_server.server_process import CacheServerProcess
+from benchmarks.support.cache_server_process import CacheServerProcess
 from tests.serving.server_process import ServeProcess, metric_value
 
 #: 300 prompt tokens: one full 256-token chunk and a 44-token partial chunk

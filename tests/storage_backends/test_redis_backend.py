@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
+from benchmarks.support.redis_process import RedisClusterProcess, RedisServerProcess
 from storage_backends import BackendError, create_backend
 from storage_backends.redis_backend import DEFAULT_KEY_PREFIX, RedisBackend
-from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess
 from tests.storage_backends.helpers import make_chunk
 
 TIMEOUT_S = 1.0

@@ -6,7 +6,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from tests.redis_fixtures import RedisClusterProcess, RedisServerProcess, require_redis_server
+from benchmarks.support.redis_process import RedisClusterProcess, RedisServerProcess
+from tests.redis_fixtures import require_redis_server
 
 
 def test_redis_url_is_flushed_between_tests(redis_url: str) -> None:

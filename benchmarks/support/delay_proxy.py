@@ -6,7 +6,8 @@ direction are written out ``delay_s`` seconds after they arrived (a latency, not
 a bandwidth cap; ``rate_bytes_per_s`` adds one), so a client whose timeout is shorter than ``delay_s`` times
 out while the server itself stays healthy. ``delay_s`` may change at any time;
 bytes already queued keep the delay they were read under. Used by the slow-remote
-reliability tests in front of ``redis-server`` and the cache server.
+reliability tests and the head-of-line and pipelined-load benchmarks in front of
+``redis-server`` and the cache server.
 """
 
 from __future__ import annotations

@@ -1,0 +1,28 @@
+"""The outcome of one model-runner step as plain data: sampled tokens, accepted drafts,
+the connector's load failures and finished transfers.
+
+A module of its own so that the model runner (which makes it), the step future (which
+completes it) and the batch queue and pipeline executor (which read it) import it without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunnerOutput:
+    """What one model-runner step produced, for the engine core and the scheduler.
+    ``request_id_to_token`` is complete only once the step's ``StepFuture.result()``
+    returned (it fills it from the sampled ids)."""
+
+    request_id_to_token: dict[str, int]
+    #: request id -> its drafts the rejection sampler accepted (requests that had drafts)
+    request_id_to_accepted_draft_ids: dict[str, list[int]]
+    #: request id -> leading tokens truly in the paged cache (connector load failures)
+    load_failures: dict[str, int]
+    finished_sending_ids: set[str]
+    num_computed_tokens: int
+    #: requests whose background connector fetch ended (they may be admitted now)
+    finished_recving_ids: set[str] = field(default_factory=set)

@@ -23,6 +23,7 @@ COPY storage_backends ./storage_backends
 COPY cache_server ./cache_server
 COPY kernels ./kernels
 COPY protos ./protos
+COPY bench ./bench
 RUN pip install --no-deps --no-build-isolation . && pip check
 
 # Run as an unprivileged user; /data holds the cache server's disk tier and models.

@@ -50,8 +50,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.presets import llama31_config  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench_presets import llama31_config  # noqa: E402
 
 #: the decoder-layer parts timed in the instrumented run (module attribute names)
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")

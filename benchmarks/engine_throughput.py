@@ -37,7 +37,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 
 def llama_config(tiny: bool):
     """An in-memory transformers config: Llama-3.1-8B's shapes, or a tiny one."""
-    from engine.bench_presets import llama31_config
+    from bench.presets import llama31_config
 
     if not tiny:
         return llama31_config()

@@ -451,7 +451,7 @@ def main(
 
 def run_engine_load(cache_port: int, num_streams: int, requests_per_stream: int, max_tokens: int) -> dict:
     """Start ``kvstash serve`` on a tiny model with offload to the cache server and stream at it."""
-    from engine.tiny_model import make_tiny_model
+    from bench.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvstash-load-model-") as model_dir:
         make_tiny_model(model_dir, arch="llama")

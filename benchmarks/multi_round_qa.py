@@ -31,10 +31,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.results import Workload  # noqa: E402
+from bench.workload import make_conversations, run_warmup  # noqa: E402
 from benchmarks.engine_throughput import llama_config  # noqa: E402
 from connector import OffloadConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench import Workload, make_conversations, run_warmup  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -35,10 +35,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.presets import llama31_config  # noqa: E402
 from benchmarks.ttft import evict_cpu_tier, kv_bytes_per_token, random_prompt, set_pipelined_loads  # noqa: E402
 from connector import OffloadConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench_presets import llama31_config  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -1043,8 +1043,8 @@ def make_8b_folder(directory: Path) -> Path:
     """A folder `kvstash serve --load-format dummy` can serve: the Llama-3.1-8B config and
     a tokenizer whose vocabulary covers every id of it (the tiny model's, padded with
     plain added tokens), so that generated text decodes token for token."""
-    from engine.bench_presets import llama31_8b_config
-    from engine.tiny_model import TINY_VOCAB_SIZE, _build_tokenizer
+    from bench.presets import llama31_8b_config
+    from bench.tiny_model import TINY_VOCAB_SIZE, _build_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(TINY_VOCAB_SIZE)
@@ -1218,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(make_8b_folder(work_model))
             serve_flags += ["--load-format", "dummy", "--model-id", "soak-llama-3.1-8b-shape-dummy"]
         else:
-            from engine.tiny_model import make_tiny_model
+            from bench.tiny_model import make_tiny_model
 
             model = str(make_tiny_model(work_model, size=size))
     try:

@@ -7,7 +7,7 @@ redis-py ``SET``/``GET`` of equally large byte strings on the same redis-server
 give the baseline that the Redis tier's overhead (encoding, checksums, decoding)
 is measured against. The script starts its own redis-server and 3-node cluster.
 
-The lz4 section runs a tiny random-weight model (``engine.tiny_model``) with
+The lz4 section runs a tiny random-weight model (``bench.tiny_model``) with
 transformers in bf16, takes its ``past_key_values`` as a ``[layers, 2, tokens,
 kv_heads, head_dim]`` chunk and reports the compression ratio and MB/s.
 
@@ -234,7 +234,7 @@ def model_kv_chunk(num_tokens: int, workdir: str) -> tuple[KVChunk, str]:
     """KV of a real forward pass of the tiny model in bf16, as one [layers, 2, tokens, heads, dim] chunk."""
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import TINY_VOCAB_SIZE, make_tiny_model
+    from bench.tiny_model import TINY_VOCAB_SIZE, make_tiny_model
 
     model_dir = make_tiny_model(Path(workdir) / "tiny-llama", arch="llama")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

@@ -1,7 +1,7 @@
 """Decode step time with weights partly in CPU memory (`cpu_offload_gb`) vs all on the GPU.
 
 Default (the GPU run): the 8b preset's model (Llama-3.1-8B shape, random bf16 weights,
-engine.bench_presets), `--cpu-offload-gb 8` (the last 19 of 32 layers), 4 requests of
+bench.presets), `--cpu-offload-gb 8` (the last 19 of 32 layers), 4 requests of
 256 prompt tokens decoding together. Three engines run one after the other, each in a fresh
 process alone on the GPU: no offload; offload with the decode CUDA graphs (they capture the layer
 copies); offload eager (`enforce_eager`). Each runs 2 untimed decode steps first, then
@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.presets import llama31_8b_config, llama31_config  # noqa: E402
 from benchmarks.ttft import synchronize  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench_presets import llama31_8b_config, llama31_config  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.models.weight_offload import GIB, plan_weight_offload  # noqa: E402
 

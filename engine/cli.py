@@ -1,7 +1,10 @@
 """The ``kvstash`` command line: the root group and the subcommands that belong to
 the engine. Subcommands of lower packages (cache server, admin) are defined
 next to their code and attached here, because only ``engine`` may import every
-package (docs/architecture.md, Layout and dependency direction).
+package (docs/architecture.md, Layout and dependency direction). ``kvstash bench`` and ``kvstash make-tiny-model`` run code of the
+``bench`` package, which sits above ``engine``: the map below names its command by string
+and ``make-tiny-model`` imports its maker when it runs, so nothing here imports ``bench``
+at module level.
 
 The root group is lazy (click's LazyGroup pattern): a subcommand's module is
 imported only when that subcommand runs (or its own ``--help`` is asked for), so
@@ -36,7 +39,7 @@ LAZY_SUBCOMMANDS: dict[str, LazySubcommand] = {
         "cache_server.admin_cli:admin", "Inspect and manage a running kvstash cache server."
     ),
     "bench": LazySubcommand(
-        "engine.bench:bench",
+        "bench.cli:bench",
         "Multi-round QA with KV offload off, then on: TTFT per round, table, JSON and plot.",
     ),
     "cache-server": LazySubcommand(
@@ -141,7 +144,7 @@ def main(log_level: str) -> None:
 )
 def make_tiny_model_cmd(directory: str, arch: str, seed: int, size: str) -> None:
     """Write a small random-weight Hugging Face checkpoint with a local tokenizer to DIRECTORY."""
-    from engine.tiny_model import make_tiny_model
+    from bench.tiny_model import make_tiny_model
 
     path = make_tiny_model(directory, arch=arch, seed=seed, size=size)
     click.echo(f"wrote a tiny {arch} model to {path}")

@@ -47,7 +47,7 @@ def repo_root() -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """Factory: ``tiny_model_dir("qwen3") -> Path`` of a tiny checkpoint, made once per
     arch (and seed) per test session."""
-    from engine.tiny_model import make_tiny_model
+    from bench.tiny_model import make_tiny_model
 
     made: dict[tuple[str, int], Path] = {}
 

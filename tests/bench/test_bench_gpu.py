@@ -11,7 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import bench
+from bench.cli import bench
 
 GIB = 1 << 30
 #: bf16 weights of the 8B shape: about 16 GB (a float32 or second copy would be 32 GB)

@@ -7,18 +7,12 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import (
-    BenchResult,
-    RoundBound,
-    Turn,
-    Workload,
-    bench,
-    bench_settings,
-    default_offload_config,
-    kv_bytes_per_token,
-)
-from engine.bench_presets import PRESETS, resolve_preset
-from engine.bench_report import outputs_note, print_table, round_rows
+from bench.cli import bench
+from bench.model_facts import kv_bytes_per_token
+from bench.presets import PRESETS, resolve_preset
+from bench.report import bench_json, outputs_note, print_table, round_rows
+from bench.results import BenchResult, RoundBound, Turn, Workload
+from bench.settings import bench_settings, default_offload_config
 
 NO_WORKLOAD_FLAGS = dict.fromkeys(("num_users", "context_len", "num_rounds", "question_len", "answer_len"))
 WORKLOAD_FLAGS = {**NO_WORKLOAD_FLAGS, "system_prompt_len": 0, "seed": 0}
@@ -183,7 +177,7 @@ def test_bf16_mismatch_is_reported_not_fatal(capsys) -> None:
     print_table(bf16)
     table = capsys.readouterr().out
     assert "no*" in table and "16-bit dtype" in table
-    assert "bfloat16" in outputs_note(bf16) and bf16.to_json()["outputs_must_match"] is False
+    assert "bfloat16" in outputs_note(bf16) and bench_json(bf16)["outputs_must_match"] is False
 
 
 def test_presets_are_named_consistently() -> None:
@@ -201,7 +195,7 @@ def test_documented_model_sizes_are_their_parameter_counts() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import TINY_VOCAB_SIZE, _arch_config
+    from bench.tiny_model import TINY_VOCAB_SIZE, _arch_config
 
     def num_parameters(size: str) -> int:
         with torch.device("meta"):  # shapes only, no weight is made
@@ -213,13 +207,13 @@ def test_documented_model_sizes_are_their_parameter_counts() -> None:
     counts = {size: num_parameters(size) for size in ("tiny", "bench")}
     assert 20e6 < counts["bench"] < 30e6 and counts["tiny"] < 1e6
     repo_root = Path(__file__).resolve().parents[2]
-    files = ["docs/bench.md", "README.md", "engine/bench.py", "engine/bench_presets.py", "engine/cli.py"]
-    files.append("engine/tiny_model.py")
+    files = ["docs/bench.md", "README.md", "bench/cli.py", "bench/presets.py", "engine/cli.py"]
+    files.append("bench/tiny_model.py")
     claims = []
     for name in files:
         text = " ".join((repo_root / name).read_text().split())  # docs and help texts wrap lines
         claims += [(name, m) for m in re.findall(r"~(\d+(?:\.\d+)?)M parameters", text)]
-    assert {name for name, _ in claims} >= {"docs/bench.md", "engine/bench_presets.py"}
+    assert {name for name, _ in claims} >= {"docs/bench.md", "bench/presets.py"}
 
     def says(claim: str, count: int) -> bool:
         """Whether "~{claim}M" is ``count`` rounded to the digits the claim shows."""

@@ -9,7 +9,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import Workload, bench, make_conversations
+from bench.cli import bench
+from bench.results import Workload
+from bench.workload import make_conversations
 
 QUESTION_LEN, ANSWER_LEN, CONTEXT_LEN = 16, 4, 600
 FLAGS = [
@@ -128,8 +130,8 @@ def test_in_memory_config_runs_like_the_8b_preset(tmp_path, monkeypatch) -> None
     folder, no tokenizer) with a tiny shape on CPU: both engines, warm-ups, bounds."""
     from transformers import LlamaConfig
 
+    from bench.runner import run_bench
     from connector import OffloadConfig
-    from engine.bench import run_bench
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = LlamaConfig(

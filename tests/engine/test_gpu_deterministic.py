@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.presets import llama31_config
 from benchmarks.deterministic import make_prompts
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
-from engine.bench_presets import llama31_config
 from engine.spec_decode.replay import ReplayProposer
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ import gc
 import pytest
 import torch
 
+from bench.presets import llama31_config
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
-from engine.bench_presets import llama31_config
 from engine.model_runner import kv_bytes_per_block
 from tests.engine.test_weight_offload import GREEDY, PROMPTS, layer_gib, six_layer_config, token_ids
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 
+from bench.tiny_model import make_tiny_model
 from connector import OffloadConfig
 from connector.token_db import namespace_fingerprint
 from engine import LLM, SamplingParams
 from engine.models.fingerprint import CACHE_FILE_NAME, WeightHashCache, file_digest, model_fingerprint
-from engine.tiny_model import make_tiny_model
 from tests.engine.hf_reference import random_prompt
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

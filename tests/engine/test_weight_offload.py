@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from bench.presets import llama31_config
 from connector import OffloadConfig
 from engine import LLM, SamplingParams
-from engine.bench_presets import llama31_config
 from engine.config import EngineArgs, ModelConfig
 from engine.models.weight_offload import GIB, pin_as_one_allocation, plan_weight_offload
 from tests.engine.hf_reference import random_prompt

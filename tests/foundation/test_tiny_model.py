@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.tiny_model import TINY_ARCHS, make_tiny_model
+from bench.tiny_model import TINY_ARCHS, make_tiny_model
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

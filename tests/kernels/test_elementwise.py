@@ -111,9 +111,9 @@ def causal_attention(_layer_idx: int, query, key, value) -> torch.Tensor:
 def test_model_with_glue_kernels_matches_the_eager_model(arch):
     """float32: the same hidden states as the eager glue (to float32 noise); bfloat16: as close
     to the float32 model as the eager bf16 glue is (bf16 rounding noise is ~2% here)."""
+    from bench.tiny_model import _arch_config
     from engine.config import ModelConfig
     from engine.models.loader import load_model
-    from engine.tiny_model import _arch_config
     from kernels.rms_norm import rms_norm
 
     config = ModelConfig.from_hf_config(_arch_config(arch, 512, bos_id=1, eos_id=2, pad_id=0))

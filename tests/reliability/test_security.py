@@ -118,7 +118,7 @@ def test_namespaces_keep_incompatible_kv_apart(
 ):
     """Four engines share one server over grpcs:// with the token: the first stores, the
     others (another model, another dtype, another KV shape) must never be served its chunks."""
-    from engine.tiny_model import make_tiny_model
+    from bench.tiny_model import make_tiny_model
 
     url = f"grpcs://{secure_server.address}?token={TOKEN}&ca={tls_files[0]}"
     offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, remote_url=url)

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import bench
+from bench.cli import bench
 
 SMALL_FLAGS = [
     "--model-size",

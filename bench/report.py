@@ -1,17 +1,17 @@
-"""What `kvstash bench` shows and writes: per-round rows, a rich table, JSON and a
-PNG plot of TTFT per round for the off and on runs."""
+"""What `kvstash bench` shows and writes: per-round rows, a rich table, JSON (bench.json)
+and a PNG plot of TTFT per round for the off and on runs."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from statistics import mean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from engine.bench import BenchResult, Turn
+from bench.results import BenchResult, Turn
 
 
 def _of_round(turns: list[Turn], round_index: int) -> list[Turn]:
@@ -168,8 +168,38 @@ def print_table(result: BenchResult) -> None:
     )
 
 
+def bench_json(result: BenchResult) -> dict[str, Any]:
+    """The content of bench.json: the settings, the per-round rows, every request's figures
+    (warm-up included) and whether the outputs are identical."""
+    return {
+        "model": result.model,
+        "preset": result.preset,
+        "device": result.device,
+        "device_name": result.device_name,
+        "dtype": result.dtype,
+        "kv_bytes_per_token": result.kv_bytes_per_token,
+        "copy_kind": result.copy_kind,
+        "workload": asdict(result.workload),
+        "engine_args": result.engine_args,
+        "offload": result.offload,
+        "outputs_identical": result.outputs_identical,
+        "outputs_must_match": result.outputs_must_match,
+        "outputs_note": outputs_note(result),
+        "wall_s": {"off": result.wall_s_off, "on": result.wall_s_on},
+        "gpu_bytes_between_runs": result.gpu_bytes_between_runs,
+        "gpu_peak_bytes": result.gpu_peak_bytes,
+        "host_peak_rss_bytes": result.host_peak_rss_bytes,
+        "rounds": round_rows(result),
+        "warmup": {
+            "off": [asdict(t) for t in result.warmup_off],
+            "on": [asdict(t) for t in result.warmup_on],
+        },
+        "turns": {"off": [asdict(t) for t in result.turns_off], "on": [asdict(t) for t in result.turns_on]},
+    }
+
+
 def write_json(result: BenchResult, path: Path) -> Path:
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    path.write_text(json.dumps(bench_json(result), indent=2) + "\n")
     return path
 
 

@@ -7,36 +7,20 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-import subprocess
 import sys
 
 import grpc
-import psutil
 import pytest
 
 from benchmarks.support.cache_server_process import REPO_ROOT, CacheServerProcess, repo_env
 from cache_server.ports import SERVER_OPTIONS, PortInUseError, check_port_free
-
-
-def listening_pids(port: int) -> set[int]:
-    return {
-        conn.pid
-        for conn in psutil.net_connections(kind="tcp")
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
-    }
+from tests.ports import listening_pids, run_to_exit
 
 
 def run_second_server(*args: str) -> tuple[int, list[str]]:
     """`python -m cache_server ARGS` to its exit -> (exit code, its non-empty output lines)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "cache_server", "--host", "127.0.0.1", "--memory-gb", "0.1", *args],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return done.returncode, [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    argv = [sys.executable, "-m", "cache_server", "--host", "127.0.0.1", "--memory-gb", "0.1", *args]
+    return run_to_exit(argv, REPO_ROOT, repo_env(), timeout_s=60)
 
 
 @pytest.fixture(scope="module")

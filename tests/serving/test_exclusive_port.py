@@ -4,34 +4,25 @@ fails with one line naming it and a non-zero exit, and nothing was loaded meanwh
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 
-import psutil
-
+from tests.ports import listening_pids, run_to_exit
 from tests.serving.server_process import REPO_ROOT, ServeProcess, repo_env
 
 
 def run_serve(model_dir, port: int) -> tuple[int, list[str]]:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "serve",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO_ROOT,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return done.returncode, [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    argv = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    return run_to_exit(argv, REPO_ROOT, repo_env(), timeout_s=120)
 
 
 def test_a_taken_port_fails_in_one_line_before_the_model_loads(serving_model_dir) -> None:
@@ -52,9 +43,5 @@ def test_a_second_serve_on_a_serving_port_leaves_the_first_alone(
 ) -> None:
     code, lines = run_serve(serving_model_dir, server.port)
     assert code != 0 and len(lines) == 1 and f"port 127.0.0.1:{server.port} is already in use" in lines[0]
-    listeners = {
-        conn.pid
-        for conn in psutil.net_connections(kind="tcp")
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == server.port
-    }
+    listeners = listening_pids(server.port)
     assert listeners == {server.process.pid}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from connector.breaker import CircuitBreaker
 from connector.cpu_tier import PinKind, PinnedChunkPool
 from storage_backends.base import CapacityError, StorageBackend
+from storage_backends.thread_pools import started_thread_pool
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +217,7 @@ class ChunkFetcher:
         with self._lock:
             pool = self._name_to_pool.get(tier_name)
             if pool is None:
-                pool = ThreadPoolExecutor(
-                    self._reads_in_flight, thread_name_prefix=f"kvstash-fetch-{tier_name}"
-                )
+                pool = started_thread_pool(self._reads_in_flight, f"kvstash-fetch-{tier_name}")
                 self._name_to_pool[tier_name] = pool
             return pool
 

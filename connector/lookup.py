@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from connector.breaker import CircuitBreaker
 from connector.tiers import TierManager
+from storage_backends.thread_pools import started_thread_pool
 
 
 class PendingLookup:
@@ -64,7 +65,7 @@ class TierLookups:
             return pending
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvstash-lookup")
+                self._pool = started_thread_pool(4, "kvstash-lookup")
             pending.future = self._pool.submit(self._walk, pending)
         return pending
 

@@ -25,11 +25,12 @@ cache engine and the worker side run on CUDA then run the same way on a CPU (CI)
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from connector.staged_loads import GroupedStaging
+from storage_backends.thread_pools import started_thread_pool
 
 
 class ThreadEvent:
@@ -94,9 +95,7 @@ class KVMover:
         self.on_cuda = self.device.type == "cuda"
         #: CPU moves run on one worker thread (asynchronous, like CUDA copies)
         self.threaded = not self.on_cuda and cpu_worker_thread
-        self._worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="kvstash-cpu-mover") if self.threaded else None
-        )
+        self._worker = started_thread_pool(1, "kvstash-cpu-mover") if self.threaded else None
         if self.on_cuda:
             import kernels  # Triton kernels; imported only where a GPU moves data
 

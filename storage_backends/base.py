@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from storage_backends.thread_pools import started_thread_pool
+
 if TYPE_CHECKING:
     import torch
 
@@ -165,7 +167,7 @@ class StorageBackend(abc.ABC):
         """This backend's two I/O threads, made on first use (no base ``__init__`` to require)."""
         executor = self.__dict__.get("_io_executor")
         if executor is None:
-            created = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvstash-{self.name}")
+            created = started_thread_pool(2, f"kvstash-{self.name}")
             # dict.setdefault is atomic: two threads racing here end up sharing one executor.
             executor = self.__dict__.setdefault("_io_executor", created)
             if executor is not created:

@@ -100,6 +100,7 @@ from storage_backends.disk_record import (
 )
 from storage_backends.folder_lock import FolderInUseError, FolderLock
 from storage_backends.lru import IndexedTierMixin, LRUEntry, LRUIndex
+from storage_backends.thread_pools import started_thread_pool
 from storage_backends.urls import parse_bool, parse_size, split_backend_url
 from storage_backends.write_gate import WriteGate
 
@@ -491,7 +492,7 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
             if self._closed:
                 raise BackendError(f"disk tier {self.root} is closed")
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstash-disk-io")
+                self._pool = started_thread_pool(self.io_threads, "kvstash-disk-io")
             pool = self._pool
         return list(pool.map(call, items))
 

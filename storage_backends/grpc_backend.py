@@ -29,7 +29,6 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -56,6 +55,7 @@ from storage_backends.grpc_channel import (
 )
 from storage_backends.grpc_codec import PIECE_BYTES, put_messages, value_from_get_messages
 from storage_backends.host_identity import host_identity
+from storage_backends.thread_pools import started_thread_pool
 from storage_backends.transport_policy import TRANSPORT_GRPC, BulkTransportPolicy
 from storage_backends.urls import parse_grpc_url
 
@@ -133,7 +133,7 @@ class GrpcBackend(StorageBackend):
             response_deserializer=None,
         )
         self._admin = kvstash_pb2_grpc.AdminStub(self._channel)
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvstash-grpc")
+        self._pool = started_thread_pool(concurrency, "kvstash-grpc")
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "puts": 0, "corrupt": 0, "errors": 0}
         # values moved over the bulk channel (and per path), and bulk calls that failed and went

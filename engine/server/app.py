@@ -22,7 +22,6 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -37,6 +36,7 @@ from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFail
 from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.server.responses import IncrementalText, ResponseBuilder, error_body, sse
+from storage_backends.thread_pools import started_thread_pool
 
 #: how often a non-streaming request checks whether its client went away
 DISCONNECT_POLL_S = 0.5
@@ -83,7 +83,7 @@ def create_app(
     # a chat without max_tokens may run to the end of the context or of the KV pool
     context_limit = min(max_model_len, engine.block_manager.num_blocks * engine.block_size)
 
-    tokenizer_pool = ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="kvstash-tokenizer")
+    tokenizer_pool = started_thread_pool(num_tokenizer_threads, "kvstash-tokenizer")
 
     async def off_loop(function: Callable[..., _T], *args: Any) -> _T:
         """`function(*args)` on the tokenizer threads (CPU-heavy work off the event loop)."""

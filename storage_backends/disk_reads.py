@@ -35,6 +35,8 @@ from storage_backends.receive_buffers import uninitialized_bytearray
 if TYPE_CHECKING:
     import torch
 
+    from storage_backends.lru import LRUEntry
+
 #: the tier's log lines keep the one logger name they always had
 logger = logging.getLogger("storage_backends.disk_backend")
 
@@ -54,6 +56,9 @@ class ChunkFileHead:
 
 class DiskReads:
     """The read half of the disk tier (see the module docstring for what it relies on)."""
+
+    def _is_readable(self, entry: LRUEntry) -> bool:
+        return entry.record.ready  # its file is written and renamed into place
 
     def _read_head(self, fd: int, expected_key: str | None) -> tuple[str, ChunkFileHead]:
         """Parse a file's record and chunk header from its first block(s), read into the

@@ -3,18 +3,9 @@ a folder lock, a byte cap with LRU.
 
 URL: ``file:///path/to/dir?capacity=BYTES[&codec=none|lz4][&fsync=1|0][&io_threads=N][&direct_io=1|0]``.
 
-File ``<dir>/<blake2b-160 of key>.kvc`` holds a record (``storage_backends/disk_record.py``;
-the read paths are in ``storage_backends/disk_reads.py``)::
-
-    offset 0   b"KVSD" | record version (u16) | key length (u16)
-           8   chunk offset (u32): where the serialized chunk starts
-           12  payload offset (u32): where the chunk's payload starts
-           16  key (UTF-8) | zero padding | serialized chunk (header, then payload)
-
-A payload of at least ``ALIGN_MIN_PAYLOAD`` bytes starts on a 4 KiB boundary (the
-padding before the chunk header makes it so): it is read and written with
-``O_DIRECT`` straight between the device and the caller's memory. Smaller chunks
-follow the key with no padding (a tiny chunk would otherwise double in size).
+File ``<dir>/<blake2b-160 of key>.kvc`` holds one record: its layout, and when a payload
+is 4 KiB-aligned for ``O_DIRECT``, are in ``storage_backends/disk_record.py``; the read
+paths are in ``storage_backends/disk_reads.py``.
 
 The file name is derived from the key, so a record whose key does not hash to
 its own file name is corrupt. Writes go to ``.tmp-*`` files, then

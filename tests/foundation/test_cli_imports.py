@@ -57,6 +57,14 @@ def mapped_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
+def assert_loaded_neither_torch_nor_numpy(pid: int) -> None:
+    """A live process maps no libtorch and no numpy core, and the check can see what it
+    loaded: gRPC's own library is there."""
+    maps = mapped_libraries(pid)
+    assert "libtorch" not in maps and "_multiarray_umath" not in maps
+    assert "cygrpc" in maps
+
+
 needs_proc = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
 
 
@@ -130,10 +138,7 @@ def test_kvstash_cache_server_stores_and_serves_without_torch(tmp_path) -> None:
                     assert bytes(backend.get_encoded(key)) == value
             finally:
                 backend.close()
-        maps = mapped_libraries(process.pid)
-        assert "libtorch" not in maps and "_multiarray_umath" not in maps
-        # the check can see a library the server loaded: gRPC's own is there
-        assert "cygrpc" in maps
+        assert_loaded_neither_torch_nor_numpy(process.pid)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -177,9 +182,7 @@ def test_kvstash_cache_server_with_a_disk_tier_stores_and_serves_without_torch(t
         disk = next(tier for tier in stats.tiers if tier.name == "disk")
         assert disk.hits >= 6 and disk.verified == disk.hits and disk.corrupt == 0, disk
         assert len(list(disk_path.glob("*.kvc"))) == len(values)
-        maps = mapped_libraries(process.pid)
-        assert "libtorch" not in maps and "_multiarray_umath" not in maps
-        assert "cygrpc" in maps
+        assert_loaded_neither_torch_nor_numpy(process.pid)
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -13,6 +13,7 @@ and on a factory in ``connector``.
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -78,15 +79,38 @@ class ConnectorMetadata:
     fetches: list = field(default_factory=list)
 
 
-class TailLoad(NamedTuple):
-    """What a request at its compute limit loads now (``get_num_tail_tokens``)."""
+class GrantWait(enum.Enum):
+    """Why a :class:`Grant` runs nothing for its request this step."""
 
-    #: tokens loadable from the request's compute limit on (its fetch's ready chunks)
-    num_tokens: int
-    #: True: its fetch ended, it computes on after this load; False: more chunks are still
-    #: coming (pipelined loads), or the step's time holds only these, it loads them and
-    #: computes nothing this step
-    final: bool
+    NONE = "none"  # it runs: loads, computes, or both
+    #: a lower tier has not answered the request's lookup: it stays first in the waiting
+    #: queue, skipped this step (the requests behind it go on), and is asked again next step
+    LOOKUP = "lookup"
+    #: its KV is fetched into the CPU tier first: it waits aside without blocks
+    #: (WAITING_FOR_REMOTE_KVS) until ``get_finished`` reports it as received
+    FETCH = "fetch"
+    #: a running request at its compute limit whose fetch brought nothing new: skipped this step
+    TAIL = "tail"
+
+
+class Grant(NamedTuple):
+    """The connector's answer for one request in one step (``KVConnectorScheduler.grant``):
+    load ``num_load_tokens`` tokens from position ``num_computed_tokens`` on, then compute at
+    most ``max_compute_tokens`` (None: as many as the scheduler's budget allows; 0: it only
+    loads this step). ``load_seconds`` is the load's expected time within the step (the
+    scheduler's prefill cap counts it). Plain data: it pickles."""
+
+    #: where the load starts: the GPU prefix hit of a waiting request, or a running one's
+    #: ``num_computed_tokens``
+    num_computed_tokens: int
+    num_load_tokens: int = 0
+    max_compute_tokens: int | None = None
+    load_seconds: float = 0.0
+    wait: GrantWait = GrantWait.NONE
+
+    @property
+    def num_load_end(self) -> int:
+        return self.num_computed_tokens + self.num_load_tokens
 
 
 class RequestTransferStats(NamedTuple):
@@ -108,35 +132,36 @@ class RequestTransferStats(NamedTuple):
 
 
 class KVConnectorScheduler(abc.ABC):
-    """Scheduler-side role. Never touches tensors other than building slot maps."""
+    """Scheduler-side role: the policy (what is where, what to load, fetch and save). Never
+    touches tensors other than building slot maps. Called from the scheduler's thread only.
+
+    Per step the scheduler asks :meth:`grant` once per request it considers (waiting ones
+    it may admit, running ones still in their prompt), tells :meth:`update_state_after_alloc`
+    once per grant it acted on, then calls :meth:`build_connector_meta` once. A request's
+    end (:meth:`request_finished`) and a preemption (:meth:`request_preempted`) are told
+    once each."""
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(
-        self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        """``(num_tokens, load_async)``: how many tokens beyond ``num_computed_tokens``
-        (the GPU prefix hit) can be loaded from the tiers, and whether they must first
-        be fetched in the background. ``num_tokens`` None means "not known yet" (a
-        lower tier has not answered): the scheduler skips the request this step and
-        asks again later. With ``load_async`` the request waits in its own state
-        (WAITING_FOR_REMOTE_KVS, no blocks) until ``get_finished`` reports it as
-        received, then is asked again. Pins nothing; never blocks on I/O beyond a
-        bounded wait; called possibly several times per request while it waits.
-        When the whole prompt would hit, the last prompt token is left to compute
-        (``num_tokens`` is at most ``num_prompt_tokens - 1 - num_computed_tokens``)."""
+    def grant(self, request: ConnectorRequest, num_computed_tokens: int, seconds_left: float | None) -> Grant:
+        """What ``request`` loads, computes or waits for in this step. For a waiting request
+        ``num_computed_tokens`` is its GPU prefix hit (asked even on a full hit: the answer
+        also tells the connector which chunks the tiers hold already, so they are not stored
+        again); for a running one still in its prompt, its ``num_computed_tokens``.
+        ``seconds_left``: the step's prefill time left (the scheduler's prefill cap; None: no
+        time cap): a load takes the whole chunks that fit it, at least the first, and the
+        request then computes nothing this step (the rest loads in the next steps).
+        Never offers the prompt's last token (it is always computed), never blocks on I/O
+        beyond a bounded wait. May start the request's lookup and remember its plan; changes
+        nothing else, so a grant the scheduler does not act on (no room) costs nothing."""
 
     @abc.abstractmethod
     def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
+        self, request: ConnectorRequest, block_ids: Sequence[int], grant: Grant
     ) -> None:
-        """Called once per admission: when blocks for the request's scheduling were
-        allocated (records the load to put in the next metadata; ``num_external_tokens``
-        may be 0), or with no blocks when ``get_num_new_matched_tokens`` said
-        ``load_async`` (records the fetch to start). ``num_external_tokens`` fewer than
-        offered (but not 0) means the step's time had room for only that part
-        (``fit_load_tokens``): the request computes nothing in this step, the connector
-        keeps the rest for it (pinned) and it is loaded in the next steps at the request's
-        compute limit (``get_num_tail_tokens``)."""
+        """Called once for each grant the scheduler acted on, with that grant: after it
+        allocated the request's blocks (``block_ids``: its whole block table) for the grant's
+        load and compute, or with no blocks for a ``GrantWait.FETCH`` grant (the request
+        waits aside: its fetch starts). Records the load for the next metadata."""
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
@@ -151,56 +176,13 @@ class KVConnectorScheduler(abc.ABC):
         asynchronous save still reads the request's blocks: the engine must keep
         them until ``get_finished`` reports the request id as done sending."""
 
-    def request_rolled_back(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
-        """Called when a step that raised sends the request back to waiting instead of
-        ending it (the engine retries the step's requests in smaller groups to find the
-        one that fails it). Forget its load not yet handed to the worker: its blocks are
-        freed, and it is looked up and admitted again later. Saves need nothing: the next
-        ``build_connector_meta`` sees its ``num_computed_tokens`` went back."""
-
-    def get_compute_limit(self, request: ConnectorRequest) -> int | None:
-        """The prompt position a request must not compute past yet: its head is recomputed
-        while the chunks from there on are fetched, or the end of the part of a load it has
-        loaded (pipelined loads: of its fetch; a step's time cap: of any load; None: no limit). Called per step for running requests
-        still in their prompt, and at admission right after ``get_num_new_matched_tokens``:
-        a limit there equal to the GPU hit plus the external tokens means the request is
-        admitted to load those and compute nothing while the rest of its fetch comes in.
-        Side-effect free."""
-        return None
-
-    def estimate_load_seconds(self, num_tokens: int) -> float:
-        """How long loading ``num_tokens`` tokens from the CPU tier into the paged cache is
-        expected to take within a step (the scheduler's prefill cap counts it in the step's
-        time). Side-effect free; 0.0 when unknown."""
-        return 0.0
-
-    def fit_load_tokens(self, num_start: int, num_tokens: int, seconds_left: float | None) -> int:
-        """How many of ``num_tokens`` tokens loadable from the CPU tier from prompt position
-        ``num_start`` on one step loads, when the step may still grow by ``seconds_left``
-        (the prefill cap's time left; None: no time cap, all of them): the whole chunks whose
-        load ``estimate_load_seconds`` expects to fit, and at least the first chunk (or all
-        of them when fewer), so that a load always progresses. The scheduler asks it for an
-        admission's load and for a tail; the rest is loaded in the following steps.
-        Side-effect free."""
-        return num_tokens
-
-    def get_num_tail_tokens(self, request: ConnectorRequest) -> TailLoad | None:
-        """For a request at its compute limit: the tokens from there that can be loaded now
-        and whether its fetch ended (``final``; 0 tokens then: it got nothing more and
-        recomputes on). Not final (pipelined loads): the chunks that arrived so far, loaded
-        this step while the rest keeps coming; the request computes nothing. None while
-        nothing new arrived (the request skips the step; the others go on). The rest of an
-        admission's load that a step's time cut short comes here too. The scheduler may load
-        fewer tokens than offered (``fit_load_tokens``): it then passes the answer to
-        ``update_state_after_tail_alloc`` with ``final`` False. Side-effect free."""
-        return TailLoad(0, True)
-
-    def update_state_after_tail_alloc(  # noqa: B027
-        self, request: ConnectorRequest, block_ids: Sequence[int], tail: TailLoad
-    ) -> None:
-        """Blocks for the tail were allocated: records the load of ``tail.num_tokens``
-        from the request's compute limit on (called once per non-None
-        ``get_num_tail_tokens`` answer that the scheduler acted on, with that answer)."""
+    def request_preempted(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
+        """Called when the scheduler frees a request's blocks and sends it back to the
+        waiting queue: a preemption, or a step that raised (the engine retries the step's
+        requests in smaller groups to find the one that fails it). Forget what it holds for
+        loads to come and its load not yet handed to the worker; it is looked up and planned
+        again when it is next asked. Saves need nothing: the next ``build_connector_meta``
+        sees its ``num_computed_tokens`` went back."""
 
     def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
         """Called by an engine with nothing to schedule while requests wait for

@@ -1,29 +1,37 @@
 """One object per request for everything the connector does for it, with one
-lifecycle (docs/architecture.md, Connector): its lookup, its load plan, its background fetch and the
-CPU-tier pins that fetch holds, its loads, its saves and whether it is still
-sending. Both connector roles read and change a request's transfer state only
-here; each change of phase is a method of :class:`TransferRegistry`.
+lifecycle (docs/architecture.md, Connector): its chunk keys (cut once), its lookup,
+its load plan, its background fetch and the CPU-tier pins that fetch holds, its loads,
+its saves and whether it is still sending. Only :class:`RequestTransfer`'s own methods
+change its fields; the scheduler side calls them, and :class:`TransferRegistry` calls
+them under its lock for what the worker side reports.
 
-Phases::
+Phases (one state machine, no flags beside it)::
 
-    NEW ──(lower-tier hit worth fetching)──> FETCHING ──(fetch done)──> FETCHED
+    NEW ──(lower-tier hit worth fetching)──> FETCHING ──(fetch ended)──> FETCHED
      │                                          │                          │
-     │                            (part of it arrived: pipelined loads)    │
-     │                                          │                          │
-     └───────────────────────(admitted: blocks allocated)──────────────────┴──> ADMITTED
-    ADMITTED ──(preempted: asked again)──> NEW
+     │                          (part of it arrived: pipelined loads)      │
+     │                                          v                          │
+     ├──────────(admitted)──> RUNNING <──(all loaded)── TAIL <─────────────┤
+     │                           ^                       ^                 │
+     └──(admitted, a step's time └───(rest loaded)── DEFERRED <──(cut)─────┘
+         held part of a CPU hit)─────────────────────────┘
+    RUNNING, TAIL, DEFERRED ──(preempted, or its step raised)──> NEW
+    any ──(finished or aborted)──> SENDING (saves still read its blocks) ──> FINISHED
 
-An ADMITTED request with ``tail_pending`` still owns its fetch: it computes up to
-``compute_limit`` (a head recomputed while the tail is fetched), or nothing (admitted
-from FETCHING: it loads its fetch's chunks as they arrive, and computes once the fetch
-ended). A step whose time (the scheduler's prefill cap) holds only part of an
-admission's load leaves the rest at ``compute_limit`` too: the CPU tier's chunks
-(``num_deferred_end``, pinned for it) or its fetch's, loaded in the next steps.
-    any ──(finished or aborted)──> SENDING (saves still read its blocks) ──> gone
+RUNNING: admitted, holds nothing for loads to come; it computes freely and saves.
+TAIL: admitted while ``fetch`` still brings (or holds) chunks: it computes up to
+``compute_limit`` (a head recomputed while the tail is fetched), then loads the fetch's
+chunks from there as they arrive, computing nothing until its fetch ended and what it
+brought is loaded. A request admitted from FETCHING (pipelined loads), or from FETCHED
+with only part of its fetch loaded (a step's time cap), is in TAIL at its limit.
+DEFERRED: a step's time (the scheduler's prefill cap) held only part of its admission's
+CPU-tier load: tokens [compute_limit, num_deferred_end) stay pinned for it
+(``deferred_keys``) and load in the next steps; with a fetch (the head-and-tail plan) it
+goes on in TAIL once they are in.
 
-The scheduler side never touches tensors: a fetch is described here (keys,
-shapes, tiers) and run by the worker side's fetcher. Thread-safe: the worker
-side may run on another thread.
+The scheduler side never touches tensors: a fetch is described here (keys, shapes,
+tiers) and run by the worker side's fetcher. Thread-safe where the worker side's
+reports come in (:class:`TransferRegistry`).
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from connector.base import RequestTransferStats
 from connector.fetcher import FetchJob
 from connector.lookup import PendingLookup
 from connector.planner import LoadDecision
+from connector.token_db import ChunkSpan
 
 #: finished requests whose figures stay available to ``stats``
 MAX_FINISHED_STATS = 10_000
@@ -46,8 +56,17 @@ class TransferPhase(enum.Enum):
     NEW = "new"  # not admitted; its lookup may be in flight
     FETCHING = "fetching"  # waits (not admitted, no blocks) for chunks coming into the CPU tier
     FETCHED = "fetched"  # its fetch ended; admitted next, loading what arrived
-    ADMITTED = "admitted"  # has blocks; loads and saves go by step
+    RUNNING = "running"  # admitted, holds nothing for loads to come
+    TAIL = "tail"  # admitted; its fetch brings the rest, loaded at its compute limit
+    DEFERRED = "deferred"  # admitted; the rest of its CPU-tier load is pinned for the next steps
     SENDING = "sending"  # finished; saves still read its blocks
+    FINISHED = "finished"  # finished; nothing of it is in flight
+
+
+#: phases of a request that holds blocks
+ADMITTED_PHASES = frozenset({TransferPhase.RUNNING, TransferPhase.TAIL, TransferPhase.DEFERRED})
+#: phases of a request that ended
+ENDED_PHASES = frozenset({TransferPhase.SENDING, TransferPhase.FINISHED})
 
 
 @dataclass
@@ -82,13 +101,16 @@ class RequestFigures:
 
 @dataclass(eq=False)
 class RequestTransfer:
-    """The connector's state of one request (see the module docstring)."""
+    """The connector's state of one request (see the module docstring). Fields are
+    read by anyone and written by these methods only."""
 
     request_id: str
     prompt: tuple[int, ...]
     figures: RequestFigures
     #: the request's salt: its chunk keys are those of this salted chain
     cache_salt: str | None = None
+    #: the prompt's keyed chunks (``TokenDatabase.chunk_spans``), cut once when it is created
+    spans: tuple[ChunkSpan, ...] = ()
     phase: TransferPhase = TransferPhase.NEW
     #: the lookup of this admission attempt (kept across steps: never asked twice)
     lookup: PendingLookup | None = None
@@ -105,25 +127,204 @@ class RequestTransfer:
     #: num_computed_tokens the request should show next step (None before its first step)
     num_expected_computed: int | None = None
     num_pending_saves: int = 0
-    #: this step's load stopped early: leading tokens truly in the paged cache
-    num_valid_after_load: int | None = None
-    #: admitted while ``fetch`` still brings chunks: a head recomputing up to decision.num_head_end,
-    #: or chunks loaded as they arrive (pipelined loads)
-    tail_pending: bool = False
-    #: the prompt position the request computes no further than while ``tail_pending`` (or
-    #: while it is admitted from FETCHING): the head's end, or the end of what it loaded
+    #: TAIL and DEFERRED: the prompt position it computes no further than for now
     compute_limit: int | None = None
-    #: the end of the CPU-tier load of its admission when a step's time cap cut that load
-    #: short: tokens [compute_limit, num_deferred_end) are loaded in the next steps (None: none)
+    #: DEFERRED: the end of the rest of its CPU-tier load
     num_deferred_end: int | None = None
-    #: chunks of that rest pinned for it in the CPU tier (``PinKind.DEFERRED``), released as
-    #: each piece's load takes them over, or at an abort or a preemption
-    deferred_keys: list[str] = field(default_factory=list)
-    finished: bool = False
+    #: DEFERRED: chunks of that rest pinned for it in the CPU tier (``PinKind.DEFERRED``),
+    #: released as each piece's load takes them over, or at an abort or a preemption
+    deferred_keys: tuple[str, ...] = ()
+
+    # ---- planning (scheduler side, while it waits) ------------------------------------
+    def lookup_started(self, lookup: PendingLookup) -> None:
+        self.lookup = lookup
+
+    def looked_up(self, chunk_tiers: list[str]) -> None:
+        """The tier of each chunk of its hit prefix (refreshed from the CPU tier per ask)."""
+        self.chunk_tiers = chunk_tiers
+
+    def planned(
+        self,
+        num_gpu_hit: int,
+        decision: LoadDecision | None,
+        num_planned_recompute_tokens: int,
+        origins: list[tuple[int, int, str]] | None = None,
+    ) -> None:
+        """The load-or-recompute plan of this admission attempt (None: nothing to load)."""
+        self.num_computed_at_plan = num_gpu_hit
+        self.decision = decision
+        self.figures.num_planned_recompute_tokens = num_planned_recompute_tokens
+        if decision is not None:
+            self.figures.plan = decision.describe()
+        if origins is not None:
+            self.token_origins = origins
+
+    def fetch_started(self, job: FetchJob) -> None:
+        """It waits unadmitted for ``job`` (NEW -> FETCHING)."""
+        self._expect(TransferPhase.NEW)
+        self.fetch = job
+        self.phase = TransferPhase.FETCHING
+
+    def fetch_ended(self) -> None:
+        """Its fetch ended while it waits unadmitted (FETCHING -> FETCHED)."""
+        self._expect(TransferPhase.FETCHING)
+        self.phase = TransferPhase.FETCHED
+
+    # ---- admission and loads at its compute limit -------------------------------------
+    def admitted(
+        self,
+        num_gpu_hit: int,
+        num_external: int,
+        origins: list[tuple[int, int, str]] | None = None,
+        *,
+        tail: FetchJob | None = None,
+        compute_limit: int | None = None,
+    ) -> None:
+        """Blocks were allocated (again after a preemption) for a load of ``num_external``
+        tokens after its GPU hit (RUNNING; TAIL with ``compute_limit`` when ``tail``, its
+        fetch, still brings chunks). The GPU hit of the first admission is kept, external
+        hits add up like the loads that follow them."""
+        if self.phase not in (TransferPhase.NEW, TransferPhase.FETCHING, TransferPhase.FETCHED):
+            raise ValueError(f"request {self.request_id!r} admitted twice (phase {self.phase.value})")
+        figures = self.figures
+        if figures.num_gpu_hit_tokens == 0 and figures.num_external_hit_tokens == 0:
+            figures.num_gpu_hit_tokens = num_gpu_hit
+        figures.num_external_hit_tokens += num_external
+        if origins is not None:
+            self.token_origins = origins
+        self.lookup = None
+        self.chunk_tiers = None
+        self.fetch = tail
+        self.compute_limit = compute_limit if tail is not None else None
+        self.phase = TransferPhase.TAIL if tail is not None else TransferPhase.RUNNING
+
+    def deferred(self, keys: list[str], num_deferred_end: int, num_start: int) -> None:
+        """Its admission loads up to ``num_start`` only: tokens [num_start,
+        num_deferred_end) of its CPU-tier hit, whose chunks ``keys`` are pinned for it,
+        load in the next steps (-> DEFERRED; a fetch it holds goes on afterwards)."""
+        self._expect(TransferPhase.RUNNING, TransferPhase.TAIL)
+        self.deferred_keys = tuple(keys)
+        self.num_deferred_end = num_deferred_end
+        self.compute_limit = num_start
+        self.phase = TransferPhase.DEFERRED
+
+    def tail_loaded(
+        self, num_start: int, num_end: int, final: bool, origins: list[tuple[int, int, str]]
+    ) -> None:
+        """A load of [num_start, num_end) at its compute limit from its fetch (TAIL): with
+        ``final`` its fetch is done with (-> RUNNING); else it computes nothing until more
+        of it is loaded."""
+        self._expect(TransferPhase.TAIL)
+        self._external_load(num_end - num_start, origins)
+        if final:
+            self.fetch = None
+            self.compute_limit = None
+            self.phase = TransferPhase.RUNNING
+        else:
+            self.compute_limit = num_end
+
+    def deferred_piece_loaded(self, num_start: int, num_end: int, unpinned_keys: set[str]) -> None:
+        """A load of [num_start, num_end) of its deferred rest (DEFERRED): ``unpinned_keys``
+        lost their deferred pins; once it is all in, on in TAIL (the head recomputed while
+        its fetch brings the tail) or RUNNING."""
+        self._expect(TransferPhase.DEFERRED)
+        self._external_load(num_end - num_start, None)
+        self.deferred_keys = tuple(key for key in self.deferred_keys if key not in unpinned_keys)
+        if num_end < self.num_deferred_end:
+            self.compute_limit = num_end
+            return
+        self.num_deferred_end = None
+        if self.fetch is not None:
+            self.compute_limit = self.decision.num_head_end
+            self.phase = TransferPhase.TAIL
+        else:
+            self.compute_limit = None
+            self.phase = TransferPhase.RUNNING
+
+    def _external_load(self, num_tokens: int, origins: list[tuple[int, int, str]] | None) -> None:
+        self.figures.num_external_hit_tokens += num_tokens
+        if origins:
+            self.token_origins = self.token_origins + origins
+
+    def preempted(self) -> None:
+        """Its blocks were freed: it is asked again from scratch (a new lookup and plan)."""
+        self.phase = TransferPhase.NEW
+        self.lookup = None
+        self.chunk_tiers = None
+        self.decision = None
+        self.fetch = None
+        self.compute_limit = None
+        self.num_deferred_end = None
+        self.deferred_keys = ()
+
+    # ---- saves -------------------------------------------------------------------------
+    def saved_from(self, num_saved: int) -> None:
+        """At its first admission: its leading ``num_saved`` tokens are stored already."""
+        if self.num_expected_computed is None:
+            self.num_saved = num_saved
+
+    def step_scheduled(self, num_computed: int, num_scheduled: int, chunk_size: int) -> None:
+        """A step computes ``num_scheduled`` tokens from ``num_computed`` on. A load failure
+        or preemption moved it back: its KV past that point is recomputed, so it saves again
+        from there (chunks still in the CPU tier are skipped)."""
+        expected = self.num_expected_computed
+        if expected is not None and num_computed < expected and num_computed < self.num_saved:
+            self.num_saved = num_computed - num_computed % chunk_size
+        self.num_expected_computed = num_computed + num_scheduled
+
+    def save_issued(self, num_save_end: int) -> None:
+        self.num_pending_saves += 1
+        self.num_saved = num_save_end
+
+    def save_done(self, num_saved_tokens: int) -> None:
+        self.figures.num_saved_tokens += num_saved_tokens
+        self.num_pending_saves -= 1
+
+    # ---- what the worker side reports ----------------------------------------------------
+    def loaded(
+        self,
+        num_load_start: int,
+        num_loaded: int,
+        num_promised: int,
+        num_bytes: int,
+        seconds: float,
+        tier_to_num_tokens: dict[str, int] | None,
+    ) -> None:
+        """A load finished with ``num_loaded`` of ``num_promised`` tokens in the paged
+        cache from ``num_load_start`` on; the tokens it could not load are no external hit.
+        ``tier_to_num_tokens`` says which tier each came from; None: its recorded origins
+        (its fetch) say it."""
+        figures = self.figures
+        figures.num_loaded_tokens += num_loaded
+        figures.num_external_hit_tokens -= num_promised - num_loaded
+        figures.num_loaded_bytes += num_bytes
+        figures.load_seconds += seconds
+        if tier_to_num_tokens is not None:
+            figures.tier_to_loaded_tokens.update(tier_to_num_tokens)
+            return
+        end = num_load_start + num_loaded
+        for origin_start, origin_end, tier_name in self.token_origins:
+            overlap = min(end, origin_end) - max(num_load_start, origin_start)
+            if overlap > 0:
+                figures.tier_to_loaded_tokens[tier_name] += overlap
+
+    def ended(self) -> bool:
+        """It finished or was aborted: SENDING while saves still read its blocks (returns
+        True), else FINISHED."""
+        sending = self.num_pending_saves > 0
+        self.phase = TransferPhase.SENDING if sending else TransferPhase.FINISHED
+        return sending
+
+    def _expect(self, *phases: TransferPhase) -> None:
+        if self.phase not in phases:
+            wanted = " or ".join(phase.value for phase in phases)
+            raise ValueError(f"request {self.request_id!r} is {self.phase.value}, not {wanted}")
 
 
 class TransferRegistry:
-    """One per connector pair, made by ``create_kv_connector``: request id → state."""
+    """One per connector pair, made by ``create_kv_connector``: request id → state. The
+    scheduler side creates and plans requests; what the worker side reports (fetches,
+    loads, saves) comes in through the methods here, under one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -134,16 +335,25 @@ class TransferRegistry:
 
     # ---- lifecycle -----------------------------------------------------------
     def get_or_create(
-        self, request_id: str, prompt: tuple[int, ...], cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: tuple[int, ...],
+        cache_salt: str | None = None,
+        cut_spans: Callable[[], Sequence[ChunkSpan]] | None = None,
     ) -> RequestTransfer:
+        """The request's state; a new one's chunk keys are cut once by ``cut_spans``."""
         with self._lock:
             transfer = self._request_id_to_transfer.get(request_id)
-            if transfer is None:
-                transfer = RequestTransfer(
-                    request_id, prompt, RequestFigures(len(prompt)), cache_salt=cache_salt
-                )
-                self._request_id_to_transfer[request_id] = transfer
-            return transfer
+            if transfer is not None:
+                return transfer
+        spans = tuple(cut_spans()) if cut_spans is not None else ()
+        with self._lock:
+            return self._request_id_to_transfer.setdefault(
+                request_id,
+                RequestTransfer(
+                    request_id, prompt, RequestFigures(len(prompt)), cache_salt=cache_salt, spans=spans
+                ),
+            )
 
     def get(self, request_id: str) -> RequestTransfer | None:
         with self._lock:
@@ -155,20 +365,19 @@ class TransferRegistry:
 
     def fetch_started(self, transfer: RequestTransfer, job: FetchJob) -> None:
         with self._lock:
-            transfer.fetch = job
-            transfer.phase = TransferPhase.FETCHING
+            transfer.fetch_started(job)
 
     def fetch_finished(self, job: FetchJob) -> RequestTransfer | None:
         """The worker's fetcher ended ``job``: its request is reported by
-        :meth:`take_finished_recving` (unless it finished meanwhile)."""
+        :meth:`take_finished_recving` (unless it finished meanwhile); an admitted one
+        takes the rest at its compute limit. None: nobody loads the job's chunks."""
         with self._lock:
             transfer = self._request_id_to_transfer.get(job.request_id)
-            if transfer is None or transfer.fetch is not job or transfer.finished:
+            if transfer is None or transfer.fetch is not job or transfer.phase in ENDED_PHASES:
                 return None
-            if transfer.tail_pending:
-                return transfer  # a tail: the running request takes it at its compute limit
-            transfer.phase = TransferPhase.FETCHED
-            self._finished_recving_ids.add(job.request_id)
+            if transfer.phase is TransferPhase.FETCHING:
+                transfer.fetch_ended()
+                self._finished_recving_ids.add(job.request_id)
             return transfer
 
     def fetch_progressed(self, job: FetchJob) -> RequestTransfer | None:
@@ -177,40 +386,10 @@ class TransferRegistry:
         one admitted already takes the new chunks at its compute limit."""
         with self._lock:
             transfer = self._request_id_to_transfer.get(job.request_id)
-            if (
-                transfer is None
-                or transfer.fetch is not job
-                or transfer.finished
-                or transfer.phase is not TransferPhase.FETCHING
-            ):
+            if transfer is None or transfer.fetch is not job or transfer.phase is not TransferPhase.FETCHING:
                 return None
             self._finished_recving_ids.add(job.request_id)
             return transfer
-
-    def admitted(self, transfer: RequestTransfer, num_gpu_hit: int, num_external: int) -> None:
-        """Blocks were allocated (again after a preemption): the GPU hit of the first
-        admission is kept, external hits add up like the loads that follow them."""
-        with self._lock:
-            figures = transfer.figures
-            if figures.num_gpu_hit_tokens == 0 and figures.num_external_hit_tokens == 0:
-                figures.num_gpu_hit_tokens = num_gpu_hit
-            figures.num_external_hit_tokens += num_external
-            transfer.phase = TransferPhase.ADMITTED
-            transfer.lookup = None
-            transfer.chunk_tiers = None
-
-    def preempted(self, transfer: RequestTransfer) -> None:
-        """The request is asked again from scratch (a new lookup and plan)."""
-        with self._lock:
-            transfer.phase = TransferPhase.NEW
-            transfer.lookup = None
-            transfer.chunk_tiers = None
-            transfer.decision = None
-            transfer.fetch = None
-            transfer.tail_pending = False
-            transfer.compute_limit = None
-            transfer.num_deferred_end = None
-            transfer.deferred_keys = []
 
     def finish(self, request_id: str) -> tuple[RequestTransfer | None, bool]:
         """A request finished or was aborted: returns its state (the caller releases
@@ -220,23 +399,21 @@ class TransferRegistry:
             transfer = self._request_id_to_transfer.get(request_id)
             if transfer is None:
                 return None, False
-            transfer.finished = True
             self._finished_recving_ids.discard(request_id)
             self._finished_figures[request_id] = transfer.figures
             while len(self._finished_figures) > MAX_FINISHED_STATS:
                 self._finished_figures.popitem(last=False)
-            sending = transfer.num_pending_saves > 0
+            sending = transfer.ended()
             if sending:
-                transfer.phase = TransferPhase.SENDING
                 self._finished_sending_ids.add(request_id)
             else:
                 del self._request_id_to_transfer[request_id]
             return transfer, sending
 
     # ---- saves ---------------------------------------------------------------
-    def save_issued(self, transfer: RequestTransfer) -> None:
+    def save_issued(self, transfer: RequestTransfer, num_save_end: int) -> None:
         with self._lock:
-            transfer.num_pending_saves += 1
+            transfer.save_issued(num_save_end)
 
     def save_done(self, request_id: str, num_saved_tokens: int) -> None:
         """A save issued by the scheduler side has read its blocks (or was skipped)."""
@@ -244,9 +421,8 @@ class TransferRegistry:
             transfer = self._request_id_to_transfer.get(request_id)
             if transfer is None:
                 return
-            transfer.figures.num_saved_tokens += num_saved_tokens
-            transfer.num_pending_saves -= 1
-            if transfer.finished and transfer.num_pending_saves <= 0:
+            transfer.save_done(num_saved_tokens)
+            if transfer.phase in ENDED_PHASES and transfer.num_pending_saves <= 0:
                 del self._request_id_to_transfer[request_id]
 
     def take_finished_sending(self) -> set[str]:
@@ -274,27 +450,13 @@ class TransferRegistry:
         seconds: float,
         tier_to_num_tokens: dict[str, int] | None = None,
     ) -> None:
-        """A load finished with ``num_loaded`` of ``num_promised`` tokens in the paged
-        cache from ``num_load_start`` on; the tokens it could not load are no external hit.
-        ``tier_to_num_tokens`` says which tier each came from; None: the request's
-        recorded origins (its fetch) say it."""
+        """A load finished (see :meth:`RequestTransfer.loaded`)."""
         with self._lock:
             transfer = self._request_id_to_transfer.get(request_id)
-            if transfer is None:
-                return
-            figures = transfer.figures
-            figures.num_loaded_tokens += num_loaded
-            figures.num_external_hit_tokens -= num_promised - num_loaded
-            figures.num_loaded_bytes += num_bytes
-            figures.load_seconds += seconds
-            if tier_to_num_tokens is not None:
-                figures.tier_to_loaded_tokens.update(tier_to_num_tokens)
-                return
-            end = num_load_start + num_loaded
-            for origin_start, origin_end, tier_name in transfer.token_origins:
-                overlap = min(end, origin_end) - max(num_load_start, origin_start)
-                if overlap > 0:
-                    figures.tier_to_loaded_tokens[tier_name] += overlap
+            if transfer is not None:
+                transfer.loaded(
+                    num_load_start, num_loaded, num_promised, num_bytes, seconds, tier_to_num_tokens
+                )
 
     def stats(self, request_id: str) -> RequestTransferStats | None:
         with self._lock:

@@ -101,7 +101,8 @@ class OffloadWorker(KVConnectorWorker):
         self._num_layers_moved = 0  # CPU layerwise: layers moved so far this step
         self._move_seconds = 0.0  # CPU: host time spent moving this step's loads
         self._timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._failed_load_ids: list[str] = []  # this step's loads that stopped early
+        #: this step's loads that stopped early: request id -> leading tokens truly in the cache
+        self._request_id_to_num_valid: dict[str, int] = {}
         self._num_saves_queued = 0  # saves of the bound metadata queued so far
 
     @property
@@ -158,10 +159,7 @@ class OffloadWorker(KVConnectorWorker):
             )
             self._loads.append(_Load(spec, plan, time.perf_counter() - began))
             if plan.num_loaded_end < spec.num_load_end:
-                transfer = self.registry.get(spec.request_id)
-                if transfer is not None:
-                    transfer.num_valid_after_load = plan.num_loaded_end
-                    self._failed_load_ids.append(spec.request_id)
+                self._request_id_to_num_valid[spec.request_id] = plan.num_loaded_end
         mover = engine.mover(self.kv_cache)
         if not mover.on_cuda:
             if not self.layerwise:
@@ -258,7 +256,7 @@ class OffloadWorker(KVConnectorWorker):
         self._finish_loads()
         engine = self.cache_engine
         for spec in self._metadata.saves:
-            if spec.request_id in self._failed_load_ids:
+            if spec.request_id in self._request_id_to_num_valid:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
                 self.registry.save_done(spec.request_id, 0)
                 self._num_saves_queued += 1
@@ -286,11 +284,7 @@ class OffloadWorker(KVConnectorWorker):
         self._num_saves_queued = 0
 
     def _clear_failed_loads(self) -> None:
-        for request_id in self._failed_load_ids:
-            transfer = self.registry.get(request_id)
-            if transfer is not None:
-                transfer.num_valid_after_load = None
-        self._failed_load_ids = []
+        self._request_id_to_num_valid = {}
 
     def _on_saved(self, request_id: str):
         return lambda num_saved_tokens: self.registry.save_done(request_id, num_saved_tokens)
@@ -343,7 +337,7 @@ class OffloadWorker(KVConnectorWorker):
         for spec in (*metadata.loads, *metadata.saves):
             self.registry.get_or_create(spec.request_id, tuple(spec.token_ids), spec.cache_salt)
         for spec in metadata.saves:
-            self.registry.save_issued(self.registry.get(spec.request_id))
+            self.registry.save_issued(self.registry.get(spec.request_id), spec.num_save_end)
 
     def add_load_failures(self, request_id_to_num_valid: dict[str, int]) -> None:
         """An earlier pipeline stage's loads of these requests stopped early (request id →
@@ -352,23 +346,15 @@ class OffloadWorker(KVConnectorWorker):
         such a request saves nothing this step and is reported by ``load_failures`` with
         the smaller of both lengths (one consistent mask over every stage)."""
         for request_id, num_valid in request_id_to_num_valid.items():
-            transfer = self.registry.get(request_id)
-            if transfer is None:
+            if self.registry.get(request_id) is None:
                 continue  # neither loads nor saves here this step: nothing of it to drop
-            own = transfer.num_valid_after_load
-            transfer.num_valid_after_load = num_valid if own is None else min(own, num_valid)
-            if request_id not in self._failed_load_ids:
-                self._failed_load_ids.append(request_id)
+            own = self._request_id_to_num_valid.get(request_id)
+            self._request_id_to_num_valid[request_id] = num_valid if own is None else min(own, num_valid)
 
     def load_failures(self) -> dict[str, int]:
         """Request id → leading tokens truly in the paged cache, for loads that stopped
         at a missing or corrupt chunk this step."""
-        failures = {}
-        for request_id in self._failed_load_ids:
-            transfer = self.registry.get(request_id)
-            if transfer is not None and transfer.num_valid_after_load is not None:
-                failures[request_id] = transfer.num_valid_after_load
-        return failures
+        return dict(self._request_id_to_num_valid)
 
     def close(self) -> None:
         """Finish saves in flight and queued lower-tier writes, close the tiers (idempotent)."""

@@ -5,22 +5,25 @@ is split over steps, the request staying in the running queue, and only the
 step that reaches the end of its known tokens samples a token.
 
 Called by the engine core once per step (`schedule`, then `update_from_output`).
-Never touches tensors. Calls the connector's scheduler side, when present, at
-admission (`get_num_new_matched_tokens`, `update_state_after_alloc`), once per
-step (`build_connector_meta`) and when a request finishes (`request_finished`).
-A request whose KV the connector must first fetch from a lower tier waits aside in
-WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`, no blocks held) and is put back
-at the front of the waiting queue when the worker reports the fetch finished, or (pipelined
-loads) when part of it arrived: it is then admitted with zero tokens to compute, loads
-that part (a load-only request of the step, `load_only_requests`) and stays running at its
-compute limit, loading the rest as it arrives, until the fetch ended and it computes; one
-whose lookup is not answered yet is skipped for the step. Neither holds up the
-requests behind it. While a request decodes, the prompt tokens of a step are capped
-(`prefill_cap`, engine.prefill_cap) so that the decode's next token is not held up by
-a long prefill step, and so are its loads from the CPU tier: an admission's load or a
-tail takes the whole chunks that fit the step's time left (`fit_load_tokens`, at least
-one), the rest is loaded in the following steps, the request computing nothing until
-it is all in.
+Never touches tensors. A step first runs the running requests (`_schedule_running`),
+then admits waiting ones (`_admit_waiting`). Of the connector's scheduler side, when
+present, it asks one question per request per step (`grant`: for a waiting request,
+and for a running one still in its prompt) and tells it once what it did with the
+answer (`update_state_after_alloc`); then `build_connector_meta` once per step, and
+`request_preempted` / `request_finished` once each (docs/architecture.md, Connector).
+A grant loads tokens from the tiers (they count as computed), caps what the request
+computes this step, or makes it wait: a request whose KV the connector must first
+fetch from a lower tier waits aside in WAITING_FOR_REMOTE_KVS (`request_id_to_remote_wait`,
+no blocks held) and is put back at the front of the waiting queue when the worker reports
+the fetch finished, or (pipelined loads) when part of it arrived: it is then admitted to
+load that part and compute nothing (a load-only request of the step, `load_only_requests`)
+and stays running at its compute limit, loading the rest as it arrives, until the fetch
+ended and it computes; one whose lookup is not answered yet is skipped for the step.
+Neither holds up the requests behind it. While a request decodes, the prompt tokens of a
+step are capped (`prefill_cap`, engine.prefill_cap) so that the decode's next token is
+not held up by a long prefill step, and so are its loads: the scheduler passes the step's
+time left to `grant`, which loads the whole chunks that fit (at least one) and leaves the
+rest for the following steps, the request computing nothing until it is all in.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler, ScheduledRequest
+from connector.base import ConnectorMetadata, Grant, GrantWait, KVConnectorScheduler, ScheduledRequest
 from engine.block_manager import BlockManager
-from engine.prefill_cap import PrefillCap
+from engine.prefill_cap import PrefillCap, StepPrefillCap
 from engine.request import Request, RequestStatus
 from engine.spec_decode import NgramProposer, draft_slots_leave_room, propose_drafts
 
@@ -68,6 +71,52 @@ class SchedulerStats:
     num_prefix_hit_tokens: int = 0
     num_external_hit_tokens: int = 0
     num_load_failures: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule` call has planned so far: the token budget left, the requests
+    and their tokens, the prefill cap's account of the step's time (None: no cap)."""
+
+    budget: int
+    max_num_requests: int | None
+    cap: StepPrefillCap | None = None
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    #: requests that only load this step (a part of their fetch, or of a load cut short)
+    load_only: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    request_id_to_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def has_room(self) -> bool:
+        return self.budget > 0 and (
+            self.max_num_requests is None or len(self.scheduled) < self.max_num_requests
+        )
+
+    def num_to_compute(self, grant: Grant, num_new: int, prefilling: bool) -> int | None:
+        """How many of a request's `num_new` uncomputed tokens after its grant's load run in
+        this step: the budget's share, the grant's limit, and (a prompt, under a prefill cap)
+        what the step's time left holds after the load's own time. None: nothing fits."""
+        num_new = min(num_new, self.budget)
+        if grant.max_compute_tokens is not None:
+            num_new = min(num_new, grant.max_compute_tokens)
+        if self.cap is None or not prefilling:
+            return num_new
+        self.cap.spend_seconds(grant.load_seconds)
+        if grant.max_compute_tokens == 0:
+            return 0  # it only loads
+        num_new = self.cap.limit(grant.num_load_end, num_new)
+        return num_new or None
+
+    def add(self, request: Request, num_new: int, loads_only: bool, prefilling: bool) -> None:
+        if loads_only:
+            self.load_only.append(request)
+            return
+        if self.cap is not None and prefilling:
+            self.cap.spend(request.num_computed_tokens, num_new)
+        self.scheduled.append(request)
+        self.num_scheduled.append(num_new)
+        self.budget -= num_new
 
 
 @dataclass
@@ -125,207 +174,27 @@ class Scheduler:
         that this step skips (pipeline micro-batches in flight hold them; they may still
         be preempted). `max_num_requests`: at most that many requests in the step (the
         batch queue splits the requests over pipeline micro-batches)."""
-        budget = self.max_num_batched_tokens
-        scheduled: list[Request] = []
-        num_scheduled: list[int] = []
-        load_only: list[Request] = []  # requests that load a part of their fetch, computing nothing
         self._num_tail_waits = 0
-        preempted: list[Request] = []
-        request_id_to_spec_token_ids: dict[str, list[int]] = {}
         self.step_requests = []
-        step_cap = None
+        step = _StepPlan(self.max_num_batched_tokens, max_num_requests)
         if self.prefill_cap is not None:
-            step_cap = self.prefill_cap.for_step(
+            step.cap = self.prefill_cap.for_step(
                 sum(_is_decoding(r) for r in self.running if only is None or r in only)
             )
-
-        # 1. Running requests first, in arrival order; preempt from the back when blocks run out.
-        index = 0
-        while index < len(self.running) and budget > 0:
-            if max_num_requests is not None and len(scheduled) >= max_num_requests:
-                break
-            request = self.running[index]
-            if (only is not None and request not in only) or request in exclude:
-                index += 1
-                continue
-            self.step_requests.append(request)
-            # (with async scheduling, the tokens that steps in flight will sample count too)
-            num_new = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget
-            )
-            num_tail = None  # tokens loaded at the connector's compute limit (its tail fetch)
-            tail = None
-            loads_only = False  # it loads a part of its fetch that arrived and computes nothing
-            if self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens:
-                limit = self.connector.get_compute_limit(request)
-                if limit is not None and request.num_computed_tokens >= limit:
-                    tail = self.connector.get_num_tail_tokens(request)
-                    num_tail = 0 if tail is None else tail.num_tokens
-                    num_tail = max(0, min(num_tail, request.num_tokens - 1 - request.num_computed_tokens))
-                    if tail is None or (not tail.final and num_tail == 0):
-                        self._num_tail_waits += 1
-                        index += 1  # its tail is still being fetched: the others go on
-                        continue
-                    loads_only = not tail.final  # more is coming (pipelined loads)
-                    num_new = min(request.num_tokens - request.num_computed_tokens - num_tail, budget)
-                    num_new = 0 if loads_only else num_new
-                elif limit is not None:
-                    num_new = min(num_new, limit - request.num_computed_tokens)
-            num_loaded = num_tail or 0
-            prefilling = step_cap is not None and not _is_decoding(request)
-            if prefilling:
-                if num_loaded:  # the tail's copy runs in this step too: what fits the step's time
-                    num_fit = self.connector.fit_load_tokens(
-                        request.num_computed_tokens, num_loaded, step_cap.time_left_s
-                    )
-                    if num_fit < num_loaded:
-                        # the rest in the next steps; it computes nothing until all is in
-                        num_tail = num_loaded = num_fit
-                        tail = tail._replace(final=False)
-                        loads_only, num_new = True, 0
-                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_loaded))
-                if not loads_only:
-                    num_new = step_cap.limit(request.num_computed_tokens + num_loaded, num_new)
-                    if num_new == 0:
-                        index += 1  # the step's prefill time is spent: it goes on next step
-                        continue
-            spec_token_ids = (
-                [] if self.proposer is None or loads_only else propose_drafts(self.proposer, request, budget)
-            )
-            num_with_drafts = request.num_computed_tokens + num_new + len(spec_token_ids)
-            # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
-            if (
-                spec_token_ids
-                and draft_slots_leave_room(
-                    self.block_manager, request, num_with_drafts, len(self.running) - index - 1
-                )
-                and self.block_manager.allocate_slots(request, num_with_drafts)
-            ):
-                request_id_to_spec_token_ids[request.request_id] = spec_token_ids
-                num_new += len(spec_token_ids)
-            while not self.block_manager.allocate_slots(
-                request, request.num_computed_tokens + num_loaded + num_new
-            ):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                if tail is not None:
-                    self.connector.update_state_after_tail_alloc(
-                        request, list(request.block_ids), tail._replace(num_tokens=num_tail)
-                    )
-                    request.num_computed_tokens += num_tail
-                    request.metrics.num_external_cached_tokens += num_tail
-                    self.stats.num_external_hit_tokens += num_tail
-                    if loads_only:
-                        load_only.append(request)
-                        index += 1
-                        continue
-                if prefilling:
-                    step_cap.spend(request.num_computed_tokens, num_new)
-                scheduled.append(request)
-                num_scheduled.append(num_new)
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself: nothing behind it is left
-
-        # 2. Admit waiting requests while budget, seats and blocks last (not after a preemption).
-        # A request whose lookup a lower tier has not answered yet is skipped (asked next step);
-        # one whose KV must first be fetched waits aside, holding no blocks.
-        skipped: list[Request] = []
-        candidates = self.waiting if only is None else deque(r for r in self.waiting if r in only)
-        while (
-            not preempted
-            and candidates
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and (max_num_requests is None or len(scheduled) < max_num_requests)
-        ):
-            request = candidates[0]
-            self.step_requests.append(request)
-            cached_block_ids = self.block_manager.find_cached_prefix(request)
-            # A prompt whose every block is cached still computes its last token.
-            num_gpu_hit = min(len(cached_block_ids) * self.block_manager.block_size, request.num_tokens - 1)
-            num_external = 0
-            if self.connector is not None:
-                # Asked even on a full GPU hit: its answer tells the connector which chunks
-                # the tiers hold already, so they are not stored again.
-                num_matched, load_async = self.connector.get_num_new_matched_tokens(request, num_gpu_hit)
-                if num_matched is None:
-                    self._take_waiting(request, candidates, only)
-                    skipped.append(request)
-                    continue
-                if load_async:
-                    self._take_waiting(request, candidates, only)
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    self.request_id_to_remote_wait[request.request_id] = request
-                    self.connector.update_state_after_alloc(request, [], num_matched)
-                    continue
-                # at least the last token runs, so this step's logits belong to this request
-                num_external = max(0, min(num_matched, request.num_tokens - 1 - num_gpu_hit))
-            num_computed = num_gpu_hit + num_external
-            num_new = min(request.num_tokens - num_computed, budget)
-            only_loads = False
-            if self.connector is not None:
-                # A head recomputed while the connector fetches the tail stops where the tail starts.
-                limit = self.connector.get_compute_limit(request)
-                if limit is not None and limit > num_computed:
-                    num_new = min(num_new, limit - num_computed)
-                elif limit is not None and limit == num_computed and num_external:
-                    # Part of its fetch arrived: it loads that and computes nothing until the
-                    # rest is in (pipelined loads); it runs from now on, at its compute limit.
-                    num_new, only_loads = 0, True
-            if step_cap is not None:
-                if num_external:  # its load from the CPU tier runs in this step too: what fits
-                    num_fit = self.connector.fit_load_tokens(num_gpu_hit, num_external, step_cap.time_left_s)
-                    if num_fit < num_external:
-                        # The connector keeps the rest for the next steps (at its compute
-                        # limit, as a tail); it computes nothing until all is in.
-                        num_external, num_new, only_loads = num_fit, 0, True
-                        num_computed = num_gpu_hit + num_external
-                    step_cap.spend_seconds(self.connector.estimate_load_seconds(num_external))
-                if not only_loads:
-                    num_new = step_cap.limit(num_computed, num_new)
-                    if num_new == 0:
-                        break  # the step's prefill time is spent: admitted next step
-            if not self.block_manager.allocate_slots(request, num_computed + num_new, cached_block_ids):
-                break
-            self._take_waiting(request, candidates, only)
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            request.num_admissions += 1
-            if request.num_admissions == 1:
-                request.metrics.num_local_cached_tokens = min(num_gpu_hit, request.num_prompt_tokens)
-                request.metrics.num_external_cached_tokens = num_external
-            self.stats.num_prefix_hit_tokens += num_gpu_hit
-            self.stats.num_external_hit_tokens += num_external
-            self.running.append(request)
-            if only_loads:
-                load_only.append(request)
-                continue
-            if step_cap is not None:
-                step_cap.spend(request.num_computed_tokens, num_new)
-            scheduled.append(request)
-            num_scheduled.append(num_new)
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
-
+        self._schedule_running(step, only, exclude)
+        if not step.preempted:  # no admission after a preemption: blocks are short
+            self._admit_waiting(step, only)
         output = SchedulerOutput(
-            requests=scheduled,
-            num_scheduled_tokens=num_scheduled,
-            preempted_request_ids=[r.request_id for r in preempted],
+            requests=step.scheduled,
+            num_scheduled_tokens=step.num_scheduled,
+            preempted_request_ids=[r.request_id for r in step.preempted],
             finished_request_ids=self._finished_request_ids,
-            request_id_to_spec_token_ids=request_id_to_spec_token_ids,
-            load_only_requests=load_only,
+            request_id_to_spec_token_ids=step.request_id_to_spec_token_ids,
+            load_only_requests=step.load_only,
         )
         self._finished_request_ids = set()
         # a step that raises ends (or rolls back) the requests whose loads it held, too
-        self.step_requests = scheduled + load_only
+        self.step_requests = step.scheduled + step.load_only
         if self.connector is not None:
             output.connector_meta = self.connector.build_connector_meta(
                 [
@@ -337,11 +206,128 @@ class Scheduler:
                         num_scheduled_tokens=n,
                         num_prompt_tokens=r.num_prompt_tokens,
                     )
-                    for r, n in zip(scheduled, num_scheduled, strict=True)
+                    for r, n in zip(step.scheduled, step.num_scheduled, strict=True)
                     if r.num_computed_tokens < r.num_prompt_tokens
                 ]
             )
         return output
+
+    def _schedule_running(self, step: _StepPlan, only, exclude) -> None:
+        """Running requests first, in arrival order; preempt from the back when blocks run
+        out. One still in its prompt asks the connector for its grant: below its compute
+        limit it computes up to it, at it it loads what arrived (computing nothing while
+        more is to come) or skips the step while nothing did."""
+        index = 0
+        while index < len(self.running) and step.has_room():
+            request = self.running[index]
+            index += 1
+            if (only is not None and request not in only) or request in exclude:
+                continue
+            self.step_requests.append(request)
+            grant = Grant(request.num_computed_tokens)
+            in_prompt = self.connector is not None and request.num_computed_tokens < request.num_prompt_tokens
+            if in_prompt:
+                grant = self._ask(request, request.num_computed_tokens, step)
+                if grant.wait is not GrantWait.NONE:
+                    self._num_tail_waits += 1
+                    continue  # its tail is still being fetched: the others go on
+            prefilling = not _is_decoding(request)
+            # (with async scheduling, the tokens that steps in flight will sample count too)
+            num_new = request.num_tokens + request.num_output_placeholders - grant.num_load_end
+            num_new = step.num_to_compute(grant, num_new, prefilling)
+            if num_new is None:
+                continue  # the step's prefill time is spent: it goes on next step
+            loads_only = grant.max_compute_tokens == 0
+            spec_token_ids = (
+                []
+                if self.proposer is None or loads_only
+                else propose_drafts(self.proposer, request, step.budget)
+            )
+            num_with_drafts = grant.num_load_end + num_new + len(spec_token_ids)
+            # Drafts ride along only on blocks nobody behind needs: never preempt for a draft.
+            if (
+                spec_token_ids
+                and draft_slots_leave_room(
+                    self.block_manager, request, num_with_drafts, len(self.running) - index
+                )
+                and self.block_manager.allocate_slots(request, num_with_drafts)
+            ):
+                step.request_id_to_spec_token_ids[request.request_id] = spec_token_ids
+                num_new += len(spec_token_ids)
+            while not self.block_manager.allocate_slots(request, grant.num_load_end + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is request:
+                    return  # the request preempted itself: nothing behind it is left
+            if in_prompt:
+                self.connector.update_state_after_alloc(request, list(request.block_ids), grant)
+                request.num_computed_tokens += grant.num_load_tokens
+                request.metrics.num_external_cached_tokens += grant.num_load_tokens
+                self.stats.num_external_hit_tokens += grant.num_load_tokens
+            step.add(request, num_new, loads_only, prefilling)
+
+    def _admit_waiting(self, step: _StepPlan, only) -> None:
+        """Admit waiting requests while budget, seats and blocks last. A request whose
+        lookup a lower tier has not answered yet is skipped (asked next step); one whose KV
+        must first be fetched waits aside, holding no blocks."""
+        skipped: list[Request] = []
+        candidates = self.waiting if only is None else deque(r for r in self.waiting if r in only)
+        while candidates and step.has_room() and len(self.running) < self.max_num_seqs:
+            request = candidates[0]
+            self.step_requests.append(request)
+            cached_block_ids = self.block_manager.find_cached_prefix(request)
+            # A prompt whose every block is cached still computes its last token.
+            num_gpu_hit = min(len(cached_block_ids) * self.block_manager.block_size, request.num_tokens - 1)
+            grant = Grant(num_gpu_hit)
+            if self.connector is not None:
+                grant = self._ask(request, num_gpu_hit, step)
+                if grant.wait is not GrantWait.NONE:
+                    self._take_waiting(request, candidates, only)
+                    if grant.wait is not GrantWait.FETCH:
+                        skipped.append(request)  # its lookup is not answered: asked next step
+                        continue
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.request_id_to_remote_wait[request.request_id] = request
+                    self.connector.update_state_after_alloc(request, [], grant)
+                    continue
+            num_new = step.num_to_compute(grant, request.num_tokens - grant.num_load_end, prefilling=True)
+            if num_new is None:
+                break  # the step's prefill time is spent: admitted next step
+            if not self.block_manager.allocate_slots(request, grant.num_load_end + num_new, cached_block_ids):
+                break
+            self._take_waiting(request, candidates, only)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, list(request.block_ids), grant)
+            request.num_computed_tokens = grant.num_load_end
+            request.status = RequestStatus.RUNNING
+            request.num_admissions += 1
+            if request.num_admissions == 1:
+                request.metrics.num_local_cached_tokens = min(num_gpu_hit, request.num_prompt_tokens)
+                request.metrics.num_external_cached_tokens = grant.num_load_tokens
+            self.stats.num_prefix_hit_tokens += num_gpu_hit
+            self.stats.num_external_hit_tokens += grant.num_load_tokens
+            self.running.append(request)
+            step.add(request, num_new, grant.max_compute_tokens == 0, prefilling=True)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _ask(self, request: Request, num_computed: int, step: _StepPlan) -> Grant:
+        """The connector's grant for `request` (waiting, or running in its prompt) this
+        step, its load kept to the tokens before the request's last known one (that one
+        always runs, so the step's logits are its)."""
+        seconds_left = step.cap.time_left_s if step.cap is not None else None
+        grant = self.connector.grant(request, num_computed, seconds_left)
+        if grant.num_computed_tokens != num_computed:
+            raise ValueError(
+                f"grant for request {request.request_id!r} starts at {grant.num_computed_tokens}, "
+                f"asked at {num_computed}"
+            )
+        num_load = max(0, min(grant.num_load_tokens, request.num_tokens - 1 - num_computed))
+        if grant.wait is GrantWait.NONE and grant.max_compute_tokens == 0 and num_load == 0:
+            # it may only load, and nothing is there to load: it waits (a running request) or
+            # the connector contradicts itself (a waiting one)
+            return grant._replace(num_load_tokens=0, wait=GrantWait.TAIL)
+        return grant._replace(num_load_tokens=num_load)
 
     def hash_blocks_of(self, requests: Iterable[Request]) -> None:
         """Finish the prefix-cache hashes of a step's requests. The engine core has the
@@ -360,8 +346,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if self.connector is not None:
-            self.connector.request_rolled_back(request)
         self._preempt(request)
 
     def _take_waiting(self, request: Request, candidates: deque[Request], only) -> None:
@@ -374,6 +358,8 @@ class Scheduler:
         """Free the request's blocks and put it back at the front of the waiting
         queue; it is recomputed (its prefix may still hit the cache)."""
         self.block_manager.free(request)
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.support.delay_proxy import DelayProxy
 from connector import OffloadConfig
+from connector.request_transfer import TransferPhase
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
 from engine.step_time import StepTimeModel
@@ -138,7 +139,7 @@ def test_a_decoding_request_keeps_getting_tokens_while_a_slow_remote_hit_is_fetc
             # loading the chunks that arrived, computing nothing.
             if hit_request is not None and (
                 hit_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-                or (transfer is not None and transfer.tail_pending)
+                or (transfer is not None and transfer.phase is TransferPhase.TAIL)
             ):
                 seen_waiting = seen_waiting or hit_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
                 num_decode_tokens_while_waiting += sum(1 for o in outputs if o.request_id == "decode")

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.base import ScheduledRequest
+from connector.base import Grant, ScheduledRequest
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler, slot_mapping_for
 from connector.worker_side import OffloadWorker
@@ -66,8 +66,8 @@ def test_saves_follow_chunked_prefill_and_never_include_output_tokens():
     prompt = list(range(50, 80))  # 30 tokens: chunks end at 8, 16, 24 and the partial 30
     request = FakeRequest("r1", prompt + [5, 6, 7], num_prompt_tokens=30)
     block_ids = list(range(20, 40))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    scheduler.update_state_after_alloc(request, block_ids, 0)
+    assert scheduler.grant(request, 0, None) == Grant(0)
+    scheduler.update_state_after_alloc(request, block_ids, Grant(0))
 
     saves_per_step = []
     for num_computed, num_scheduled in ((0, 12), (12, 12), (24, 6), (30, 1), (31, 3)):
@@ -91,9 +91,9 @@ def test_matching_is_side_effect_free_and_leaves_the_last_token():
     engine.store(prompt, kv_caches=source, slot_mapping=slot_mapping_for(range(6), BLOCK_SIZE, 24))
     request = FakeRequest("r2", prompt, num_prompt_tokens=24)
     for num_gpu_hit in (0, 4, 12):
-        assert scheduler.get_num_new_matched_tokens(request, num_gpu_hit) == (23 - num_gpu_hit, False)
+        assert scheduler.grant(request, num_gpu_hit, None) == Grant(num_gpu_hit, 23 - num_gpu_hit)
     assert engine.tiers.num_pinned() == 0
-    assert scheduler.get_num_new_matched_tokens(FakeRequest("r3", [1, 2, 3], 3), 0) == (0, False)
+    assert scheduler.grant(FakeRequest("r3", [1, 2, 3], 3), 0, None) == Grant(0)
 
 
 def test_load_of_a_non_aligned_range_writes_exactly_those_tokens():
@@ -105,9 +105,9 @@ def test_load_of_a_non_aligned_range_writes_exactly_those_tokens():
     worker.register_kv_caches(kv_cache)
     request = FakeRequest("r4", prompt, num_prompt_tokens=30)
     block_ids = list(range(40, 48))
-    num_external, _ = scheduler.get_num_new_matched_tokens(request, 12)  # 12 tokens on the "GPU"
-    assert num_external == 17
-    scheduler.update_state_after_alloc(request, block_ids, num_external)
+    grant = scheduler.grant(request, 12, None)  # 12 tokens on the "GPU"
+    assert grant.num_load_tokens == 17
+    scheduler.update_state_after_alloc(request, block_ids, grant)
     assert engine.tiers.num_pinned() > 0  # pinned until the load
     metadata = scheduler.build_connector_meta([scheduled(request, block_ids, 29, 1)])
     (load,) = metadata.loads
@@ -137,9 +137,9 @@ def test_missing_chunk_is_reported_with_the_valid_length_and_skips_the_save():
     prompt = stored_prompt + list(range(8))
     request = FakeRequest("r5", prompt, num_prompt_tokens=40)
     block_ids = list(range(40, 50))
-    num_external, _ = scheduler.get_num_new_matched_tokens(request, 0)
-    assert num_external == 32
-    scheduler.update_state_after_alloc(request, block_ids, num_external)
+    grant = scheduler.grant(request, 0, None)
+    assert grant.num_load_tokens == 32
+    scheduler.update_state_after_alloc(request, block_ids, grant)
     spans = engine.token_db.chunk_spans(prompt)
     engine.tiers.unpin([span.key for span in spans])
     assert engine.tiers.cpu.delete(spans[2].key)  # vanishes before the load
@@ -163,8 +163,7 @@ def test_request_finished_waits_for_a_save_that_has_not_read_its_blocks():
     worker.register_kv_caches(kv_cache)
     request = FakeRequest("r6", list(range(16)), num_prompt_tokens=16)
     block_ids = list(range(4))
-    scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, block_ids, 0)
+    scheduler.update_state_after_alloc(request, block_ids, scheduler.grant(request, 0, None))
     metadata = scheduler.build_connector_meta([scheduled(request, block_ids, 0, 16)])
     assert scheduler.request_finished(request, block_ids) is True  # aborted before the step ran
     assert worker.get_finished({"r6"}) == (set(), set())
@@ -202,9 +201,10 @@ def test_background_writes_wait_from_a_loads_admission_until_its_loads_are_done(
     worker.register_kv_caches(kv_cache)
     request = FakeRequest("r9", prompt, num_prompt_tokens=30)
     block_ids = list(range(40, 48))
-    num_external, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    grant = scheduler.grant(request, 0, None)
+    num_external = grant.num_load_tokens
     assert num_external > 0 and not gate.is_held
-    scheduler.update_state_after_alloc(request, block_ids, num_external)
+    scheduler.update_state_after_alloc(request, block_ids, grant)
     assert gate.is_held  # from admission on
     metadata = scheduler.build_connector_meta(
         [scheduled(request, block_ids, num_external, 30 - num_external)]

@@ -94,7 +94,7 @@ def step_until_partly_loaded(engine, connector, request_id: str, max_steps: int 
         if (
             request.status is RequestStatus.RUNNING
             and request.num_computed_tokens > 0
-            and transfer.tail_pending
+            and transfer.phase is TransferPhase.TAIL
             and not transfer.fetch.done
         ):
             return request, transfer

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
+from connector.base import ConnectorMetadata, Grant, KVConnectorScheduler
 from engine import LLM, EngineArgs, EngineCore, SamplingParams
 from engine.block_manager import BlockManager
 from engine.prefill_cap import CAP_PRIOR_TOKENS_PER_S, STEP_TARGET_FRACTION, PrefillCap
+from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from engine.step_time import STEP_PRIOR_S, StepTimeModel
 from tests.engine.hf_reference import random_prompt
@@ -110,16 +111,23 @@ def test_a_slower_machine_shrinks_the_cap():
 
 
 class LoadingConnector(KVConnectorScheduler):
-    """Promises ``num_promised`` tier tokens to requests named "hit*" and says a load from
-    the CPU tier runs at 10,000 tokens/s (the scheduler's rules, without any tier)."""
+    """Grants ``num_promised`` tier tokens to waiting requests named "hit*", whose load from
+    the CPU tier runs at 10,000 tokens/s; "split*" requests recompute a head up to 40, then
+    load their tail [40, 120) (the scheduler's rules, without any tier)."""
 
     def __init__(self, num_promised: int) -> None:
         self.num_promised = num_promised
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return (self.num_promised if request.request_id.startswith("hit") else 0), False
+    def grant(self, request, num_computed_tokens, seconds_left):
+        if request.request_id.startswith("split") and num_computed_tokens < 40:
+            return Grant(num_computed_tokens, 0, 40 - num_computed_tokens)
+        if request.request_id.startswith("split") and num_computed_tokens == 40:
+            return Grant(num_computed_tokens, 80, None, 80 / 10_000)
+        waiting = request.status is not RequestStatus.RUNNING
+        num_load = self.num_promised if waiting and request.request_id.startswith("hit") else 0
+        return Grant(num_computed_tokens, num_load, None, num_load / 10_000)
 
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+    def update_state_after_alloc(self, request, block_ids, grant):
         pass
 
     def build_connector_meta(self, scheduled):
@@ -127,16 +135,6 @@ class LoadingConnector(KVConnectorScheduler):
 
     def request_finished(self, request, block_ids):
         return False
-
-    def estimate_load_seconds(self, num_tokens):
-        return num_tokens / 10_000
-
-    def get_compute_limit(self, request):
-        """ "split*" requests recompute a head up to 40 while their tail [40, 120) is fetched."""
-        return 40 if request.request_id.startswith("split") and request.num_computed_tokens <= 40 else None
-
-    def get_num_tail_tokens(self, request):
-        return TailLoad(80, final=True)
 
 
 H100_EAGER = dict(step_s=0.007, eager_step_s=0.045, tokens_per_s=90_000.0, seconds_per_pair=2e-10)

@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from connector.base import ConnectorMetadata, KVConnectorScheduler, TailLoad
+from connector.base import ConnectorMetadata, Grant, KVConnectorScheduler
 from engine.block_manager import LOOKUP_BATCH_BLOCKS, BlockManager, hash_block, root_hash
 from engine.config import SamplingParams
 from engine.request import Request, RequestStatus
@@ -213,20 +213,22 @@ def test_block_manager_rejects_bad_sizes(num_blocks, block_size):
 
 
 class RecordingConnector(KVConnectorScheduler):
-    """A scheduler-side connector that promises `num_promised` external tokens and
-    records the engine's calls (the call contract, without any tier)."""
+    """A scheduler-side connector that grants `num_promised` external tokens to waiting
+    requests and records the engine's calls (the call contract, without any tier)."""
 
     def __init__(self, num_promised: int, delay_free: bool = False) -> None:
         self.num_promised = num_promised
         self.delay_free = delay_free
         self.calls: list[tuple] = []
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        self.calls.append(("match", request.request_id, num_computed_tokens))
-        return self.num_promised, False
+    def grant(self, request, num_computed_tokens, seconds_left):
+        self.calls.append(("ask", request.request_id, num_computed_tokens))
+        if request.status is RequestStatus.RUNNING:
+            return Grant(num_computed_tokens)
+        return Grant(num_computed_tokens, self.num_promised)
 
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        self.calls.append(("alloc", request.request_id, len(block_ids), num_external_tokens))
+    def update_state_after_alloc(self, request, block_ids, grant):
+        self.calls.append(("alloc", request.request_id, len(block_ids), grant))
 
     def build_connector_meta(self, scheduled):
         self.calls.append(
@@ -246,7 +248,7 @@ def test_connector_calls_follow_the_contract_and_external_tokens_count_as_comput
     scheduler.add_request(request)
     output, updated = run_step(scheduler)
     # 8 tokens come from the tiers: only the last 4 run; blocks cover all 12
-    assert connector.calls[:3] == [("match", "a", 0), ("alloc", "a", 3, 8), ("meta", [("a", 8, 4)])]
+    assert connector.calls[:3] == [("ask", "a", 0), ("alloc", "a", 3, Grant(0, 8)), ("meta", [("a", 8, 4)])]
     assert plan_of(output) == {"a": 4} and request.metrics.num_external_cached_tokens == 8
     assert updated == [request] and request.is_finished
     assert connector.calls[3] == ("finished", "a", 3)
@@ -300,26 +302,22 @@ class PartialFetchConnector(RecordingConnector):
         self.ready_ends = ready_ends
         self.loaded_end = None  # the request's compute limit once admitted
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        self.calls.append(("match", request.request_id, num_computed_tokens))
-        return self.ready_ends[0] - num_computed_tokens, False
-
-    def get_compute_limit(self, request):
-        if self.loaded_end is None:
-            return self.ready_ends[0]  # admitted to load the first part, computing nothing
-        return self.loaded_end if len(self.ready_ends) > 1 else None
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        super().update_state_after_alloc(request, block_ids, num_external_tokens)
-        self.loaded_end = self.ready_ends[0]
-
-    def get_num_tail_tokens(self, request):
+    def grant(self, request, num_computed_tokens, seconds_left):
+        self.calls.append(("ask", request.request_id, num_computed_tokens))
+        if self.loaded_end is None:  # admitted to load the first part, computing nothing
+            return Grant(num_computed_tokens, self.ready_ends[0] - num_computed_tokens, 0)
+        if len(self.ready_ends) == 1:
+            return Grant(num_computed_tokens)  # all loaded: no limit
+        if num_computed_tokens < self.loaded_end:
+            return Grant(num_computed_tokens, 0, self.loaded_end - num_computed_tokens)
         self.ready_ends.pop(0)
-        return TailLoad(self.ready_ends[0] - request.num_computed_tokens, final=len(self.ready_ends) == 1)
+        final = len(self.ready_ends) == 1
+        return Grant(num_computed_tokens, self.ready_ends[0] - num_computed_tokens, None if final else 0)
 
-    def update_state_after_tail_alloc(self, request, block_ids, tail):
-        self.calls.append(("tail", request.request_id, len(block_ids), tail))
-        self.loaded_end = request.num_computed_tokens + tail.num_tokens
+    def update_state_after_alloc(self, request, block_ids, grant):
+        super().update_state_after_alloc(request, block_ids, grant)
+        if grant.num_load_tokens:
+            self.loaded_end = grant.num_load_end
 
 
 def test_a_partly_fetched_request_loads_in_steps_that_compute_nothing_and_a_failed_piece_rolls_back():
@@ -332,11 +330,11 @@ def test_a_partly_fetched_request_loads_in_steps_that_compute_nothing_and_a_fail
     assert output.requests == [] and output.load_only_requests == [request] and updated == []
     assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 4
     assert len(request.block_ids) == 1 and scheduler.step_requests == [request]
-    assert connector.calls[:2] == [("match", "a", 0), ("alloc", "a", 1, 4)]
+    assert connector.calls[:2] == [("ask", "a", 0), ("alloc", "a", 1, Grant(0, 4, 0))]
     # The next piece (4..8) loads in a step that computes nothing, and fails after token 6.
     output = scheduler.schedule()
     assert output.requests == [] and output.load_only_requests == [request]
-    assert connector.calls[-2] == ("tail", "a", 2, TailLoad(4, final=False))
+    assert connector.calls[-2] == ("alloc", "a", 2, Grant(4, 4, 0))
     assert request.num_computed_tokens == 8 and request.metrics.num_external_cached_tokens == 8
     scheduler.update_from_output(output, {}, load_failures={"a": 6})
     assert request.num_computed_tokens == 6 and request.metrics.num_external_cached_tokens == 6
@@ -345,6 +343,6 @@ def test_a_partly_fetched_request_loads_in_steps_that_compute_nothing_and_a_fail
     output, _ = run_step(scheduler)
     assert plan_of(output) == {"a": 2} and output.load_only_requests == []
     output, updated = run_step(scheduler)
-    assert connector.calls[-3] == ("tail", "a", 3, TailLoad(3, final=True))
+    assert connector.calls[-3] == ("alloc", "a", 3, Grant(8, 3))
     assert plan_of(output) == {"a": 1} and updated == [request] and request.is_finished
     assert request.metrics.num_external_cached_tokens == 9

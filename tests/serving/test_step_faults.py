@@ -289,9 +289,9 @@ def test_a_step_failing_while_scheduling_ends_the_request_and_drops_its_load(
     armed = False
     unpatched = connector.update_state_after_alloc
 
-    def update_state_after_alloc(request, block_ids, num_external_tokens):
-        unpatched(request, block_ids, num_external_tokens)
-        if armed and num_external_tokens > 0:
+    def update_state_after_alloc(request, block_ids, grant):
+        unpatched(request, block_ids, grant)
+        if armed and grant.num_load_tokens > 0:
             raise RuntimeError(FAULT_MESSAGE)
 
     monkeypatch.setattr(connector, "update_state_after_alloc", update_state_after_alloc)

@@ -1,5 +1,7 @@
 """Click options for every `EngineArgs` field (flag = field name with `-`), shared
-by the commands that start an engine (`generate`, and later `serve`)."""
+by the commands that start an engine (`generate`, `serve`, `bench`). A command may give
+some fields defaults of its own (`serve` caps decode gaps: engine.server.cli); the others
+are `EngineArgs`' defaults."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
     "max_decode_gap_ms": (
         float,
         "While a request decodes, cap other prompts' chunks so a step lasts about 3/4 of "
-        "this (from the measured prefill rate); a lone prompt keeps its full chunk. 0 (default): off.",
+        "this (from the measured prefill rate); a prompt with nothing decoding keeps its full "
+        "chunk. 0: off.",
     ),
     "max_model_len": (int, "Context limit (default: the model's)."),
     "enable_prefix_caching": (bool, "Reuse KV of shared prefixes on the GPU."),
@@ -71,11 +74,18 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
-def engine_options(command: Callable) -> Callable:
-    """Decorate a click command with one option per `EngineArgs` field."""
+def engine_options(command: Callable | None = None, /, **defaults: Any) -> Callable:
+    """Decorate a click command with one option per `EngineArgs` field: `@engine_options`,
+    or `@engine_options(field=value, ...)` for a command whose defaults of those fields
+    differ from `EngineArgs`' (its --help shows its own)."""
+    unknown = sorted(set(defaults) - set(_FIELD_OPTIONS))
+    if unknown:
+        raise TypeError(f"engine_options: no engine flag for {unknown}")
+    if command is None:
+        return lambda decorated: engine_options(decorated, **defaults)
     for name, (option_type, help_text) in reversed(_FIELD_OPTIONS.items()):
         flag = name.replace("_", "-")
-        default = getattr(_DEFAULTS, name)
+        default = defaults.get(name, getattr(_DEFAULTS, name))
         if option_type is bool:
             option = click.option(
                 f"--{flag}/--no-{flag}", name, default=default, show_default=True, help=help_text

@@ -98,9 +98,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     #: while a request decodes, size other requests' prompt chunks so that a step lasts
     #: about 3/4 of this, from the measured prefill rate: the decode's gap between two
-    #: tokens stays near or under it. A lone prompt keeps its full chunk. 0: off, the
-    #: default: on the H100 the cap held the gap at 52 ms, but a 16k-token prompt that
-    #: arrived during a decode took 10-26 s instead of 0.7-0.8 s (docs/configuration.md).
+    #: tokens stays near or under it. A prompt with nothing decoding keeps its full chunk.
+    #: 0: off, the default here (`LLM`, `kvstash generate`, `kvstash bench`); `kvstash
+    #: serve` defaults to 50 (engine.server.cli.SERVE_MAX_DECODE_GAP_MS: docs/serving.md)
     max_decode_gap_ms: float = 0.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

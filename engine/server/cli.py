@@ -8,6 +8,18 @@ from engine.engine_flags import engine_args_from_options, engine_options
 from engine.offload_cli import offload_config_from_options, offload_options
 from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
 
+#: serve's default `--max-decode-gap-ms` (`EngineArgs`, `LLM`, `generate` and `bench` keep 0,
+#: off). A server has streams decoding while new prompts arrive, and without the cap each
+#: long prompt's steps stall them: on one H100 (8B shape, bf16, benchmarks/head_of_line.py)
+#: a decode waited 229 ms between two tokens while a 16k-token hit loaded from disk and
+#: 369 ms while a 16k prompt was recomputed. At 50 ms its gaps were 29-33 ms (the cap aims a
+#: step at 3/4 of it, 37.5 ms), and the price was that prompt's TTFT: 848 ms instead of 603
+#: (1.41x), only because it arrived while another request decoded; a prompt with nothing
+#: decoding is not capped (engine.prefill_cap). 50 is the value measured there; a smaller
+#: one leaves fewer prompt tokens per step beside a step's fixed cost, so a long prompt
+#: pays more. docs/serving.md, "Decode gaps".
+SERVE_MAX_DECODE_GAP_MS = 50.0
+
 
 @click.command("serve")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
@@ -35,7 +47,7 @@ from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
     show_default=True,
     help="Larger request bodies get 413 before they are read.",
 )
-@engine_options
+@engine_options(max_decode_gap_ms=SERVE_MAX_DECODE_GAP_MS)
 @offload_options
 def serve(
     model: str,

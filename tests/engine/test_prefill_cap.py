@@ -333,6 +333,57 @@ def test_the_cap_with_async_scheduling_gives_identical_tokens(llama_dir):
     assert any(s["decoding"] and s["num_prompt"] for s in steps)
 
 
+def plans_of(engine: EngineCore, prompts: dict[str, int]) -> list[dict[str, int]]:
+    """The prompts (request id -> length, all added at once) run to their end: per step, the
+    tokens scheduled for each request."""
+    plans: list[dict[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(only=None):
+        plan = schedule(only)
+        plans.append(dict(zip([r.request_id for r in plan.requests], plan.num_scheduled_tokens, strict=True)))
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for request_id, length in prompts.items():
+        engine.add_request(request_id, random_prompt(length, seed=len(request_id) * 1000 + length), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.schedule = schedule
+    return plans
+
+
+def test_serves_default_cap_leaves_a_prompt_with_nothing_decoding_alone(llama_dir):
+    """`kvstash serve`'s default cap (50 ms) on a machine where it would cut a prompt beside
+    a decode to 32 tokens (1,000 tokens/s): a lone prompt, and prompts that arrive together
+    while nothing decodes, get the steps they get with the cap off; a prompt's chunks are cut
+    only in the steps where another request decodes (docs/serving.md, "Decode gaps")."""
+    from engine.server.cli import SERVE_MAX_DECODE_GAP_MS
+
+    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128)
+    capped = LLM(llama_dir, max_decode_gap_ms=SERVE_MAX_DECODE_GAP_MS, **common).engine
+    capped.scheduler.prefill_cap = dataclasses.replace(
+        capped.scheduler.prefill_cap, step_times=measured_rates(1000)
+    )
+    uncapped = LLM(llama_dir, max_decode_gap_ms=0, **common).engine
+    lone = [{"long": 256}, {"long": 256}, {"long": 88}, {"long": 1}, {"long": 1}]
+    assert plans_of(capped, {"long": 600}) == plans_of(uncapped, {"long": 600}) == lone
+    together = [{"a": 256}, {"a": 44, "b": 200}, {"a": 1, "b": 1}, {"a": 1, "b": 1}]
+    assert plans_of(capped, {"a": 300, "b": 200}) == plans_of(uncapped, {"a": 300, "b": 200}) == together
+    # "short" decodes from the second step on: "long" is capped (26 tokens to a block
+    # boundary, then 32) until "short" is done, then has full chunks again
+    assert plans_of(capped, {"short": 10, "longer": 600}) == [
+        {"short": 10, "longer": 246},
+        {"short": 1, "longer": 26},
+        {"short": 1, "longer": 32},
+        {"longer": 256},
+        {"longer": 40},
+        {"longer": 1},
+        {"longer": 1},
+    ]
+
+
 def test_the_threshold_gives_identical_tokens(llama_dir):
     common = dict(
         dtype="float32", device="cpu", max_num_batched_tokens=256, num_gpu_blocks=128, max_decode_gap_ms=0

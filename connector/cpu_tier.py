@@ -75,6 +75,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         *,
         pin_memory: bool,
         layout: str,
+        staging: bool = False,
     ) -> None:
         if len(chunk_shape) != 5 or chunk_shape[1] != 2:
             raise ValueError(
@@ -84,10 +85,13 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self.slot_bytes = self.slot_numel * torch.empty((), dtype=dtype).element_size()
         self.num_slots = capacity_bytes // self.slot_bytes
         if self.num_slots == 0:
+            what = "staging area" if staging else "cpu tier"
             raise ValueError(
-                f"cpu tier of {capacity_bytes} bytes cannot hold one chunk of {self.slot_bytes} bytes; "
-                "raise cpu_bytes or lower chunk_size"
+                f"{what} of {capacity_bytes} bytes cannot hold one chunk of {self.slot_bytes} bytes; "
+                f"raise {'staging_bytes' if staging else 'cpu_bytes'} or lower chunk_size"
             )
+        #: a staging area (no CPU tier configured): fetched chunks only, stores skip it
+        self.staging = staging
         self.chunk_shape = tuple(chunk_shape)
         self.layout = layout
         self.pinned = pin_memory

@@ -17,6 +17,7 @@ from connector.lookup import TierLookups
 from connector.planner import LoadPlanner, StepTimes
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
+from connector.tier_probe import PROBE_KEY_SUFFIX, TierProber
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
 from connector.worker_side import OffloadWorker
@@ -95,7 +96,7 @@ def create_kv_connector(
     )
     registry = TransferRegistry()
     tiers = cache_engine.tiers
-    lookups = planner = fetcher = None
+    lookups = planner = fetcher = prober = None
     if tiers.cpu is not None and (config.async_loads or not tiers.lower):
         # Every load then reads the CPU tier: the planner measures its rate from them (the
         # scheduler's prefill cap sizes loads by it, a CPU tier alone too) and plans fetches.
@@ -105,6 +106,8 @@ def create_kv_connector(
             always_load=config.load_policy == "always",
             step_times=step_times,
             probe_interval_s=config.tier_probe_interval_s,
+            reads_in_flight=config.reads_in_flight,
+            max_fetch_bytes=tiers.cpu.num_slots * tiers.cpu.slot_bytes,
         )
     if config.async_loads and tiers.cpu is not None and tiers.lower:
         name_to_breaker = {
@@ -124,6 +127,21 @@ def create_kv_connector(
         )
         weakref.finalize(cache_engine, lookups.close)
         weakref.finalize(cache_engine, fetcher.close)
+        if planner is not None and config.tier_probe_interval_s > 0 and config.load_policy != "always":
+            token_db = cache_engine.token_db
+            prober = TierProber(
+                planner,
+                {tier.name: tier for tier in tiers.lower},
+                key=f"{token_db.key_prefix}{token_db.namespace}:{PROBE_KEY_SUFFIX}",
+                chunk_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_dim),
+                dtype=dtype,
+                layout=tiers.cpu.layout,
+                connections=config.reads_in_flight,
+                interval_s=config.tier_probe_interval_s,
+                name_to_breaker=name_to_breaker,
+            )
+            prober.start()
+            weakref.finalize(cache_engine, prober.close)
     scheduler = OffloadScheduler(
         cache_engine,
         registry,
@@ -140,5 +158,6 @@ def create_kv_connector(
         fetcher=fetcher,
         planner=planner,
         pipelined_loads=config.pipelined_loads,
+        prober=prober,
     )
     return scheduler, worker

@@ -64,11 +64,10 @@ class FetchJob:
     pinned_keys: list[str] = field(default_factory=list)
     #: tier name -> (bytes read, seconds from the job's start to that tier's last read)
     tier_to_transfer: dict[str, tuple[int, float]] = field(default_factory=dict)
-    #: a planner's probe (``LoadPlanner.claim_probe``): read only to measure its tier, no
-    #: request waits for it; ``request_id`` is then the probe's own
-    probe: bool = False
     #: ``num_ready_chunks`` when :meth:`ChunkFetcher.poll_progress` last reported the job
     num_reported_ready: int = 0
+    #: its deadline ended it with reads still running: its rates are what the tiers deliver now
+    cut: bool = False
 
     @property
     def num_ready_chunks(self) -> int:
@@ -112,7 +111,8 @@ class ChunkFetcher:
         self.dtype = dtype
         self.layout = layout
         self._clock = clock
-        self._reads_in_flight = reads_in_flight
+        #: reads in flight per lower tier (one pool thread each)
+        self.reads_in_flight = reads_in_flight
         self._name_to_pool: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
@@ -171,14 +171,14 @@ class ChunkFetcher:
         return finished
 
     def poll_progress(self) -> list[FetchJob]:
-        """Running jobs (probes aside) whose ready prefix grew since they were last
+        """Running jobs whose ready prefix grew since they were last
         reported: their request may load those chunks while the rest is read (pipelined
         loads). Called once per step; a job that ended is reported by :meth:`poll` instead."""
         progressed = []
         with self._lock:
             for job in self._running_jobs:
                 num_ready = job.num_ready_chunks
-                if not job.done and not job.probe and num_ready > job.num_reported_ready:
+                if not job.done and num_ready > job.num_reported_ready:
                     job.num_reported_ready = num_ready
                     progressed.append(job)
         return progressed
@@ -217,7 +217,7 @@ class ChunkFetcher:
         with self._lock:
             pool = self._name_to_pool.get(tier_name)
             if pool is None:
-                pool = started_thread_pool(self._reads_in_flight, f"kvstash-fetch-{tier_name}")
+                pool = started_thread_pool(self.reads_in_flight, f"kvstash-fetch-{tier_name}")
                 self._name_to_pool[tier_name] = pool
             return pool
 
@@ -291,6 +291,7 @@ class ChunkFetcher:
                 num_bytes, _ = job.tier_to_transfer.get(tier_name, (0, 0.0))
                 job.tier_to_transfer[tier_name] = (max(num_bytes, 1), elapsed)
                 job.outcomes[index] = False
+                job.cut = True
         usable = set(job.keys[:num_ready])
         drop = [key for key in job.pinned_keys if key not in usable]
         job.pinned_keys = [key for key in job.pinned_keys if key in usable]

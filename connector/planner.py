@@ -1,9 +1,7 @@
 """The load-or-recompute planner (docs/architecture.md, Connector): per request, which chunks to load from
 which tier and which tokens to recompute, from measured rates.
 
-Tier rates are moving averages of the engine's own transfers (bytes per second per
-tier, measured by the fetcher from each finished fetch); until a tier has been measured
-its prior is conservative (slow). Recompute times come from the engine's step-time
+Recompute times come from the engine's step-time
 model (:class:`engine.step_time.StepTimeModel`, fitted from its own steps), which the
 planner reads through :class:`StepTimes` (the connector does not import the engine).
 
@@ -19,12 +17,12 @@ unadmitted for its fetch. The fetch's deadline is the head's time plus
 tier slower than its estimate delays the request by at most that fraction (the
 chunks that arrived in time are used, the rest is recomputed).
 
-A tier that the plans skip (its prior, or a measurement that is old now, says it is
-slower than recomputing) would never be read again, so never measured: once per
-``probe_interval_s`` per such tier, :meth:`LoadPlanner.claim_probe` names one chunk of
-a request's hit that the scheduler side reads in the background (a probe: on nobody's
-critical path; the request recomputes as planned). Its read measures the tier like
-any fetch, so a tier faster than its prior is used from the next request on.
+Tier rates come from what each tier delivered to this engine, per number of reads in
+flight (``connector.tier_rates``): a fetch of n chunks from a tier is planned at the rate
+measured with ``min(n, reads_in_flight)`` reads in flight. Each lower tier is measured
+when the connector opens it, and a tier the plans skip (a measurement says it is slower
+than recomputing) is measured again in the background (``connector.tier_probe``, at most
+once per ``probe_interval_s``): a tier that was slow is used again once it is fast.
 """
 
 from __future__ import annotations
@@ -37,14 +35,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-#: bytes per second assumed for a tier before its first measured read
-TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
+from connector.tier_rates import TIER_PRIOR_BYTES_PER_S, TierRates  # noqa: F401 (re-exported)
+
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
 ALWAYS_LOAD_DEADLINE_S = 600.0
-#: a tier the plans skip is probed (one chunk read in the background) at most this often
-TIER_PROBE_INTERVAL_S = 30.0
-#: how long a probe's read may take before it counts as what the tier delivered by then
-TIER_PROBE_DEADLINE_S = 30.0
+#: a tier the plans skip is measured again (``connector.tier_probe``) at most this often
+TIER_PROBE_INTERVAL_S = 5.0
+#: prompt length at which "slower than recomputing" is judged for background measurements
+BREAK_EVEN_PROMPT_TOKENS = 4096
 
 
 class StepTimes(Protocol):
@@ -58,25 +56,6 @@ class StepTimes(Protocol):
     def prefill_seconds(self, begin: int, end: int) -> float:
         """The predicted time to recompute prompt positions [begin, end) alone (0 when empty)."""
         ...
-
-
-class MovingRate:
-    """Exponential moving average of a rate, starting from a prior; ``last`` is the
-    latest sample (the prior until the first one)."""
-
-    def __init__(self, prior: float, alpha: float) -> None:
-        self.value = prior
-        self.last = prior
-        self.alpha = alpha
-        self.num_samples = 0
-
-    def observe(self, amount: float, seconds: float) -> None:
-        if seconds <= 0 or amount <= 0:
-            return
-        sample = amount / seconds
-        self.value = sample if self.num_samples == 0 else (1 - self.alpha) * self.value + self.alpha * sample
-        self.last = sample
-        self.num_samples += 1
 
 
 @dataclass
@@ -100,6 +79,8 @@ class LoadDecision:
     #: tokens [num_cpu_end, num_head_end) are recomputed while the fetch runs (the
     #: request is admitted at once); equal to ``num_cpu_end`` when it waits unadmitted
     num_head_end: int = 0
+    #: lower tiers holding chunks of the hit that the plan recomputes instead of fetching
+    skipped_tiers: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         """One line for the request's log."""
@@ -124,24 +105,30 @@ class LoadPlanner:
         tier_priors: dict[str, float] | None = None,
         step_times: StepTimes,
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
+        reads_in_flight: int = 8,
+        max_fetch_bytes: int | None = None,
         clock=time.monotonic,
     ) -> None:
         self.bytes_per_token = bytes_per_token
         self.deadline_fraction = deadline_fraction
         #: load every hit and wait for it (``load_policy: always``): no recompute trade-off
         self.always_load = always_load
-        self.alpha = alpha
-        #: bytes/s per tier name until its first measured read (read when a tier is first planned)
-        self.tier_priors = {**TIER_PRIOR_BYTES_PER_S, **(tier_priors or {})}
-        #: seconds between two probes of a tier the plans skip (0: never probe)
+        #: what each tier delivered, per reads in flight (its prior until measured)
+        self.rates = TierRates(tier_priors, alpha=alpha, clock=clock)
+        #: seconds between two background measurements of a tier the plans skip (0: never)
         self.probe_interval_s = probe_interval_s
+        #: background reads in flight per lower tier (the fetcher's): a fetch's connections
+        self.reads_in_flight = reads_in_flight
+        #: most bytes of lower-tier chunks one fetch brings (what the CPU tier or the staging
+        #: area can hold for it; None: no bound): the tokens after them are recomputed
+        self.max_fetch_bytes = max_fetch_bytes
         self._clock = clock
-        self._tier_to_observed_at: dict[str, float] = {}
+        #: tier name -> when a plan acted on last skipped it (it recomputed that tier's chunks)
+        self._tier_to_skipped_at: dict[str, float] = {}
         self._tier_to_next_probe_at: dict[str, float] = {}
         #: the engine's step-time model (shared with its scheduler's prefill cap)
         self.step_times = step_times
         self._lock = threading.Lock()
-        self._tier_to_rate: dict[str, MovingRate] = {}
         #: decisions so far, for /metrics (kvstash_planner_*)
         self.counts = {
             "requests": 0,
@@ -150,6 +137,20 @@ class LoadPlanner:
             "cpu_tokens": 0,
             "probes": 0,
         }
+
+    @property
+    def alpha(self) -> float:
+        """Weight of a new sample in the rates' moving averages (tiers measured from now on)."""
+        return self.rates.alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self.rates.alpha = value
+
+    @property
+    def tier_priors(self) -> dict[str, float]:
+        """Bytes/s per tier name until its first measurement (mutable: tests set priors)."""
+        return self.rates.priors
 
     @contextlib.contextmanager
     def forced_loading(self) -> Iterator[None]:
@@ -164,31 +165,62 @@ class LoadPlanner:
             self.always_load = previous
 
     # ---- measurements ------------------------------------------------------------
-    def observe_read(self, tier_name: str, num_bytes: int, seconds: float) -> None:
-        with self._lock:
-            self._tier_rate(tier_name).observe(num_bytes, seconds)
-            if num_bytes > 0 and seconds > 0:
-                self._tier_to_observed_at[tier_name] = self._clock()
+    def observe_read(
+        self,
+        tier_name: str,
+        num_bytes: int,
+        seconds: float,
+        connections: int | None = None,
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Reads of ``tier_name`` delivered ``num_bytes`` in ``seconds``, ``connections`` at a
+        time (None: a rate that holds whatever the reads in flight: the CPU tier's loads);
+        ``replace``: what the tier delivers now (see ``TierRates.observe``)."""
+        self.rates.observe(tier_name, num_bytes, seconds, connections, replace=replace)
 
-    def tier_rate(self, tier_name: str) -> float:
-        with self._lock:
-            return self._tier_rate(tier_name).value
-
-    def _tier_rate(self, tier_name: str) -> MovingRate:
-        rate = self._tier_to_rate.get(tier_name)
-        if rate is None:
-            rate = MovingRate(self.tier_priors.get(tier_name, 0.1e9), self.alpha)
-            self._tier_to_rate[tier_name] = rate
-        return rate
+    def tier_rate(self, tier_name: str, connections: int = 1) -> float:
+        return self.rates.rate(tier_name, connections)
 
     def snapshot(self) -> dict[str, float]:
-        """Current rates: ``tier:<name>`` bytes/s, and ``prefill:<n>`` tokens/s of a whole
+        """Current rates: ``tier:<name>`` bytes/s with one read in flight (``cpu``: any),
+        ``tier:<name>@<n>`` measured with n in flight, and ``prefill:<n>`` tokens/s of a whole
         prompt of n tokens recomputed alone (n = 1,024 ... 32,768), from the step-time model."""
-        with self._lock:
-            rates = {f"tier:{name}": rate.value for name, rate in self._tier_to_rate.items()}
+        measured = self.rates.snapshot()
+        rates = {f"tier:{name}": self.rates.rate(name) for name in {name for name, _ in measured}}
+        for (name, connections), value in measured.items():
+            if connections:
+                rates[f"tier:{name}@{connections}"] = value
         for exponent in range(10, 16):
             rates[f"prefill:{1 << exponent}"] = self.step_times.rate(1 << exponent)
         return rates
+
+    def tiers_to_probe(self, tier_names) -> list[str]:
+        """Of ``tier_names``, those to measure again now: the latest measurement is
+        ``probe_interval_s`` old, the tier was not probed within that time, and since then
+        a plan acted on skipped it or it measured slower than recomputing (so plans would
+        skip it: it is used again once it is fast). Claiming starts the interval (the caller
+        probes). Never with ``load_policy: always`` or a zero interval."""
+        if self.probe_interval_s <= 0 or self.always_load:
+            return []
+        now = self._clock()
+        # a tier is "slow" when loading a token takes longer than recomputing it in a mid-sized prompt
+        break_even = self.bytes_per_token * self.step_times.rate(BREAK_EVEN_PROMPT_TOKENS)
+        claimed = []
+        with self._lock:
+            for tier in tier_names:
+                measured_at = self.rates.measured_at(tier)
+                if now - measured_at < self.probe_interval_s:
+                    continue
+                skipped = self._tier_to_skipped_at.get(tier, -math.inf) >= measured_at
+                if not skipped and self.rates.rate(tier, self.reads_in_flight) >= break_even:
+                    continue
+                if now < self._tier_to_next_probe_at.get(tier, -math.inf):
+                    continue
+                self._tier_to_next_probe_at[tier] = now + self.probe_interval_s
+                self.counts["probes"] += 1
+                claimed.append(tier)
+        return claimed
 
     # ---- the plan ----------------------------------------------------------------
     def plan(
@@ -213,7 +245,9 @@ class LoadPlanner:
         step_times = self.step_times
         rates = {"prefill": step_times.rate(num_prompt_tokens)}
         for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
-            rates[tier] = self.tier_rate(tier)
+            # a fetch reads its chunks of a tier reads_in_flight at a time
+            num_chunks = sum(1 for name in chunk_tiers[first_fetch:] if name == tier)
+            rates[tier] = self.tier_rate(tier, min(num_chunks, self.reads_in_flight))
 
         def chunk_start(chunk: int) -> int:
             return chunk_ends[chunk - 1] if chunk > 0 else 0
@@ -244,6 +278,11 @@ class LoadPlanner:
                     # A chunk is read whole even when part of it is on the GPU already.
                     size = (chunk_ends[k - 1] - chunk_start(k - 1)) * self.bytes_per_token
                     tier_to_bytes[tier] = tier_to_bytes.get(tier, 0) + size
+                    if (
+                        self.max_fetch_bytes is not None
+                        and sum(tier_to_bytes.values()) > self.max_fetch_bytes
+                    ):
+                        break  # no room for more of this fetch: the rest is recomputed
                 end = min(chunk_ends[k - 1], num_loadable_end)
                 # Tiers are read in parallel, several reads each: the slowest tier decides.
                 fetch_s = max((n / rates[t] for t, n in tier_to_bytes.items()), default=0.0)
@@ -266,6 +305,15 @@ class LoadPlanner:
                 tier_to_tokens[chunk_tiers[chunk]] = tier_to_tokens.get(chunk_tiers[chunk], 0) + end - start
                 num_fetch_end = end
         head_s = step_times.prefill_seconds(num_cpu_end, num_head_end)
+        fetched = range(first_tail, tail_end)
+        skipped = frozenset(
+            tier
+            for index, tier in enumerate(chunk_tiers)
+            if tier != "cpu"
+            and index >= first_fetch
+            and index not in fetched
+            and chunk_ends[index] > num_computed
+        )
         return LoadDecision(
             num_cpu_end=num_cpu_end,
             first_fetch_chunk=first_tail,
@@ -280,36 +328,15 @@ class LoadPlanner:
             num_planned_recompute_tokens=num_prompt_tokens - num_fetch_end + (num_head_end - num_cpu_end),
             rates=rates,
             num_head_end=num_head_end,
+            skipped_tiers=skipped,
         )
-
-    def claim_probe(self, decision: LoadDecision, chunk_tiers: Sequence[str]) -> int | None:
-        """The index of a chunk of ``chunk_tiers`` (the hit ``decision`` was planned for)
-        to read in the background so that a lower tier this plan skips is measured, or
-        None. A tier qualifies when no read measured it within ``probe_interval_s`` and
-        it was not probed within that time either; claiming starts that interval (the
-        caller must start the read). Called by the scheduler side once per decision it
-        acts on; never with ``load_policy: always`` (every hit is read anyway)."""
-        if self.probe_interval_s <= 0 or self.always_load:
-            return None
-        fetched = range(decision.first_fetch_chunk, decision.first_fetch_chunk + decision.num_fetch_chunks)
-        now = self._clock()
-        with self._lock:
-            for index, tier in enumerate(chunk_tiers):
-                # chunks before the fetch range are in the CPU tier or on the GPU already
-                if tier == "cpu" or index < decision.first_fetch_chunk or index in fetched:
-                    continue
-                observed_at = self._tier_to_observed_at.get(tier, -math.inf)
-                next_probe_at = self._tier_to_next_probe_at.get(tier, -math.inf)
-                if now - observed_at < self.probe_interval_s or now < next_probe_at:
-                    continue
-                self._tier_to_next_probe_at[tier] = now + self.probe_interval_s
-                self.counts["probes"] += 1
-                return index
-        return None
 
     def record(self, decision: LoadDecision, num_computed: int) -> None:
         """Count a decision that was acted on (a request admitted or its fetch started)."""
+        now = self._clock()
         with self._lock:
+            for tier in decision.skipped_tiers:
+                self._tier_to_skipped_at[tier] = now
             self.counts["requests"] += 1
             self.counts["fetched_tokens"] += decision.num_fetch_end - max(
                 decision.num_cpu_end, decision.num_head_end

@@ -30,7 +30,7 @@ from connector.cache_engine import CacheEngine
 from connector.cpu_tier import PinKind
 from connector.fetcher import ChunkFetcher, FetchJob
 from connector.lookup import TierLookups
-from connector.planner import TIER_PROBE_DEADLINE_S, LoadDecision, LoadPlanner
+from connector.planner import LoadDecision, LoadPlanner
 from connector.request_transfer import (
     ADMITTED_PHASES,
     ENDED_PHASES,
@@ -41,9 +41,6 @@ from connector.request_transfer import (
 from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
-
-#: request ids of the planner's probe fetches (never an engine request's: no registry entry)
-PROBE_ID_PREFIX = "kvstash-tier-probe-"
 
 
 def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -90,7 +87,6 @@ class OffloadScheduler(KVConnectorScheduler):
         self.pipelined_loads = pipelined_loads
         self._pending_loads: list[LoadSpec] = []
         self._pending_fetches: list[FetchJob] = []
-        self._num_probes = 0
 
     def _transfer_of(self, request: ConnectorRequest) -> RequestTransfer:
         transfer = self.registry.get(request.request_id)
@@ -343,14 +339,9 @@ class OffloadScheduler(KVConnectorScheduler):
             self.fetcher.release(done_fetch)  # the load's lookup pins hold its chunks now
 
     def _record_plan(self, transfer: RequestTransfer) -> None:
-        """The planner learns the plan admitted (and may probe a tier with one of its chunks)."""
-        decision = transfer.decision
-        if decision is None or self.planner is None:
-            return
-        self.planner.record(decision, transfer.num_computed_at_plan)
-        probe_chunk = self.planner.claim_probe(decision, transfer.chunk_tiers or [])
-        if probe_chunk is not None:
-            self._start_probe(transfer, probe_chunk)
+        """The planner learns the plan admitted (the tiers it skipped are measured again)."""
+        if transfer.decision is not None and self.planner is not None:
+            self.planner.record(transfer.decision, transfer.num_computed_at_plan)
 
     def _load_at_limit(self, transfer: RequestTransfer, block_ids: Sequence[int], grant: Grant) -> None:
         """A running request at its compute limit loads what its grant gave: a piece of the
@@ -444,25 +435,6 @@ class OffloadScheduler(KVConnectorScheduler):
             self.registry.fetch_started(transfer, job)
         self._pending_fetches.append(job)
         return job
-
-    def _start_probe(self, transfer: RequestTransfer, chunk: int) -> None:
-        """Read chunk ``chunk`` of the request's hit into the CPU tier in the background,
-        only to measure its tier (the planner's probe; the request does not wait for it).
-        The worker reports its rate to the planner and releases it when it ends."""
-        span = transfer.spans[chunk]
-        engine = self.cache_engine
-        self._num_probes += 1
-        self._pending_fetches.append(
-            FetchJob(
-                f"{PROBE_ID_PREFIX}{self._num_probes}",
-                [span.key],
-                [(engine.num_layers, 2, span.end - span.start, engine.num_kv_heads, engine.head_dim)],
-                [transfer.chunk_tiers[chunk]],
-                deadline_s=TIER_PROBE_DEADLINE_S,
-                first_chunk=chunk,
-                probe=True,
-            )
-        )
 
     # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:

@@ -171,15 +171,25 @@ class TierManager:
         pin_memory: bool,
     ) -> TierManager:
         """Build the configured tiers; ``pin_memory`` when the KV cache is on CUDA."""
-        cpu = None
-        if config.cpu_bytes > 0:
-            cpu = PinnedChunkPool(
-                config.cpu_bytes, chunk_shape, dtype, pin_memory=pin_memory, layout=KV_LAYOUT
-            )
         lower: list[StorageBackend] = []
+        cpu = None
         try:
             for url in backend_urls(config):
                 lower.append(create_backend(url))
+            if config.cpu_bytes > 0:
+                cpu = PinnedChunkPool(
+                    config.cpu_bytes, chunk_shape, dtype, pin_memory=pin_memory, layout=KV_LAYOUT
+                )
+            elif lower and config.async_loads and config.staging_bytes > 0:
+                # No CPU tier: fetched chunks still land off the step, in a staging area of their own.
+                cpu = PinnedChunkPool(
+                    config.staging_bytes,
+                    chunk_shape,
+                    dtype,
+                    pin_memory=pin_memory,
+                    layout=KV_LAYOUT,
+                    staging=True,
+                )
         except Exception:
             for tier in lower:
                 tier.close()
@@ -274,7 +284,7 @@ class TierManager:
         tensor when there is no CPU tier or it has no room. None when the CPU tier
         already holds or is filling ``key``, or there is nowhere to put it.
         Follow with :meth:`end_put` (filled) or :meth:`abort_put` of the same object."""
-        if self.cpu is not None:
+        if self.cpu is not None and not self.cpu.staging:
             try:
                 reservation = self.cpu.reserve(key, shape)
                 return None if reservation is None else PendingPut(key, reservation.buffer, reservation)

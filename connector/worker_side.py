@@ -34,6 +34,7 @@ from connector.cache_engine import CacheEngine, LoadPlan
 from connector.fetcher import ChunkFetcher
 from connector.planner import LoadPlanner
 from connector.request_transfer import TransferRegistry
+from connector.tier_probe import TierProber
 from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,11 @@ class OffloadWorker(KVConnectorWorker):
         fetcher: ChunkFetcher | None = None,
         planner: LoadPlanner | None = None,
         pipelined_loads: bool = True,
+        prober: TierProber | None = None,
     ) -> None:
         self.cache_engine = cache_engine
+        #: measures the lower tiers in the background (closed before them)
+        self.prober = prober
         self.registry = registry
         #: runs the metadata's background fetches; with it a step loads from the CPU tier only
         self.fetcher = fetcher
@@ -302,22 +306,14 @@ class OffloadWorker(KVConnectorWorker):
         self.cache_engine.publish_finished_stores()
         if self.fetcher is not None:
             for job in self.fetcher.poll():
-                if not job.probe:  # a probe's chunk is no request's hit
-                    tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
-                    self.cache_engine.tiers.count_hits(
-                        {t: n for t, n in tier_to_chunks.items() if t != "cpu"}
-                    )
+                tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
+                self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
                 if self.planner is not None:
                     for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
-                        self.planner.observe_read(tier_name, num_bytes, seconds)
-                        if job.probe:
-                            log.info(
-                                "probe of tier %s: %d bytes in %.1f ms (%.3f GB/s)",
-                                tier_name,
-                                num_bytes,
-                                seconds * 1e3,
-                                num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                            )
+                        # its reads of that tier ran reads_in_flight at a time
+                        num_reads = sum(1 for name in job.tier_names if name == tier_name)
+                        connections = min(num_reads, self.fetcher.reads_in_flight)
+                        self.planner.observe_read(tier_name, num_bytes, seconds, connections, replace=job.cut)
                 if self.registry.fetch_finished(job) is None:
                     self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
             if self.pipelined_loads:
@@ -359,6 +355,8 @@ class OffloadWorker(KVConnectorWorker):
     def close(self) -> None:
         """Finish saves in flight and queued lower-tier writes, close the tiers (idempotent)."""
         self.finish_saves()
+        if self.prober is not None:
+            self.prober.close()
         if self.fetcher is not None:
             self.fetcher.close()
         self.cache_engine.tiers.close()

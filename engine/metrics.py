@@ -233,22 +233,29 @@ def _planner_and_breaker_metrics(engine: EngineCore):
             ("cpu_tokens", "Prompt tokens the planner loaded from the CPU tier."),
             ("fetched_tokens", "Prompt tokens the planner fetched from lower tiers to load."),
             ("recomputed_tokens", "Prompt tokens the planner chose to recompute."),
-            ("probes", "Background reads of one chunk that measure a tier the plans skip."),
+            (
+                "probes",
+                "Background measurements of a lower tier the plans skip or measured slow (after the one at start).",
+            ),
         ):
             yield CounterMetricFamily(f"kvstash_planner_{name}", text, counts[name])
         tier_rate = GaugeMetricFamily(
             "kvstash_planner_tier_read_bytes_per_second",
-            "Read rate per tier the planner uses (measured moving average, or its prior).",
-            labels=["tier"],
+            "Read rate per tier the planner uses with `connections` reads in flight (measured moving "
+            "average, or its prior; connections 0: the CPU tier's loads, whatever the reads in flight).",
+            labels=["tier", "connections"],
         )
         prefill_rate = GaugeMetricFamily(
             "kvstash_planner_prefill_tokens_per_second",
             "Prefill rate of a whole prompt of prompt_tokens recomputed alone, predicted by the step-time model.",
             labels=["prompt_tokens"],
         )
+        for (tier, connections), value in sorted(planner.rates.snapshot().items()):
+            tier_rate.add_metric([tier, str(connections)], value)
         for name, value in planner.snapshot().items():
             kind, label = name.split(":", 1)
-            (tier_rate if kind == "tier" else prefill_rate).add_metric([label], value)
+            if kind == "prefill":
+                prefill_rate.add_metric([label], value)
         yield tier_rate
         yield prefill_rate
     breakers = getattr(getattr(connector, "cache_engine", None), "tiers", None)

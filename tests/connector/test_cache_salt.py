@@ -138,7 +138,9 @@ def test_offload_tiers_are_shared_only_within_a_salt(model_dir, prompt, referenc
     if tier == "cpu":
         config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=64 << 20)
     else:
-        config = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(tmp_path / "disk"))
+        config = OffloadConfig(
+            chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(tmp_path / "disk"), load_policy="always"
+        )
     llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=False, kv_offload=config)
     first = run(llm, prompt, "tenant-a")
     llm.flush_kv_offload()

@@ -288,9 +288,9 @@ def test_a_cpu_prefix_cut_short_then_a_head_recomputed_while_the_tail_is_fetched
     # The planner's view: recomputing runs at 1,000 tokens/s, the disk reads 1 MB/s (a
     # chunk in 16 ms): the best plan recomputes chunk 4 while chunks 5-7 are fetched.
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1_000.0)
-    planner.observe_read("disk", 1_000_000, 1.0)
     with planner.forced_loading():  # its first four chunks read into the CPU tier
         engine.llm.generate([prompt[: 4 * CHUNK_SIZE] + [7]], PARAMS)
+    planner.observe_read("disk", 1_000_000, 1.0)  # after that fetch's own measurement: the latest
     engine.start_decode()
     engine.engine.add_request("hit", prompt, PARAMS)
     request = engine.engine.requests["hit"]

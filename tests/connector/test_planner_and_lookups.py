@@ -3,14 +3,17 @@ remote (a real listener that accepts connections and never answers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
+import time
 
 import pytest
 
 from connector import OffloadConfig
 from connector.breaker import CircuitBreaker
 from connector.planner import LoadPlanner
+from connector.tier_probe import PROBE_KEY_SUFFIX
 from engine import SamplingParams
 from engine.step_time import StepTimeModel
 from tests.connector.test_async_loads import make_prompt, new_llm
@@ -220,7 +223,7 @@ def test_step_time_model_ignores_empty_measurements_and_rejects_a_bad_prior():
         StepTimeModel(prior_tokens_per_s=0)
 
 
-def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
+def test_a_skipped_or_slow_tier_is_claimed_for_a_measurement_once_per_interval():
     clock = [0.0]
     planner = LoadPlanner(
         bytes_per_token=MIB, step_times=StepTimeModel(), probe_interval_s=30.0, clock=lambda: clock[0]
@@ -231,44 +234,82 @@ def test_planner_probes_a_skipped_tier_once_per_interval_until_measured():
     planner.observe_read("disk", 100 << 30, 1.0)  # measured fast: fetched, never probed
     decision = plan(planner, tiers)
     assert decision.first_fetch_chunk == 1 and decision.num_fetch_chunks == 1  # disk only
-    assert planner.claim_probe(decision, tiers) == 2  # the first redis chunk, not fetched
-    assert planner.claim_probe(decision, tiers) is None  # one probe per interval
+    assert decision.skipped_tiers == {"redis"}
+    # never measured: claimed at once, then once per interval
+    assert planner.tiers_to_probe(["disk", "redis"]) == ["redis"]
+    assert planner.tiers_to_probe(["disk", "redis"]) == []
     clock[0] = 29.0
-    assert planner.claim_probe(decision, tiers) is None
-    clock[0] = 31.0
-    assert planner.claim_probe(decision, tiers) == 2
+    assert planner.tiers_to_probe(["redis"]) == []
+    clock[0] = 31.0  # the disk's measurement is 31 s old, but fast and never skipped
+    assert planner.tiers_to_probe(["disk", "redis"]) == ["redis"]
     assert planner.counts["probes"] == 2
-    # The probe measured redis faster than recompute: the next plan fetches it, no probe.
-    planner.observe_read("redis", 100 << 30, 1.0)
+    # measured faster than recompute: the next plan fetches it; nothing to claim
+    planner.observe_read("redis", 100 << 30, 1.0, connections=2)
     clock[0] = 100.0
     fast = plan(planner, tiers)
     assert fast.num_fetch_chunks == 3 and fast.tier_to_planned_tokens["redis"] == 512
-    assert planner.claim_probe(fast, tiers) is None
-    # A measurement younger than the interval is trusted, even a slow one.
-    planner.observe_read("redis", 1, 100.0)
+    assert fast.skipped_tiers == frozenset()
+    planner.record(fast, 0)
+    assert planner.tiers_to_probe(["disk", "redis"]) == []
+    # measured slow: trusted for an interval, then claimed again though no plan skipped it
     for _ in range(20):
-        planner.observe_read("redis", 1, 100.0)
+        planner.observe_read("redis", 1, 100.0, connections=2)
     clock[0] = 110.0
     slow = plan(planner, tiers)
-    assert slow.num_fetch_chunks == 1 and planner.claim_probe(slow, tiers) is None
-    clock[0] = 140.5  # stale now: probed again
-    assert planner.claim_probe(slow, tiers) == 2
+    assert slow.num_fetch_chunks == 1 and planner.tiers_to_probe(["redis"]) == []
+    clock[0] = 140.5
+    assert planner.tiers_to_probe(["redis"]) == ["redis"]
+    # a fast tier that a plan acted on skipped (a short prompt, say) is claimed too
+    planner.observe_read("disk", 100 << 30, 1.0)
+    planner.record(dataclasses.replace(slow, skipped_tiers=frozenset({"disk"})), 0)
+    clock[0] = 171.0
+    assert planner.tiers_to_probe(["disk"]) == ["disk"]
 
 
-def test_planner_never_probes_with_always_load_or_a_zero_interval():
+def test_no_background_measurements_with_always_load_or_a_zero_interval():
     for planner in (
         LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), always_load=True),
         LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), probe_interval_s=0),
     ):
         planner.tier_priors["redis"] = 1e3
-        decision = plan(planner, ["redis", "redis"])
-        assert planner.claim_probe(decision, ["redis", "redis"]) is None
+        planner.record(plan(planner, ["redis", "redis"]), 0)
+        assert planner.tiers_to_probe(["redis"]) == []
 
 
-def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_path):
-    """The disk tier's prior says it is far slower than recompute, so the planner skips
-    it; the probe that planning starts reads one chunk in the background, measures the
-    disk, and the next request of that prompt loads from it (the same tokens)."""
+def test_a_fetch_is_planned_at_the_rate_of_its_reads_in_flight():
+    """One read from the cache server is latency-bound; four in flight fill the channel.
+    A fetch of four chunks is planned at the four-connection rate: measured at one
+    connection only, it is scaled up (and loaded); measured at four, that rate holds."""
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), reads_in_flight=4)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)  # 0.256 s per chunk
+    planner.observe_read("grpc", 256 * MIB, 0.4, connections=1)  # one chunk in 0.4 s: slower than recompute
+    assert planner.tier_rate("grpc", 4) == pytest.approx(4 * 256 * MIB / 0.4)
+    decision = plan(planner, ["grpc"] * 4)
+    assert decision.rates["grpc"] == pytest.approx(4 * 256 * MIB / 0.4)
+    assert (
+        decision.num_fetch_chunks >= 3 and decision.num_fetch_end == 4 * 256
+    )  # loaded (a head may be recomputed)
+    # one chunk alone is read at the one-connection rate: recomputed
+    assert plan(planner, ["grpc"]).num_fetch_chunks == 0
+    for _ in range(20):
+        planner.observe_read("grpc", 4 * 256 * MIB, 8.0, connections=4)  # measured at four: slow
+    assert plan(planner, ["grpc"] * 4).num_fetch_chunks == 0
+
+
+def test_a_fetch_is_planned_to_fit_the_room_it_lands_in():
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), max_fetch_bytes=2 * 256 * MIB)
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100)
+    planner.observe_read("disk", 100 << 30, 1.0)
+    decision = plan(planner, ["disk"] * 5)
+    assert decision.num_fetch_chunks == 2  # the staging area holds two chunks: the rest is recomputed
+    assert decision.num_planned_recompute_tokens == 5 * 256 + 1 - 2 * 256
+
+
+def test_a_lower_tier_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir, tmp_path):
+    """No prior decides the first hit: the connector measures the disk tier when it opens
+    it (a chunk-sized value written, read once and then reads_in_flight at once), so a
+    disk faster than recomputing serves the first request of a prompt stored there (the
+    same tokens), and the probe value is gone when the engine closes."""
     from tests.connector.test_async_loads import PARAMS, close, disk_config, run_until_done, write_to
 
     model_dir = tiny_model_dir("llama")
@@ -278,38 +319,30 @@ def test_a_tier_faster_than_its_prior_is_probed_then_loaded(tiny_model_dir, tmp_
 
     llm = new_llm(model_dir, disk_config(tmp_path))
     engine = llm.engine
-    planner = engine.scheduler.connector.planner
-    planner.tier_priors["disk"] = 1e3  # 1 kB/s: "never worth reading"
-    cpu = engine.scheduler.connector.cache_engine.tiers.cpu
-
+    connector = engine.scheduler.connector
+    planner = connector.planner
+    disk = connector.cache_engine.tiers.lower[0]
+    for _ in range(400):  # the measurement runs on the prober's thread
+        if planner.rates.measured_at("disk") > float("-inf"):
+            break
+        time.sleep(0.01)
+    rates = planner.snapshot()
+    assert rates["tier:disk@1"] > 0 and rates[f"tier:disk@{planner.reads_in_flight}"] > 0, rates
+    probe_keys = [key for key in disk.keys("") if key.endswith(PROBE_KEY_SUFFIX)]
+    assert len(probe_keys) == 1 and probe_keys[0].startswith(connector.cache_engine.token_db.namespace)
+    # Recompute estimated at 100 tokens/s (the tiny model on a busy machine may beat a
+    # one-chunk disk read): the disk, measured, beats it.
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
     engine.add_request("first", prompt, PARAMS)
     first = run_until_done(engine, ["first"])["first"]
     assert first.token_ids == expected.token_ids
-    assert "disk" not in first.metrics.tier_to_loaded_tokens  # recomputed as planned
-    assert planner.counts["probes"] == 1
-    # The probe's read ends on a fetcher thread; a step reports it to the planner.
-    fetcher = engine.scheduler.connector.fetcher
-    for step in range(200):
-        if planner.tier_rate("disk") > 1e3:
-            break
-        fetcher.wait_for_progress(0.05)
-        engine.add_request(f"tick-{step}", make_prompt(3, 100 + step), SamplingParams(max_tokens=1))
-        run_until_done(engine, [f"tick-{step}"])
-    assert planner.tier_rate("disk") > 1e5, planner.snapshot()
-
-    for key in cpu.keys(""):  # the KV is on disk only again
-        cpu.delete(key)
-    # Recompute estimated at 100 tokens/s from here on (the tiny model's real rate on a
-    # busy machine may beat a one-chunk disk read): with the disk at its 1 kB/s prior the
-    # planner would still recompute (100 KB of KV: 100 s against 2 s), so only the probe's
-    # measurement can make it load.
-    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
-    engine.add_request("second", prompt, PARAMS)
-    second = run_until_done(engine, ["second"])["second"]
-    assert second.token_ids == expected.token_ids
-    assert second.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
-    assert planner.counts["probes"] == 1  # measured now: no second probe
+    assert first.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
     close(llm)
+    from storage_backends.disk_backend import DiskBackend
+
+    reopened = DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    assert not [key for key in reopened.keys("") if key.endswith(PROBE_KEY_SUFFIX)]
+    reopened.close()
 
 
 def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):

@@ -53,6 +53,7 @@ def remote_engine(model_dir, server, token: str, key_prefix: str) -> LLM:
         cpu_bytes=0,
         remote_url=f"{server.url}?token={token}&timeout=10",
         key_prefix=key_prefix,
+        load_policy="always",  # every hit loaded (through the staging area), whatever the rates
     )
     return LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=False, kv_offload=config)
 

@@ -20,7 +20,9 @@ FIELDS = {field.name for field in dataclasses.fields(RequestTransfer)}
 def product_files() -> list[Path]:
     files = []
     for folder, subfolders, names in os.walk(ROOT):
-        subfolders[:] = [name for name in subfolders if name != "tests" and not name.startswith((".", "build"))]
+        subfolders[:] = [
+            name for name in subfolders if name != "tests" and not name.startswith((".", "build"))
+        ]
         files += [Path(folder) / name for name in names if name.endswith(".py")]
     return sorted(files)
 

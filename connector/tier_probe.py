@@ -1,0 +1,150 @@
+"""Background measurements of the lower tiers (docs/architecture.md, Connector: the
+planner's rates).
+
+The planner plans a fetch from a tier at the rate that tier delivered to this engine
+(``connector.tier_rates``). A constant prior would make the first hit from a fast tier
+recompute what it could load, and a tier measured slow once would never be read again.
+So :class:`TierProber` measures each lower tier when the connector opens it, then
+again every ``interval_s`` each tier the planner skipped since its last measurement
+(``LoadPlanner.tiers_to_probe``).
+
+A measurement writes one chunk-sized value of random bytes under the engine's own probe
+key (its namespace, ``key_prefix`` included, so a tenant's prefix rules hold and no
+engine reads it as KV), reads it once (one connection), then ``connections`` times at
+once (as a fetch reads). The key is written again when a tier dropped it, and deleted
+when the prober closes. A tier whose circuit breaker is open is left alone. Runs on one
+thread of its own; reads go through the tiers' thread-safe backends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from connector.breaker import CircuitBreaker
+from connector.planner import LoadPlanner
+from storage_backends.base import StorageBackend
+from storage_backends.chunk import KVChunk
+from storage_backends.thread_pools import started_thread_pool
+
+log = logging.getLogger(__name__)
+
+#: suffix of a namespace's probe key (after ``key_prefix`` + namespace + ":")
+PROBE_KEY_SUFFIX = "kvstash-tier-probe"
+
+
+class TierProber:
+    """One per connector with a planner and lower tiers (made by ``create_kv_connector``)."""
+
+    def __init__(
+        self,
+        planner: LoadPlanner,
+        name_to_tier: dict[str, StorageBackend],
+        *,
+        key: str,
+        chunk_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        layout: str,
+        connections: int,
+        interval_s: float,
+        name_to_breaker: dict[str, CircuitBreaker] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.planner = planner
+        self.name_to_tier = name_to_tier
+        self.name_to_breaker = name_to_breaker or {}
+        self.key = key
+        self.chunk_shape = chunk_shape
+        self.dtype = dtype
+        self.layout = layout
+        self.connections = max(1, connections)
+        self.interval_s = interval_s
+        self._clock = clock
+        self._written_tier_names: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = None
+        #: measurements taken, per tier (tests, logs)
+        self.tier_to_num_probes: dict[str, int] = {}
+
+    def start(self) -> None:
+        """Measure every lower tier now, then keep measuring the skipped ones (returns at once)."""
+        self._pool = started_thread_pool(self.connections, "kvstash-tier-probe-read")
+        self._thread = threading.Thread(target=self._run, name="kvstash-tier-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for name in list(self.name_to_tier):
+            if self._stop.is_set():
+                return
+            self.probe(name)
+        while not self._stop.wait(max(self.interval_s, 0.05)):
+            for name in self.planner.tiers_to_probe(list(self.name_to_tier)):
+                self.probe(name)
+
+    def probe(self, tier_name: str) -> bool:
+        """Measure one tier now (one read, then ``connections`` at once); feeds the planner.
+        Returns whether both measurements were taken."""
+        tier = self.name_to_tier[tier_name]
+        breaker = self.name_to_breaker.get(tier_name)
+        if breaker is not None and not breaker.allow():
+            return False
+        try:
+            buffers = [torch.empty(self.chunk_shape, dtype=self.dtype) for _ in range(self.connections)]
+            if tier_name not in self._written_tier_names or not self._read(tier, buffers[0]):
+                self._write(tier)
+                self._written_tier_names.add(tier_name)
+            num_bytes = buffers[0].numel() * buffers[0].element_size()
+            began = self._clock()
+            if not self._read(tier, buffers[0]):
+                return False
+            self.planner.observe_read(tier_name, num_bytes, self._clock() - began, 1, replace=True)
+            began = self._clock()
+            reads = [self._pool.submit(self._read, tier, buffer) for buffer in buffers]
+            if not all(read.result() for read in reads):
+                return False
+            seconds = self._clock() - began
+            self.planner.observe_read(
+                tier_name, num_bytes * len(buffers), seconds, len(buffers), replace=True
+            )
+        except Exception as exc:  # a tier that fails is the breaker's business, not the prober's
+            log.info("measuring tier %s failed: %s: %s", tier_name, type(exc).__name__, exc)
+            return False
+        self.tier_to_num_probes[tier_name] = self.tier_to_num_probes.get(tier_name, 0) + 1
+        log.info(
+            "tier %s measured: %.3f GB/s with one read, %.3f GB/s with %d in flight",
+            tier_name,
+            self.planner.tier_rate(tier_name, 1) / 1e9,
+            self.planner.tier_rate(tier_name, len(buffers)) / 1e9,
+            len(buffers),
+        )
+        return True
+
+    def _write(self, tier: StorageBackend) -> None:
+        # random bytes: a codec must not shrink the value a real chunk would not shrink
+        raw = torch.randint(
+            0, 256, (torch.Size(self.chunk_shape).numel() * self.dtype.itemsize,), dtype=torch.uint8
+        )
+        tier.put(self.key, KVChunk(raw.view(self.dtype).view(self.chunk_shape), self.layout))
+
+    def _read(self, tier: StorageBackend, out: torch.Tensor) -> bool:
+        chunk = tier.get_into(self.key, out)
+        return chunk is not None and tuple(chunk.tensor.shape) == tuple(self.chunk_shape)
+
+    def close(self) -> None:
+        """Stop measuring and delete the probe value from the tiers written (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)  # a read stuck on a dead tier must not hang exit
+        for name in list(self._written_tier_names):
+            try:
+                self.name_to_tier[name].delete(self.key)
+            except Exception as exc:
+                log.debug("deleting the probe value from tier %s failed: %s", name, exc)
+        self._written_tier_names.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -95,7 +95,10 @@ _OPTIONS = [
         "--kv-offload-cpu-gb",
         type=click.FloatRange(min=0),
         default=None,
-        help=f"CPU-memory tier size in GiB; 0 = no CPU tier [default: {OffloadConfig.cpu_bytes / GIB:g}].",
+        help=(
+            f"CPU-memory tier size in GiB; 0 = no CPU tier (lower-tier hits are then fetched into a "
+            f"{OffloadConfig.staging_bytes >> 20} MiB staging area) [default: {OffloadConfig.cpu_bytes / GIB:g}]."
+        ),
     ),
     click.option(
         "--kv-offload-disk-path",

@@ -139,6 +139,7 @@ def create_kv_connector(
                 connections=config.reads_in_flight,
                 interval_s=config.tier_probe_interval_s,
                 name_to_breaker=name_to_breaker,
+                busy=fetcher.is_reading,
             )
             prober.start()
             weakref.finalize(cache_engine, prober.close)

@@ -183,6 +183,11 @@ class ChunkFetcher:
                     progressed.append(job)
         return progressed
 
+    def is_reading(self, tier_name: str) -> bool:
+        """Whether a read of ``tier_name`` is queued or running (any thread)."""
+        with self._lock:
+            return any(read.tier_name == tier_name for read in self._key_to_read.values())
+
     def wait_for_progress(self, timeout_s: float) -> None:
         """Sleep until some read finished or ``timeout_s`` passed (an idle step loop)."""
         with self._progress:

@@ -105,7 +105,7 @@ class LoadPlanner:
         tier_priors: dict[str, float] | None = None,
         step_times: StepTimes,
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
-        reads_in_flight: int = 8,
+        reads_in_flight: int = 4,
         max_fetch_bytes: int | None = None,
         clock=time.monotonic,
     ) -> None:
@@ -305,14 +305,16 @@ class LoadPlanner:
                 tier_to_tokens[chunk_tiers[chunk]] = tier_to_tokens.get(chunk_tiers[chunk], 0) + end - start
                 num_fetch_end = end
         head_s = step_times.prefill_seconds(num_cpu_end, num_head_end)
-        fetched = range(first_tail, tail_end)
-        skipped = frozenset(
-            tier
-            for index, tier in enumerate(chunk_tiers)
-            if tier != "cpu"
-            and index >= first_fetch
-            and index not in fetched
-            and chunk_ends[index] > num_computed
+        # a tier the plan reads nothing from although it holds chunks of the hit (a split,
+        # recomputing some of a tier's chunks while fetching others, uses the tier)
+        fetched_tiers = {chunk_tiers[index] for index in range(first_tail, tail_end)}
+        skipped = (
+            frozenset(
+                tier
+                for index, tier in enumerate(chunk_tiers)
+                if tier != "cpu" and index >= first_fetch and chunk_ends[index] > num_computed
+            )
+            - fetched_tiers
         )
         return LoadDecision(
             num_cpu_end=num_cpu_end,

@@ -201,8 +201,9 @@ class OffloadScheduler(KVConnectorScheduler):
                 names = [tier.name for tier in tiers.tiers]
                 name = names[0] if len(names) == 1 else "lower"
                 transfer.looked_up([name] * tiers.contains_prefix(keys))
-            elif num_computed_tokens >= num_loadable_end:
-                # A full GPU hit loads nothing: the CPU tier's answer is enough (for saves).
+            elif num_computed_tokens >= num_loadable_end and not self.cache_engine.tiers.cpu.staging:
+                # A full GPU hit loads nothing: the CPU tier's answer is enough (for saves;
+                # a staging area holds no stores, so there the lower tiers are asked).
                 cpu = self.cache_engine.tiers.cpu
                 transfer.looked_up(["cpu"] * (cpu.contains(keys) if cpu is not None else 0))
             else:

@@ -52,6 +52,7 @@ class TierProber:
         connections: int,
         interval_s: float,
         name_to_breaker: dict[str, CircuitBreaker] | None = None,
+        busy: Callable[[str], bool] = lambda tier_name: False,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.planner = planner
@@ -63,6 +64,8 @@ class TierProber:
         self.layout = layout
         self.connections = max(1, connections)
         self.interval_s = interval_s
+        #: whether fetches are reading a tier now (then it is not measured in the background)
+        self.busy = busy
         self._clock = clock
         self._written_tier_names: set[str] = set()
         self._stop = threading.Event()
@@ -83,18 +86,25 @@ class TierProber:
                 return
             self.probe(name)
         while not self._stop.wait(max(self.interval_s, 0.05)):
-            for name in self.planner.tiers_to_probe(list(self.name_to_tier)):
-                self.probe(name)
+            # a tier that fetches are reading is measured by them; a probe would take their bandwidth
+            idle = [name for name in self.name_to_tier if not self.busy(name)]
+            for name in self.planner.tiers_to_probe(idle):
+                self.probe(name, full=False)
 
-    def probe(self, tier_name: str) -> bool:
-        """Measure one tier now (one read, then ``connections`` at once); feeds the planner.
-        Returns whether both measurements were taken."""
+    def probe(self, tier_name: str, *, full: bool = True) -> bool:
+        """Measure one tier now: one read, then (``full``: the opening measurement)
+        ``connections`` at once; feeds the planner. A later measurement reads one chunk
+        only (cheap: the planner scales it, no higher than the opening one's rate with
+        more connections). Returns whether the measurement was taken."""
         tier = self.name_to_tier[tier_name]
         breaker = self.name_to_breaker.get(tier_name)
         if breaker is not None and not breaker.allow():
             return False
         try:
-            buffers = [torch.empty(self.chunk_shape, dtype=self.dtype) for _ in range(self.connections)]
+            buffers = [
+                torch.empty(self.chunk_shape, dtype=self.dtype)
+                for _ in range(self.connections if full else 1)
+            ]
             if tier_name not in self._written_tier_names or not self._read(tier, buffers[0]):
                 self._write(tier)
                 self._written_tier_names.add(tier_name)
@@ -103,24 +113,27 @@ class TierProber:
             if not self._read(tier, buffers[0]):
                 return False
             self.planner.observe_read(tier_name, num_bytes, self._clock() - began, 1, replace=True)
+            if not full:
+                buffers = []
             began = self._clock()
             reads = [self._pool.submit(self._read, tier, buffer) for buffer in buffers]
             if not all(read.result() for read in reads):
                 return False
-            seconds = self._clock() - began
-            self.planner.observe_read(
-                tier_name, num_bytes * len(buffers), seconds, len(buffers), replace=True
-            )
+            if buffers:
+                seconds = self._clock() - began
+                self.planner.observe_read(
+                    tier_name, num_bytes * len(buffers), seconds, len(buffers), replace=True
+                )
         except Exception as exc:  # a tier that fails is the breaker's business, not the prober's
             log.info("measuring tier %s failed: %s: %s", tier_name, type(exc).__name__, exc)
             return False
         self.tier_to_num_probes[tier_name] = self.tier_to_num_probes.get(tier_name, 0) + 1
         log.info(
-            "tier %s measured: %.3f GB/s with one read, %.3f GB/s with %d in flight",
+            "tier %s measured: %.3f GB/s with one read, %.3f GB/s planned with %d in flight",
             tier_name,
             self.planner.tier_rate(tier_name, 1) / 1e9,
-            self.planner.tier_rate(tier_name, len(buffers)) / 1e9,
-            len(buffers),
+            self.planner.tier_rate(tier_name, self.connections) / 1e9,
+            self.connections,
         )
         return True
 

@@ -9,7 +9,9 @@ planned fetch is read at the connections it will use:
 
 - from the tier's newest measurement, scaled linearly from the count it was taken at (a
   tier that slowed down or recovered shows it in the next measurement, whatever its
-  count: a one-chunk background read, or a fetch that its deadline cut);
+  count: a one-chunk background read, or a fetch that its deadline cut), but from fewer
+  connections no higher than the best ever measured with that many or more (a disk is
+  bandwidth-bound: eight reads in flight get what one gets);
 - from that count's own moving average when it is the newest.
 
 Before any measurement a tier's rate is its prior (``TIER_PRIOR_BYTES_PER_S``); the
@@ -41,6 +43,8 @@ class MovingRate:
     value: float
     alpha: float = RATE_ALPHA
     last: float = 0.0
+    #: the fastest sample so far
+    best: float = 0.0
     num_samples: int = 0
     updated_at: float = float("-inf")
 
@@ -53,6 +57,7 @@ class MovingRate:
         else:
             self.value = (1 - self.alpha) * self.value + self.alpha * sample
         self.last = sample
+        self.best = max(self.best, sample)
         self.num_samples += 1
         self.updated_at = now
 
@@ -112,9 +117,13 @@ class TierRates:
             count, newest = max(buckets.items(), key=lambda item: item[1].updated_at)
             if own is not None and own.updated_at >= newest.updated_at:
                 return own.value
-            if count == ANY_CONNECTIONS:
-                return newest.value
-            return newest.value * connections / count
+            if count == ANY_CONNECTIONS or count >= connections:
+                return newest.value * min(1.0, connections / max(count, 1))
+            # from fewer connections: linear, but no more than was ever measured with as
+            # many or more (a disk is bandwidth-bound: eight reads get what one gets)
+            scaled = newest.value * connections / count
+            ceiling = [rate.best for other, rate in buckets.items() if other >= connections]
+            return min(scaled, max(ceiling)) if ceiling else scaled
 
     def measured_at(self, tier_name: str) -> float:
         """When the tier was last measured (the clock's seconds; -inf: never)."""

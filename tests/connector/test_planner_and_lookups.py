@@ -132,12 +132,16 @@ def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, bla
     assert num_steps > 2 and num_decode_tokens >= num_steps - 2
     breaker = engine.scheduler.connector.cache_engine.tiers.breakers["redis"]
     assert breaker.num_trips == 1 and breaker.is_open
-    # The next request does not ask the remote at all: admitted in its first step (its
-    # prompt may be chunked there: "decode" is decoding, engine.prefill_cap).
+    # The next request does not ask the remote at all: admitted at once (its prompt may be
+    # chunked: "decode" is decoding, engine.prefill_cap). Its lookup of the CPU tier runs on
+    # the lookup pool; on a loaded machine it may miss the first step's 2 ms wait.
     engine.add_request("second", make_prompt(100, 3), SamplingParams(max_tokens=1, ignore_eos=True))
-    outputs = engine.step()
     second = engine.requests.get("second")
-    assert any(o.request_id == "second" for o in outputs) or second.num_computed_tokens > 0
+    for _ in range(3):
+        outputs = engine.step()
+        if any(o.request_id == "second" for o in outputs) or second.num_computed_tokens > 0:
+            break
+    assert second.num_computed_tokens > 0 or second.is_finished
     assert breaker.num_skipped >= 1
     engine.abort_request("decode")
 

@@ -86,7 +86,7 @@ class OffloadConfig:
     breaker_backoff_s: float = 1.0
     #: a fetch waits at most this fraction of the time recomputing its tokens would take
     fetch_deadline_fraction: float = 0.5
-    #: each lower tier is measured when opened (one chunk-sized value written, read once,
+    #: each remote tier is measured when opened (one chunk-sized value written, read once,
     #: then ``reads_in_flight`` times at once); a tier the plans skip is measured again at
     #: most this often; 0: never measure in the background (priors until fetches measure)
     tier_probe_interval_s: float = 5.0

@@ -17,7 +17,7 @@ from connector.lookup import TierLookups
 from connector.planner import LoadPlanner, StepTimes
 from connector.request_transfer import TransferRegistry
 from connector.scheduler_side import OffloadScheduler
-from connector.tier_probe import PROBE_KEY_SUFFIX, TierProber
+from connector.tier_probe import PROBE_KEY_SUFFIX, PROBED_TIER_NAMES, TierProber
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
 from connector.worker_side import OffloadWorker
@@ -127,11 +127,17 @@ def create_kv_connector(
         )
         weakref.finalize(cache_engine, lookups.close)
         weakref.finalize(cache_engine, fetcher.close)
-        if planner is not None and config.tier_probe_interval_s > 0 and config.load_policy != "always":
+        remotes = {tier.name: tier for tier in tiers.lower if tier.name in PROBED_TIER_NAMES}
+        if (
+            planner is not None
+            and remotes
+            and config.tier_probe_interval_s > 0
+            and config.load_policy != "always"
+        ):
             token_db = cache_engine.token_db
             prober = TierProber(
                 planner,
-                {tier.name: tier for tier in tiers.lower},
+                remotes,
                 key=f"{token_db.key_prefix}{token_db.namespace}:{PROBE_KEY_SUFFIX}",
                 chunk_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_dim),
                 dtype=dtype,

@@ -19,7 +19,7 @@ chunks that arrived in time are used, the rest is recomputed).
 
 Tier rates come from what each tier delivered to this engine, per number of reads in
 flight (``connector.tier_rates``): a fetch of n chunks from a tier is planned at the rate
-measured with ``min(n, reads_in_flight)`` reads in flight. Each lower tier is measured
+measured with ``min(n, reads_in_flight)`` reads in flight. Each remote tier is measured
 when the connector opens it, and a tier the plans skip (a measurement says it is slower
 than recomputing) is measured again in the background (``connector.tier_probe``, at most
 once per ``probe_interval_s``): a tier that was slow is used again once it is fast.

@@ -15,7 +15,7 @@ planned fetch is read at the connections it will use:
 - from that count's own moving average when it is the newest.
 
 Before any measurement a tier's rate is its prior (``TIER_PRIOR_BYTES_PER_S``); the
-connector measures each lower tier when it opens it (``connector.tier_probe``), so a
+connector measures each remote tier when it opens it (``connector.tier_probe``), so a
 prior lives only for the first moments. Thread-safe: the scheduler side reads, the
 worker side's fetch reports and the opening probe write.
 """

@@ -16,7 +16,7 @@ from connector.planner import LoadPlanner
 from connector.tier_probe import PROBE_KEY_SUFFIX
 from engine import SamplingParams
 from engine.step_time import StepTimeModel
-from tests.connector.test_async_loads import make_prompt, new_llm
+from tests.connector.test_async_loads import make_prompt, new_llm, run_until_done
 
 MIB = 1 << 20
 
@@ -309,44 +309,59 @@ def test_a_fetch_is_planned_to_fit_the_room_it_lands_in():
     assert decision.num_planned_recompute_tokens == 5 * 256 + 1 - 2 * 256
 
 
-def test_a_lower_tier_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir, tmp_path):
-    """No prior decides the first hit: the connector measures the disk tier when it opens
-    it (a chunk-sized value written, read once and then reads_in_flight at once), so a
-    disk faster than recomputing serves the first request of a prompt stored there (the
-    same tokens), and the probe value is gone when the engine closes."""
-    from tests.connector.test_async_loads import PARAMS, close, disk_config, run_until_done, write_to
+def test_a_remote_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir, redis_server):
+    """No prior decides the first hit: the connector measures Redis when it opens it (a
+    chunk-sized value written under the engine's probe key, read once and then
+    reads_in_flight at once), so a remote faster than recomputing serves the first request
+    of a prompt stored there (the same tokens); the probe value is gone once it closes."""
+    import redis
 
+    from tests.connector.test_async_loads import PARAMS, close, write_to
+
+    redis_server.flushall()
     model_dir = tiny_model_dir("llama")
     prompt = make_prompt(200, 5)
     (expected,) = new_llm(model_dir, None).generate([prompt], PARAMS)
-    write_to(model_dir, disk_config(tmp_path), [prompt])
+    config = OffloadConfig(chunk_size=32, cpu_bytes=32 << 20, remote_url=redis_server.url)
+    write_to(model_dir, config, [prompt])
 
-    llm = new_llm(model_dir, disk_config(tmp_path))
+    llm = new_llm(model_dir, config)
     engine = llm.engine
     connector = engine.scheduler.connector
     planner = connector.planner
-    disk = connector.cache_engine.tiers.lower[0]
-    for _ in range(400):  # the measurement runs on the prober's thread
-        if planner.rates.measured_at("disk") > float("-inf"):
+    prober = engine.runner.connector.prober
+    for _ in range(1000):  # the measurement runs on the prober's thread
+        if prober.tier_to_num_probes.get("redis"):
             break
         time.sleep(0.01)
     rates = planner.snapshot()
-    assert rates["tier:disk@1"] > 0 and rates[f"tier:disk@{planner.reads_in_flight}"] > 0, rates
-    probe_keys = [key for key in disk.keys("") if key.endswith(PROBE_KEY_SUFFIX)]
-    assert len(probe_keys) == 1 and probe_keys[0].startswith(connector.cache_engine.token_db.namespace)
+    assert rates["tier:redis@1"] > 0 and rates[f"tier:redis@{planner.reads_in_flight}"] > 0, rates
+    with redis.Redis(port=redis_server.port) as client:
+        probe_keys = [key.decode() for key in client.scan_iter(f"*{PROBE_KEY_SUFFIX}")]
+    assert len(probe_keys) == 1  # the backend puts its own prefix in front of the engine's key
+    assert probe_keys[0].endswith(f"{connector.cache_engine.token_db.namespace}:{PROBE_KEY_SUFFIX}")
     # Recompute estimated at 100 tokens/s (the tiny model on a busy machine may beat a
-    # one-chunk disk read): the disk, measured, beats it.
+    # loopback read): Redis, measured, beats it.
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
     engine.add_request("first", prompt, PARAMS)
     first = run_until_done(engine, ["first"])["first"]
     assert first.token_ids == expected.token_ids
-    assert first.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
+    assert first.metrics.tier_to_loaded_tokens.get("redis", 0) > 0
     close(llm)
-    from storage_backends.disk_backend import DiskBackend
+    with redis.Redis(port=redis_server.port) as client:
+        assert list(client.scan_iter(f"*{PROBE_KEY_SUFFIX}")) == []
 
-    reopened = DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
-    assert not [key for key in reopened.keys("") if key.endswith(PROBE_KEY_SUFFIX)]
-    reopened.close()
+
+def test_a_local_disk_is_measured_by_its_fetches_only(tiny_model_dir, tmp_path):
+    """A value written moments ago reads from caches: the disk tier is not measured in the
+    background (its fetches measure it), and no probe value lands in its folder."""
+    from tests.connector.test_async_loads import close, disk_config
+
+    llm = new_llm(tiny_model_dir("llama"), disk_config(tmp_path))
+    assert llm.engine.runner.connector.prober is None
+    assert "tier:disk" not in llm.engine.scheduler.connector.planner.snapshot()
+    close(llm)
+    assert not list(tmp_path.glob("*probe*"))
 
 
 def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):

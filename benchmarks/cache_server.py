@@ -52,13 +52,11 @@ with ``--out`` (every round's rows and the medians).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -72,22 +70,20 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.support.cache_bench_clients import TRANSPORTS, GrpcClient, RedisClient  # noqa: E402
+from benchmarks.support.cache_bench_load import measure_load, print_load_table  # noqa: E402
+from benchmarks.support.cache_bench_servers import (  # noqa: E402
+    clear_cache_server,
+    clear_redis,
+    server_cpu_s,
+    start_cache_server,
+    start_redis,
+)
 from storage_backends.chunk import KVChunk, encode_chunk  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (2 * MIB, 8 * MIB, 32 * MIB)
 DEFAULT_CLIENTS = (1, 8)
-TRANSPORTS = ("unix", "tcp", "grpc")
-#: URL query per transport (the tier picks the Unix socket by itself on the same host)
-TRANSPORT_QUERY = {"unix": "", "tcp": "&local=off", "grpc": "&bulk=off"}
-#: one 256-token chunk of an 8B model (Llama-3-8B: 32 layers, 8 KV heads, head dim 128), bf16
-LOAD_CHUNK_SHAPE = (32, 2, 256, 8, 128)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_value(num_bytes: int, seed: int) -> KVChunk:
@@ -96,124 +92,6 @@ def make_value(num_bytes: int, seed: int) -> KVChunk:
     num_tokens = max(1, num_bytes // 2)  # layout [layers=1, K/V=2, tokens, heads=1, dim=1] of uint8
     tensor = torch.randint(0, 256, (1, 2, num_tokens, 1, 1), dtype=torch.uint8, generator=generator)
     return KVChunk(tensor)
-
-
-def start_cache_server(
-    memory_gb: float, bulk: str, disk_path: str | None = None, disk_gb: float | None = None
-) -> tuple[subprocess.Popen, str]:
-    # keep the caller's PYTHONPATH after the repo's (packages installed beside the system's)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cache_server", "--port", "0", "--memory-gb", str(memory_gb)]
-        + ["--bulk-port", "any" if bulk == "on" else "off"]
-        + (["--disk-path", disk_path, "--disk-gb", str(disk_gb)] if disk_path is not None else []),
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = process.stdout.readline()
-    if "listening on" not in line:
-        process.kill()
-        raise RuntimeError(f"cache server did not start: {line!r}")
-    return process, line.strip().rsplit("//", 1)[1]
-
-
-def start_redis(max_memory_bytes: int) -> tuple[subprocess.Popen, int, str]:
-    executable = shutil.which("redis-server")
-    if executable is None:
-        raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="kvstash-bench-redis-")
-    process = subprocess.Popen(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--dir", workdir, "--maxmemory", str(max_memory_bytes), "--proto-max-bulk-len", str(512 * MIB)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError("redis-server did not answer PING") from None
-            time.sleep(0.05)
-    client.close()
-    return process, port, workdir
-
-
-class GrpcClient:
-    """The engine's grpc:// tier (its wire path; it verifies each Get's checksum, redis-py does not)."""
-
-    def __init__(self, address: str, transport: str, bulk_connections: int) -> None:
-        from storage_backends import create_backend
-
-        query = f"timeout=60&bulk_connections={bulk_connections}{TRANSPORT_QUERY[transport]}"
-        self._backend = create_backend(f"grpc://{address}?{query}")
-        self.transport = transport
-
-    def put(self, key: str, data: bytes) -> None:
-        self._backend.put_encoded(key, data)
-
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """Pipelined Puts (the engine's write-through path): sent back to back over the bulk pool."""
-        self._backend.put_encoded_many(items)
-
-    def get(self, key: str) -> bytes:
-        return self._backend.get_encoded(key)
-
-    def get_into(self, key: str):
-        """The engine's read path: the value lands in a buffer kept across calls (a CPU-tier slot)."""
-        return self._backend.get_into(key, self._buffer)
-
-    def reserve(self, num_bytes: int) -> None:
-        self._buffer = torch.empty(num_bytes, dtype=torch.uint8)
-
-    def close(self) -> None:
-        used = self._backend.transport
-        self._backend.close()
-        if used != self.transport:
-            raise RuntimeError(f"asked for transport {self.transport}, the tier used {used}")
-
-
-class RedisClient:
-    def __init__(self, port: int) -> None:
-        import redis
-
-        self._client = redis.Redis(port=port, socket_timeout=60)
-
-    def put(self, key: str, data: bytes) -> None:
-        self._client.set(key, data)
-
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """The same SETs in one redis-py pipeline (sent back to back, replies read at the end):
-        how the Redis tier writes a batch."""
-        with self._client.pipeline(transaction=False) as pipe:
-            for key, data in items:
-                pipe.set(key, data)
-            pipe.execute()
-
-    def get(self, key: str) -> bytes:
-        return self._client.get(key)
-
-    def get_into(self, key: str) -> bytes:
-        """redis-py has no way to read into a buffer: the same GET."""
-        return self._client.get(key)
-
-    def reserve(self, num_bytes: int) -> None:
-        pass
-
-    def close(self) -> None:
-        self._client.close()
 
 
 def run_phase(
@@ -331,12 +209,6 @@ def client_cpu_s() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def server_cpu_s(process) -> float:
-    """User plus system CPU seconds of a server process (``psutil.Process``) so far."""
-    times = process.cpu_times()
-    return times.user + times.system
 
 
 def measure(
@@ -603,31 +475,6 @@ def main() -> int:
     return 0
 
 
-def clear_cache_server(address: str) -> None:
-    from protos import kvstash_pb2, kvstash_pb2_grpc
-    from storage_backends.grpc_channel import make_channel
-
-    with make_channel(address, secure=False) as channel:
-        kvstash_pb2_grpc.AdminStub(channel).Clear(kvstash_pb2.ClearRequest(), timeout=60)
-
-
-def tier_hits(address: str) -> dict[str, int]:
-    """Hits so far of each of the server's tiers (shows which tier served a load)."""
-    from protos import kvstash_pb2, kvstash_pb2_grpc
-    from storage_backends.grpc_channel import make_channel
-
-    with make_channel(address, secure=False) as channel:
-        stats = kvstash_pb2_grpc.AdminStub(channel).Stats(kvstash_pb2.StatsRequest(), timeout=60)
-    return {tier.name: tier.hits for tier in stats.tiers}
-
-
-def clear_redis(port: int) -> None:
-    import redis
-
-    with redis.Redis(port=port) as client:
-        client.flushall()
-
-
 def summarize(rows: list[dict], kvstash_systems: list[str]) -> list[dict]:
     """One entry per (size, clients, op): medians over rounds of each system's MB/s, p50/p99 and
     server CPU per MB, and per kvstash transport the median of the per-round ratios ÷ redis."""
@@ -674,124 +521,6 @@ def print_table(cells: list[dict], transports: list[str]) -> None:
         row.append(" / ".join(cpu))
         table.add_row(*row)
     Console(width=200).print(table)
-
-
-def measure_load(address: str, args: argparse.Namespace, server_process) -> list[dict]:
-    """Store ``--load-mib`` of 8B-shaped chunks, then per transport load them all with ``get_into``
-    into pinned buffers (``--load-connections`` threads and bulk connections); best of rounds."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from storage_backends import create_backend
-    from storage_backends.chunk import KVChunk
-
-    chunk_bytes = int(np.prod(LOAD_CHUNK_SHAPE)) * 2
-    num_chunks = max(1, args.load_mib * MIB // chunk_bytes)
-    cuda = torch.cuda.is_available()
-    generator = torch.Generator().manual_seed(0)
-    source = torch.randint(-(2**15), 2**15, LOAD_CHUNK_SHAPE, dtype=torch.int16, generator=generator)
-    keys = [f"load/{i}" for i in range(num_chunks)]
-    writer = create_backend(f"grpc://{address}?timeout=120&concurrency=4")
-    try:
-        # Distinct contents per chunk would cost the benchmark's own time; the server checks each anyway.
-        writer.put_many([(key, KVChunk(source.view(torch.bfloat16))) for key in keys])
-    finally:
-        writer.close()
-    buffers = [torch.empty(LOAD_CHUNK_SHAPE, dtype=torch.bfloat16, pin_memory=cuda) for _ in keys]
-    device_buffers = (
-        [torch.empty(LOAD_CHUNK_SHAPE, dtype=torch.bfloat16, device="cuda") for _ in keys]
-        if args.to_device
-        else []
-    )
-    rows = []
-    for transport in args.transports:
-        query = f"&bulk_connections={args.load_connections}&concurrency={args.load_connections}"
-        backend = create_backend(f"grpc://{address}?timeout=120{query}{TRANSPORT_QUERY[transport]}")
-        streams: dict[int, object] = {}
-        load = functools.partial(load_one, backend, keys, buffers, device_buffers, streams)
-        try:
-            backend.get_into(keys[0], buffers[0])  # discovery and the first connection, outside the clock
-            seconds, cpu_seconds = [], []
-            hits_before = tier_hits(address)
-            for _ in range(args.load_rounds):
-                cpu_start, start = server_cpu_s(server_process), time.perf_counter()
-                with ThreadPoolExecutor(args.load_connections) as pool:
-                    list(pool.map(load, range(num_chunks)))
-                seconds.append(time.perf_counter() - start)
-                cpu_seconds.append(server_cpu_s(server_process) - cpu_start)
-            hits_after = tier_hits(address)
-            used = backend.transport
-        finally:
-            backend.close()
-        if used != transport:
-            raise RuntimeError(f"asked for transport {transport}, the tier used {used}")
-        total = num_chunks * chunk_bytes
-        rows.append(
-            {
-                "transport": transport,
-                "num_chunks": num_chunks,
-                "chunk_bytes": chunk_bytes,
-                "total_bytes": total,
-                "connections": args.load_connections,
-                "pinned": cuda,
-                "to_device": bool(device_buffers),
-                "best_gb_per_s": total / min(seconds) / 1e9,
-                "median_gb_per_s": total / float(np.median(seconds)) / 1e9,
-                "seconds": seconds,
-                "server_cpu_ms_per_mb_last_round": cpu_seconds[-1] * 1e3 / (total / 1e6),
-                "server_cpu_ms_per_mb_median": float(np.median(cpu_seconds)) * 1e3 / (total / 1e6),
-                # which tier served the timed loads (a small --server-memory-mib: the disk tier)
-                "tier_hits": {name: hits_after[name] - hits_before.get(name, 0) for name in hits_after},
-            }
-        )
-    return rows
-
-
-def load_one(
-    backend, keys: list[str], buffers: list, device_buffers: list, streams: dict, index: int
-) -> None:
-    """One chunk into its pinned buffer (and on to the GPU, on this thread's own stream)."""
-    chunk = backend.get_into(keys[index], buffers[index])
-    if chunk is None:
-        raise RuntimeError(f"load of {keys[index]} missed")
-    if device_buffers:
-        stream = streams.get(threading.get_ident())
-        if stream is None:
-            stream = streams[threading.get_ident()] = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            device_buffers[index].copy_(buffers[index], non_blocking=True)
-        stream.synchronize()
-
-
-def print_load_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        "transport",
-        "KV loaded",
-        "chunks",
-        "connections",
-        "pinned",
-        "to GPU",
-        "GB/s best",
-        "GB/s median",
-        "server CPU ms/MB",
-        "hits by tier",
-    )
-    for row in rows:
-        table.add_row(
-            row["transport"],
-            f"{row['total_bytes'] / MIB:.0f} MiB",
-            str(row["num_chunks"]),
-            str(row["connections"]),
-            str(row["pinned"]),
-            str(row["to_device"]),
-            f"{row['best_gb_per_s']:.2f}",
-            f"{row['median_gb_per_s']:.2f}",
-            f"{row['server_cpu_ms_per_mb_median']:.3f}",
-            " ".join(f"{name}={hits}" for name, hits in row["tier_hits"].items()),
-        )
-    Console(width=170).print(table)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,71 +19,21 @@ from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.cache_salt import check_cache_salt
 from engine.config import EngineArgs, ModelConfig, SamplingParams
+from engine.detokenize import detokenize_and_check_stop
+from engine.engine_stats import EngineStats
 from engine.host_threads import limit_host_threads
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import load_model
 from engine.prefill_cap import PrefillCap
 from engine.request import Request, RequestOutput, index_of_token_outside_vocab
 from engine.scheduler import Scheduler
-from engine.spec_decode import NgramProposer, SpecDecodeStats
+from engine.spec_decode import NgramProposer
+from engine.step_recovery import PROBE_REQUEST_ID_PREFIX, StepRecovery, StepSnapshot
+from engine.step_recovery import EngineStepError as EngineStepError  # raised by step(); importable here
 from engine.step_time import StepTimeModel
 from engine.warmup import WarmupLimits, warm_up
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStepError(RuntimeError):
-    """`EngineCore.step` raised; the step's own exception is `__cause__`. Later steps may
-    run: every request is either ended or back in the queue, blocks and connector state
-    consistent.
-
-    - `num_retried` > 0: the step held several requests; they were sent back (their
-      output so far kept) to be retried in smaller groups, nothing was ended.
-    - else the step held one request (or its groups narrowed down to one): that request
-      is ended (finish_reason "error") through the abort path and is in `outputs`, with
-      any request the step had finished before raising. `engine_ok` then tells whether a
-      probe step of an internal one-token request ran right after: True means the engine
-      works without the ended request (the failure was that request's own), False that it
-      fails without it too, None that no probe could run.
-    """
-
-    def __init__(
-        self, outputs: list[RequestOutput], *, num_retried: int = 0, engine_ok: bool | None = None
-    ) -> None:
-        if num_retried:
-            message = f"an engine step failed; its {num_retried} requests are retried in smaller groups"
-        else:
-            ids = ", ".join(output.request_id for output in outputs) or "none"
-            message = f"an engine step failed; its requests were ended: {ids}"
-        super().__init__(message)
-        self.outputs = outputs
-        self.num_retried = num_retried
-        self.engine_ok = engine_ok
-
-
-#: request ids of the engine's probe requests (never a client's: clients' ids are
-#: checked against this prefix)
-PROBE_REQUEST_ID_PREFIX = "kvstash-probe-"
-
-
-@dataclass
-class EngineStats:
-    """Counters over the engine's life (read by tests, benchmarks and /metrics)."""
-
-    num_steps: int = 0
-    #: tokens the model actually ran a forward pass on (prefix hits and loads excluded)
-    num_computed_tokens_total: int = 0
-    num_generated_tokens_total: int = 0
-    num_requests_finished: int = 0
-    #: steps that raised (their requests were ended or retried, see `EngineStepError`)
-    num_step_errors: int = 0
-    #: requests a failed step sent back to be retried in smaller groups
-    num_requests_retried: int = 0
-    #: probe steps run after a request failed alone, and those of them that failed too
-    num_probe_steps: int = 0
-    num_probe_failures: int = 0
-    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -248,10 +197,15 @@ class EngineCore:
                 self._batch_queue = self._new_batch_queue()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        #: groups of requests a failed step sent back; while any is left each step runs
-        #: only (part of) the first group, until the one request that fails is found
-        self._retry_groups: list[list[Request]] = []
-        self._num_probes = 0
+        #: ends or retries the requests of a step that raised (engine.step_recovery)
+        self.recovery = StepRecovery(
+            self.scheduler,
+            self.runner,
+            self.requests,
+            self.stats,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+        )
         logger.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             config.family,
@@ -450,8 +404,8 @@ class EngineCore:
         then quarters..., so only the request that fails a step alone is ended and the
         others complete with the tokens they would have had (their output tokens and
         seeded generators are restored to the state before the failed step)."""
-        group = self._retry_group()
-        snapshot = _StepSnapshot()
+        group = self.recovery.retry_group()
+        snapshot = StepSnapshot()
         try:
             outputs = self._step(only=group, snapshot=snapshot)
         except Exception as error:
@@ -464,121 +418,10 @@ class EngineCore:
                     r for r in in_flight if r not in step_requests
                 ]
             if self.pipeline is not None and self.pipeline.dead_reason is not None:
-                raise self._end_all_with_error() from error
-            raise self._recover_from_failed_step(group, snapshot) from error
-        if group is not None:
-            if not snapshot.request_ids:
-                logger.warning(
-                    "the requests retried after a failed step cannot be scheduled now; they run as usual"
-                )
-                self._retry_groups.clear()
-            else:
-                # a step that ran them passed: they are cleared
-                self._retry_groups[0][:] = [
-                    r for r in self._retry_groups[0] if r.request_id not in snapshot.request_ids
-                ]
+                raise self.recovery.end_all_with_error() from error
+            raise self.recovery.recover(group, snapshot) from error
+        self.recovery.step_passed(group, snapshot)
         return outputs
-
-    def _retry_group(self) -> set[Request] | None:
-        """The requests the next step may run while failed steps are being narrowed down,
-        or None (a normal step). A group whose requests cannot be scheduled (no blocks
-        while others hold them) is given up: its requests then run in normal steps."""
-        while self._retry_groups:
-            group = self._retry_groups[0]
-            group[:] = [r for r in group if not r.is_finished]
-            if group:
-                return set(group)
-            self._retry_groups.pop(0)
-        return None
-
-    def _recover_from_failed_step(
-        self, group: set[Request] | None, snapshot: _StepSnapshot
-    ) -> EngineStepError:
-        """Make the engine consistent after a step raised; returns the error to raise."""
-        if self.runner.connector is not None:
-            self.runner.connector.abort_step()
-        step_requests = list(self.scheduler.step_requests)
-        self.scheduler.step_requests = []
-        # A request the step finished before raising cannot be rolled back (the connector
-        # and the block pool took it over already): it is reported ended, as an error.
-        finished = [r for r in step_requests if r.is_finished]
-        unfinished = [r for r in step_requests if not r.is_finished]
-        outputs = [self._end_with_error(r) for r in finished]
-        if group is not None:
-            self._retry_groups[0][:] = [r for r in self._retry_groups[0] if r not in unfinished]
-        if len(unfinished) > 1:
-            self._roll_back(unfinished, snapshot)
-            half = len(unfinished) // 2
-            self._retry_groups[:0] = [unfinished[:half], unfinished[half:]]
-            self.stats.num_requests_retried += len(unfinished)
-            return EngineStepError(outputs, num_retried=len(unfinished))
-        outputs += [self._end_with_error(r) for r in unfinished]
-        return EngineStepError(outputs, engine_ok=self._probe() if unfinished else None)
-
-    def _end_all_with_error(self) -> EngineStepError:
-        """A pipeline stage died: no step can run any more. Every request is ended
-        (finish_reason "error"); the engine reports itself dead (`device_error`)."""
-        if self.runner.connector is not None:
-            self.runner.connector.abort_step()
-        self.scheduler.step_requests = []
-        self._retry_groups.clear()
-        outputs = [self._end_with_error(request) for request in list(self.requests.values())]
-        return EngineStepError(outputs, engine_ok=False)
-
-    def _roll_back(self, requests: list[Request], snapshot: _StepSnapshot) -> None:
-        """Send the requests back to the waiting queue as they were before the step."""
-        if self.runner.connector is not None:
-            # saves the step queued may still read the blocks that are freed here
-            self.runner.connector.finish_saves()
-        for request in reversed(requests):  # each goes to the front: keep their order
-            snapshot.restore(request, self.block_size)
-            self.scheduler.roll_back(request)
-
-    def _end_with_error(self, request: Request) -> RequestOutput:
-        """End a request of a failed step through the abort path (also one the step had
-        finished: its client never saw the end)."""
-        # gone already when the step finished it before raising: not reported either
-        self.requests.pop(request.request_id, None)
-        self.scheduler.finish_request(request, "error")
-        request.finish_reason = "error"
-        return request.to_output()
-
-    def _probe(self) -> bool | None:
-        """After a request failed a step alone: run one step of an internal one-token
-        request alone. True when it completes (the engine works: the failure was the
-        request's own), False when it raises too, None when it could not be scheduled."""
-        self._num_probes += 1
-        probe = Request(
-            request_id=f"{PROBE_REQUEST_ID_PREFIX}{self._num_probes}",
-            prompt_token_ids=[0],
-            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-            eos_token_ids=frozenset(),
-            max_model_len=self.max_model_len,
-        )
-        self.scheduler.add_request(probe)
-        self.stats.num_probe_steps += 1
-        try:
-            plan = self.scheduler.schedule(only={probe})
-            if plan.requests != [probe]:
-                return None
-            result = self.runner.execute(plan)
-            self.scheduler.update_from_output(
-                plan,
-                result.request_id_to_token,
-                result.load_failures,
-                result.finished_sending_ids,
-                result.request_id_to_accepted_draft_ids,
-            )
-            return probe.is_finished and probe.finish_reason == "length"
-        except Exception as error:  # noqa: BLE001 - the answer is the point
-            logger.warning("the engine's probe step failed too: %s: %s", type(error).__name__, error)
-            self.stats.num_probe_failures += 1
-            if self.runner.connector is not None:
-                self.runner.connector.abort_step()
-            return False
-        finally:
-            self.scheduler.step_requests = []
-            self.scheduler.finish_request(probe, "abort")  # no-op once it finished
 
     def device_error(self) -> str | None:
         """Whether the device can still run steps; a server calls it after a failed step.
@@ -594,7 +437,7 @@ class EngineCore:
             return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return None
 
-    def _step(self, only: set[Request] | None, snapshot: _StepSnapshot) -> list[RequestOutput]:
+    def _step(self, only: set[Request] | None, snapshot: StepSnapshot) -> list[RequestOutput]:
         if self._batch_queue is not None and only is None:
             return self._batch_queue.step(self._finish_step, snapshot.take)
         # (a retried group runs synchronously, after the steps in flight)
@@ -648,7 +491,9 @@ class EngineCore:
         outputs = []
         for request in updated:
             num_outputs = num_outputs_before[request.request_id]
-            self._detokenize_and_check_stop(request, len(request.output_token_ids) - num_outputs)
+            detokenize_and_check_stop(
+                self.tokenizer, self.scheduler, request, len(request.output_token_ids) - num_outputs
+            )
             self.stats.num_generated_tokens_total += len(request.output_token_ids) - num_outputs
             if request.is_finished:
                 self.stats.num_requests_finished += 1
@@ -656,31 +501,6 @@ class EngineCore:
                 self._log_finished(request)
             outputs.append(request.to_output())
         return outputs
-
-    def _detokenize_and_check_stop(self, request: Request, num_new_tokens: int) -> None:
-        """Update `request.text`; a stop string ends the request, the text cut before it.
-        When a step appended several tokens (speculative decoding), the output keeps only
-        the tokens up to the first one that completes a stop string."""
-        if self.tokenizer is None:
-            return
-        stop_strings = request.sampling_params.stop_strings
-        if not stop_strings and not request.is_finished:
-            return  # decode once at the end unless stop strings need the text now
-        num_outputs = len(request.output_token_ids)
-        first_kept = num_outputs - num_new_tokens + 1 if stop_strings else num_outputs
-        for num_kept in range(first_kept, num_outputs + 1):
-            text = self.tokenizer.decode(request.output_token_ids[:num_kept], skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
-            if cut >= 0:
-                del request.output_token_ids[num_kept:]
-                del request.all_token_ids[request.num_prompt_tokens + num_kept :]
-                break
-        if cut >= 0:
-            text = text[:cut]
-            if not request.is_finished:
-                self.scheduler.finish_request(request, "stop")
-            request.finish_reason = "stop"
-        request.text = text
 
     def _log_finished(self, request: Request) -> None:
         """The one log line of a finished request. With offload on it carries the
@@ -714,31 +534,3 @@ class EngineCore:
             1000 * (m.ttft_s or 0.0),
             request.finish_reason,
         )
-
-
-class _StepSnapshot:
-    """What a step may change of its requests that a retry must undo: output tokens and
-    seeded generators (a retried request then samples exactly what it would have).
-    Taken after scheduling, for the scheduled requests only."""
-
-    def __init__(self) -> None:
-        self.request_ids: set[str] = set()
-        self._request_id_to_num_outputs: dict[str, int] = {}
-        self._request_id_to_generator_state: dict[str, torch.Tensor] = {}
-
-    def take(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.request_ids.add(request.request_id)
-            self._request_id_to_num_outputs[request.request_id] = len(request.output_token_ids)
-            if request.generator is not None:
-                self._request_id_to_generator_state[request.request_id] = request.generator.get_state()
-
-    def restore(self, request: Request, block_size: int) -> None:
-        num_outputs = self._request_id_to_num_outputs.get(request.request_id)
-        if num_outputs is not None and len(request.output_token_ids) > num_outputs:
-            del request.output_token_ids[num_outputs:]
-            del request.all_token_ids[request.num_prompt_tokens + num_outputs :]
-            del request.block_hashes[request.num_tokens // block_size :]
-        state = self._request_id_to_generator_state.get(request.request_id)
-        if state is not None:
-            request.generator.set_state(state)

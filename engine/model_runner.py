@@ -1,6 +1,7 @@
 """The model runner: owns the weights and the one KV tensor, turns a scheduler
-plan into flat model inputs, runs the forward pass through paged attention and
-samples. Called by the engine core once per step.
+plan into flat model inputs (engine.step_inputs), runs the forward pass through paged
+attention and samples (drafts verified by engine.spec_decode.verify). Called by the
+engine core once per step.
 
 KV tensor: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`;
 layer l uses the view `kv_cache[l]`; slot = block_id * block_size + offset.
@@ -13,10 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from connector.base import KVConnectorWorker
@@ -32,39 +30,11 @@ from engine.models.llama import LlamaFamilyForCausalLM
 from engine.runner_output import RunnerOutput
 from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
-from engine.spec_decode import verify_drafts
+from engine.spec_decode.verify import draft_layout, verify_layout
 from engine.step_future import DeviceTimeline, StepFuture
+from engine.step_inputs import HostInputs, build_host_inputs, gather_host_inputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class HostInputs:
-    """One step's model inputs, built on the host before they go to the device."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]
-    block_tables: np.ndarray  # int32 [num_seqs, max_blocks]
-    seq_lens: np.ndarray  # int32 [num_seqs]
-    query_start_loc: np.ndarray  # int32 [num_seqs + 1]
-    max_query_len: int  # over the paged sequences (all of them when no span is dense)
-    max_seq_len: int
-    num_paged_seqs: int  # the first sequences; the others are whole-prompt prefills
-    dense_spans: tuple[tuple[int, int], ...]  # their [begin, end) token ranges
-    #: flat indices of the input ids that the previous step samples (async scheduling),
-    #: and whose sampled token each one is; filled on the device before the pass
-    missing_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    missing_request_ids: tuple[str, ...] = ()
-
-
-class _DraftLayout(NamedTuple):
-    """A verification step's drafts, laid out by `ModelRunner._draft_layout`."""
-
-    requests: list  # the requests with drafts, in plan order
-    draft_token_ids: list[list[int]]  # their drafts
-    draft_rows: list[int]  # per draft, the flat row whose logits check it
-    sample_indices: list[int]  # per request, its index among the step's sampled tokens
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -277,7 +247,6 @@ class ModelRunner:
         The flat batch holds the paged-attention sequences first and the whole-prompt
         prefills (engine.attention's dense path, CUDA only) after them; rows still
         follow plan.requests' order in the returned list."""
-        bs = self.block_size
         num_requests = len(plan.requests)
         dense = [
             self._on_cuda
@@ -295,94 +264,8 @@ class ModelRunner:
         ]
         num_paged_seqs = num_requests - sum(dense)
         if self.input_batch is not None:
-            return self._prepare_from_batch(plan, order, dense, num_paged_seqs)
-        missing_indices: list[int] = []
-        missing_request_ids: list[str] = []
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        logits_rows = [-1] * num_requests
-        dense_spans: list[tuple[int, int]] = []
-        max_blocks = max(len(r.block_ids) for r in plan.requests)
-        block_tables = np.zeros((num_requests, max_blocks), dtype=np.int32)
-        for row, i in enumerate(order):
-            request, num_new = plan.requests[i], plan.num_scheduled_tokens[i]
-            start = request.num_computed_tokens
-            end = start + num_new
-            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id, [])
-            input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
-            # tokens the previous step samples (async scheduling): filled on the device
-            for _ in range(end - len(spec_token_ids) - max(start, request.num_tokens)):
-                missing_indices.append(len(input_ids))
-                missing_request_ids.append(request.request_id)
-                input_ids.append(0)
-            input_ids.extend(spec_token_ids)
-            pos = np.arange(start, end, dtype=np.int64)
-            block_ids = np.asarray(request.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slot = block_ids[pos // bs] * bs + pos % bs
-            if start < request.num_cached_blocks * bs:
-                # Blocks registered in the prefix cache may be shared and already hold these
-                # tokens' KV (the last token of a fully cached prompt): never rewrite them.
-                slot[pos < request.num_cached_blocks * bs] = -1
-            slots.append(slot)
-            block_tables[row, : len(block_ids)] = block_ids
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            if dense[i]:
-                dense_spans.append((query_start_loc[-2], query_start_loc[-1]))
-            if end == request.num_tokens + request.num_output_placeholders + len(spec_token_ids):
-                logits_rows[i] = query_start_loc[-1] - 1
-        paged_query_lens = [plan.num_scheduled_tokens[i] for i in order[:num_paged_seqs]]
-        host = HostInputs(
-            input_ids=np.asarray(input_ids, dtype=np.int64),
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots),
-            block_tables=block_tables,
-            seq_lens=np.asarray(seq_lens, dtype=np.int32),
-            query_start_loc=np.asarray(query_start_loc, dtype=np.int32),
-            max_query_len=max(paged_query_lens, default=1),
-            max_seq_len=max(seq_lens),
-            num_paged_seqs=num_paged_seqs,
-            dense_spans=tuple(dense_spans),
-            missing_indices=np.asarray(missing_indices, dtype=np.int64),
-            missing_request_ids=tuple(missing_request_ids),
-        )
-        return host, logits_rows
-
-    def _prepare_from_batch(
-        self, plan: SchedulerOutput, order: list[int], dense: list[bool], num_paged_seqs: int
-    ) -> tuple[HostInputs, list[int]]:
-        """`_prepare` through the persistent batch: the same inputs, gathered from rows
-        kept across steps."""
-        requests = [plan.requests[i] for i in order]
-        gathered = self.input_batch.gather(
-            requests, [plan.num_scheduled_tokens[i] for i in order], plan.request_id_to_spec_token_ids
-        )
-        qsl = gathered.query_start_loc
-        logits_rows = [-1] * len(order)
-        for row, i in enumerate(order):
-            if gathered.samples[row]:
-                logits_rows[i] = int(qsl[row + 1]) - 1
-        num_new = np.diff(qsl)
-        dense_spans = tuple((int(qsl[row]), int(qsl[row + 1])) for row, i in enumerate(order) if dense[i])
-        host = HostInputs(
-            input_ids=gathered.input_ids,
-            positions=gathered.positions,
-            slot_mapping=gathered.slot_mapping,
-            block_tables=gathered.block_tables,
-            seq_lens=gathered.seq_lens,
-            query_start_loc=qsl,
-            max_query_len=int(num_new[:num_paged_seqs].max(initial=1)),
-            max_seq_len=int(gathered.seq_lens.max()),
-            num_paged_seqs=num_paged_seqs,
-            dense_spans=dense_spans,
-            missing_indices=gathered.missing_indices,
-            missing_request_ids=gathered.missing_request_ids,
-        )
-        return host, logits_rows
+            return gather_host_inputs(self.input_batch, plan, order, dense, num_paged_seqs)
+        return build_host_inputs(plan, order, dense, num_paged_seqs, self.block_size)
 
     def _fill_missing_input_ids(self, host: HostInputs, input_ids: torch.Tensor) -> None:
         """Copy the previous step's sampled tokens into the input ids the host lacks
@@ -532,50 +415,6 @@ class ModelRunner:
         connector's copies on a copy engine)."""
         return self._readback.read(values) if self._readback is not None else values.tolist()
 
-    def _draft_layout(self, plan: SchedulerOutput, logits_rows: list[int]) -> _DraftLayout:
-        """Where each request's drafts are checked (host only): the logits row before each
-        draft, and the request's index among the step's samples (rows >= 0)."""
-        layout = _DraftLayout([], [], [], [])
-        sample_index = 0
-        for request, last_row in zip(plan.requests, logits_rows, strict=True):
-            if last_row < 0:
-                continue
-            spec_token_ids = plan.request_id_to_spec_token_ids.get(request.request_id)
-            if spec_token_ids:
-                layout.requests.append(request)
-                layout.draft_token_ids.append(spec_token_ids)
-                layout.draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
-                layout.sample_indices.append(sample_index)
-            sample_index += 1
-        return layout
-
-    def _verify(
-        self,
-        layout: _DraftLayout,
-        draft_logits: torch.Tensor,  # float32 [len(layout.draft_rows), vocab]
-        sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
-    ) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """Check every request's drafts against the logits of the positions before them;
-        the token after its accepted drafts replaces its sampled (bonus) token.
-        `sampled_token_ids` holds the step's samples; they stay on the device: the host
-        waits once, for the verdict.
-        Returns (request id -> accepted drafts, request id -> its token after them)."""
-        requests = layout.requests
-        emitted = verify_drafts(
-            draft_logits,
-            layout.draft_token_ids,
-            sampled_token_ids[host_to_device(torch.tensor(layout.sample_indices), self.device)],
-            [r.sampling_params for r in requests],
-            [r.generator for r in requests],
-            row_wise=self.deterministic,
-            to_host=self._to_host,
-        )
-        request_id_to_accepted_draft_ids, request_id_to_last_token = {}, {}
-        for request, tokens in zip(requests, emitted, strict=True):
-            request_id_to_last_token[request.request_id] = tokens[-1]
-            request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
-        return request_id_to_accepted_draft_ids, request_id_to_last_token
-
     def execute(
         self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
     ) -> RunnerOutput:
@@ -632,7 +471,7 @@ class ModelRunner:
                 layout = None
                 if plan.request_id_to_spec_token_ids:
                     # one LM-head pass for the sampled rows and the rows before the drafts
-                    layout = self._draft_layout(plan, logits_rows)
+                    layout = draft_layout(plan.requests, plan.request_id_to_spec_token_ids, logits_rows)
                     row_ids += layout.draft_rows
                 rows = host_to_device(torch.tensor(row_ids), self.device)
                 all_logits = self.model.compute_logits(hidden[rows])
@@ -651,8 +490,13 @@ class ModelRunner:
                 if layout is not None:
                     # The token sampled after the last draft is the bonus token; verified
                     # before the samples are read, so the host waits for the device once.
-                    request_id_to_accepted_draft_ids, request_id_to_last_token = self._verify(
-                        layout, all_logits[len(sampling) :], token_ids
+                    request_id_to_accepted_draft_ids, request_id_to_last_token = verify_layout(
+                        layout,
+                        all_logits[len(sampling) :],
+                        token_ids,
+                        self.device,
+                        row_wise=self.deterministic,
+                        to_host=self._to_host,
                     )
                     request_id_to_token = dict(
                         zip(sampled_request_ids, self._to_host(token_ids), strict=True)

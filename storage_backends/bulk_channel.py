@@ -64,6 +64,7 @@ from protos.bulk_wire import (
 from storage_backends.bulk_errors import BulkStatusError, BulkUnavailable
 from storage_backends.bulk_exchanges import (
     InStepError,
+    ValueParts,
     get_chunk_into,
     get_value,
     put_asking_first,
@@ -97,8 +98,6 @@ DEFAULT_PUT_WINDOW = 8
 #: holds 4 MiB instead of up to the server's ``--max-staging-mb`` (docs/benchmarks.md)
 RING_AREA_BYTES, RING_MIN_AREA_BYTES = 4 << 20, 1 << 20
 
-#: a value's buffers back to back (e.g. a chunk's header and its tensor's memory)
-ValueParts = tuple[bytes | bytearray | memoryview, ...]
 #: the parts, or a callable that makes them (called once, just before the value is sent)
 PartsSource = ValueParts | Callable[[], ValueParts]
 #: one streamed Put's outcome: bytes stored, or the error for that key (BulkStatusError: the

@@ -8,14 +8,15 @@ a Get straight into a chunk's tensor, and the reply of one pipelined Put. They r
 BulkStatusError for an error reply (the connection stays in step), :class:`InStepError` for
 a value refused after the stream stayed in step, and OSError when the connection failed
 (:meth:`BulkClient._call` closes it then); the pool and its retries are in
-``storage_backends/bulk_channel.py``.
+``storage_backends/bulk_channel.py``, which imports this module; this one knows the client
+only as :class:`ExchangeClient` (what the exchanges use of it), so the import goes one way.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from protos.bulk_wire import (
     OP_GET,
@@ -33,10 +34,29 @@ from protos.bulk_wire import (
 from storage_backends.bulk_errors import BulkStatusError
 
 if TYPE_CHECKING:
-    from storage_backends.bulk_channel import BulkClient, ValueParts
     from storage_backends.chunk import KVChunk
     from storage_backends.chunk_receiver import Destination
+    from storage_backends.receive_buffers import ReceiveBufferPool
     from storage_backends.staging_area import StagingArea
+
+#: a value's buffers back to back (e.g. a chunk's header and its tensor's memory)
+ValueParts = tuple[bytes | bytearray | memoryview, ...]
+
+
+class ExchangeClient(Protocol):
+    """What an exchange uses of the client that lent it the connection (``BulkClient``)."""
+
+    #: the largest value a reply may announce (a larger one is a garbled stream)
+    max_value_bytes: int
+    #: where a Get's new buffer comes from
+    receive_buffers: ReceiveBufferPool
+
+    def staging_area_for(self, sock: socket.socket, num_bytes: int) -> StagingArea | None:
+        """The connection's staging area for a value of ``num_bytes``, None to stream it."""
+
+    def count_staged_put(self) -> None:
+        """One Put went through a staging area."""
+
 
 #: a staged Put's value is written in about 8 segments (the server copies one while the
 #: client writes the next), none smaller or larger than these (a progress frame each: a send
@@ -72,7 +92,7 @@ def settle_put(sock: socket.socket, index: int, outcomes: list) -> None:
 
 
 def put_asking_first(
-    client: BulkClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]
+    client: ExchangeClient, sock: socket.socket, key: bytes, parts: tuple[bytes | memoryview, ...]
 ) -> int:
     """An ask-first Put (``OP_PUT``): the request, the server's "send it", the value, its reply;
     the number of bytes stored."""
@@ -88,7 +108,7 @@ def put_asking_first(
     return reply.value_len
 
 
-def put_single(client: BulkClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
+def put_single(client: ExchangeClient, sock: socket.socket, key: bytes, parts: ValueParts) -> int:
     """A staged Put when the connection has (or gets) a staging area for the value (one that
     holds it, or, protocol 4, a ring), else a streamed one; the number of bytes stored."""
     size = sum(memoryview(part).nbytes for part in parts)
@@ -175,7 +195,7 @@ def _write_ring(
             return reply
 
 
-def get_value(client: BulkClient, sock: socket.socket, key: bytes) -> memoryview:
+def get_value(client: ExchangeClient, sock: socket.socket, key: bytes) -> memoryview:
     """A Get into a new buffer from the client's ``receive_buffers`` (the caller owns it)."""
     sock.sendall(REQUEST.pack(OP_GET, len(key), 0) + key)
     reply = read_reply(sock)
@@ -188,7 +208,9 @@ def get_value(client: BulkClient, sock: socket.socket, key: bytes) -> memoryview
     return value
 
 
-def get_chunk_into(client: BulkClient, sock: socket.socket, key: bytes, destination: Destination) -> KVChunk:
+def get_chunk_into(
+    client: ExchangeClient, sock: socket.socket, key: bytes, destination: Destination
+) -> KVChunk:
     """A Get straight into ``destination(header)``, verified as it lands
     (``storage_backends.chunk_receiver``); a refused value raises :class:`InStepError`."""
     from storage_backends.chunk_receiver import receive_chunk

@@ -15,13 +15,14 @@ import torch
 
 from connector.base import KVConnectorWorker
 from engine.config import ModelConfig
-from engine.model_runner import HostInputs, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.pipeline.comm import StageLink
 from engine.pipeline.layer_split import StageLayout
 from engine.pipeline.messages import merge_load_failures
 from engine.pipeline.stage_model import PipelineStageModel
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import HostInputs
 
 
 class UpstreamStageError(RuntimeError):

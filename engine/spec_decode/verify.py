@@ -1,9 +1,16 @@
 """Runner-side verification: turn the target model's logits at the draft positions into
-the tokens each request emits, through the rejection sampler."""
+the tokens each request emits, through the rejection sampler.
+
+The model runner calls `draft_layout` and `verify_layout` once per step that carries
+drafts: the first says which logits rows check which drafts (host only), the second
+verifies them (`verify_drafts`) and reads the verdict. They change nothing but the state
+of the random generators that sampled requests draw from (their own, or torch's).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -81,3 +88,65 @@ def verify_drafts(
         max_spec_len=max(num_draft_tokens),
     )
     return [[t for t in row if t >= 0] for row in to_host(out)]
+
+
+class DraftLayout(NamedTuple):
+    """A verification step's drafts, laid out by `draft_layout`."""
+
+    requests: list  # the requests with drafts, in plan order
+    draft_token_ids: list[list[int]]  # their drafts
+    draft_rows: list[int]  # per draft, the flat row whose logits check it
+    sample_indices: list[int]  # per request, its index among the step's sampled tokens
+
+
+def draft_layout(
+    requests: Sequence, request_id_to_spec_token_ids: Mapping[str, list[int]], logits_rows: list[int]
+) -> DraftLayout:
+    """Where each request's drafts are checked (host only): the logits row before each
+    draft, and the request's index among the step's samples (rows >= 0). ``requests`` and
+    ``request_id_to_spec_token_ids`` are the step plan's; ``logits_rows`` the row of each
+    request's last token (-1: it samples nothing)."""
+    layout = DraftLayout([], [], [], [])
+    sample_index = 0
+    for request, last_row in zip(requests, logits_rows, strict=True):
+        if last_row < 0:
+            continue
+        spec_token_ids = request_id_to_spec_token_ids.get(request.request_id)
+        if spec_token_ids:
+            layout.requests.append(request)
+            layout.draft_token_ids.append(spec_token_ids)
+            layout.draft_rows.extend(range(last_row - len(spec_token_ids), last_row))
+            layout.sample_indices.append(sample_index)
+        sample_index += 1
+    return layout
+
+
+def verify_layout(
+    layout: DraftLayout,
+    draft_logits: torch.Tensor,  # float32 [len(layout.draft_rows), vocab]
+    sampled_token_ids: torch.Tensor,  # [num_sampling_requests], on the device
+    device: torch.device,
+    *,
+    row_wise: bool,
+    to_host: Callable[[torch.Tensor], list],
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Check every request's drafts against the logits of the positions before them;
+    the token after its accepted drafts replaces its sampled (bonus) token.
+    `sampled_token_ids` holds the step's samples; they stay on the device: the host
+    waits once, for the verdict (`row_wise`, `to_host`: see `verify_drafts`).
+    Returns (request id -> accepted drafts, request id -> its token after them)."""
+    requests = layout.requests
+    emitted = verify_drafts(
+        draft_logits,
+        layout.draft_token_ids,
+        sampled_token_ids[host_to_device(torch.tensor(layout.sample_indices), device)],
+        [r.sampling_params for r in requests],
+        [r.generator for r in requests],
+        row_wise=row_wise,
+        to_host=to_host,
+    )
+    request_id_to_accepted_draft_ids, request_id_to_last_token = {}, {}
+    for request, tokens in zip(requests, emitted, strict=True):
+        request_id_to_last_token[request.request_id] = tokens[-1]
+        request_id_to_accepted_draft_ids[request.request_id] = tokens[:-1]
+    return request_id_to_accepted_draft_ids, request_id_to_last_token

@@ -23,9 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import host_unpack, pack
+from kernels.attention_launch import launch_config as attention_launch_config
 from kernels.launch import next_power_of_2
 from kernels.paged_attention import _merge_kv_splits_kernel, _paged_attention_kernel
-from kernels.paged_attention import launch_config as attention_launch_config
 from kernels.reshape_and_cache import _reshape_and_cache_kernel
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

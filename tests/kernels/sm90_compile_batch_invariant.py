@@ -118,12 +118,8 @@ def linear_cases():
 def attention_cases():
     """The batch-invariant attention (8B heads, bf16 and fp32): one program walking its
     positional KV ranges, one program per range, and the merge of the ranges."""
-    from kernels.paged_attention import (
-        BATCH_INVARIANT_KV_SPLIT_LEN,
-        _merge_positional_splits_kernel,
-        _paged_attention_kernel,
-        batch_invariant_launch_config,
-    )
+    from kernels.attention_launch import BATCH_INVARIANT_KV_SPLIT_LEN, batch_invariant_launch_config
+    from kernels.paged_attention import _merge_positional_splits_kernel, _paged_attention_kernel
 
     num_heads, num_kv_heads, head_dim = 32, 8, 128
     group = num_heads // num_kv_heads

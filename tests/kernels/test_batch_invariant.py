@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import kernels
 from engine.models import glue
 from kernels import fixed_order, matmul, reference
+from kernels.attention_launch import batch_invariant_num_kv_splits
 from kernels.matmul import linear
-from kernels.paged_attention import batch_invariant_num_kv_splits
 from kernels.rms_norm import rms_norm
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 

@@ -150,7 +150,7 @@ def test_paged_attention_decode_batch_with_max_query_len():
 
 def test_split_kv_decode_of_long_sequences():
     """A few sequences of thousands of keys: the launch splits their KV and merges the parts."""
-    from kernels.paged_attention import choose_num_kv_splits
+    from kernels.attention_launch import choose_num_kv_splits
 
     seq_lens_list = [16384, 5000, 129]
     assert choose_num_kv_splits(3, 8, 16384, torch.device("cuda")) > 1
@@ -181,7 +181,7 @@ def test_split_kv_for_a_short_chunk_over_a_long_prefix():
     """80 new tokens over 8,192 keys (a prompt's suffix after a cache hit): the default
     policy splits the KV of its few tiles; the result matches the reference and the
     unsplit launch."""
-    from kernels.paged_attention import choose_num_kv_splits
+    from kernels.attention_launch import choose_num_kv_splits
 
     assert choose_num_kv_splits(5, 8, 8192, torch.device("cuda"), num_tokens=80) > 1
     num_blocks = 8192 // 16 + 8

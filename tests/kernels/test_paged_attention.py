@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.paged_attention import choose_num_kv_splits, kv_splits_for
+from kernels.attention_launch import choose_num_kv_splits, kv_splits_for
 from tests.kernels.cases import ATTENTION_TOLERANCES, attention_batch, random_kv
 
 pytestmark = pytest.mark.usefixtures("interpreted")

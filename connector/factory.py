@@ -81,7 +81,9 @@ def create_kv_connector(
     step_times: StepTimes,
     layer_range: tuple[int, int, int] | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
+    """The scheduler-side and worker-side connector of one engine, sharing one cache engine
+    (stage 0 still shares its CPU tier's index and pins and its write gate; everything else
+    goes between them as plain data: the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
@@ -94,7 +96,6 @@ def create_kv_connector(
         device=device,
         layer_range=layer_range,
     )
-    registry = TransferRegistry()
     tiers = cache_engine.tiers
     lookups = planner = fetcher = prober = None
     if tiers.cpu is not None and (config.async_loads or not tiers.lower):
@@ -142,22 +143,21 @@ def create_kv_connector(
             )
             prober.start()
             weakref.finalize(cache_engine, prober.close)
+            tiers.on_close(prober.close)  # it writes and reads the tiers: it stops first
     scheduler = OffloadScheduler(
         cache_engine,
-        registry,
+        TransferRegistry(),
         block_size=block_size,
         lookups=lookups,
         planner=planner,
-        fetcher=fetcher,
+        fetches=fetcher is not None,
         pipelined_loads=config.pipelined_loads,
+        prober=prober,
     )
     worker = OffloadWorker(
         cache_engine,
-        registry,
         layerwise=config.layerwise,
         fetcher=fetcher,
-        planner=planner,
         pipelined_loads=config.pipelined_loads,
-        prober=prober,
     )
     return scheduler, worker

@@ -378,6 +378,7 @@ class EngineCore:
         if request is None:
             return None
         self.scheduler.finish_request(request, "abort")
+        self._release_fetches()  # no step may follow: its fetch's pins go now
         return request.to_output()
 
     def reset_prefix_cache(self) -> bool:
@@ -404,9 +405,31 @@ class EngineCore:
         if connector is None:
             return
         connector.finish_saves()
-        finished_sending_ids, finished_recving_ids = connector.get_finished(set())
+        finished_sending_ids, finished_recving_ids = self.scheduler.connector.update_connector_output(
+            connector.take_report()
+        )
         self.scheduler.free_sent(finished_sending_ids)
         self.scheduler.readmit_received(finished_recving_ids)
+
+    def _release_fetches(self) -> None:
+        """Hand the connector's worker side the fetch releases that no step carries yet
+        (a step carries those made while it was scheduled, in its metadata; these were made
+        after: an abort, a request a step ended, a fetch that ended for nobody), so no CPU-tier
+        pin outlives its request when no step follows. Every step submitted so far has
+        planned its loads: what they read is pinned for them already."""
+        connector = self.scheduler.connector
+        if connector is None or self.runner.connector is None:
+            return
+        released = connector.take_released_fetch_ids()
+        if released:
+            self.runner.connector.release_fetches(released)
+
+    def _connector_finished(self, result) -> tuple[set[str], set[str]]:
+        """The scheduler side applies the step's worker report -> (request ids done
+        sending, request ids whose fetch ended or progressed)."""
+        if self.scheduler.connector is None:
+            return set(), set()
+        return self.scheduler.connector.update_connector_output(result.connector_report)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Turn async scheduling on or off between steps (benchmarks compare one engine
@@ -454,6 +477,7 @@ class EngineCore:
         snapshot = _StepSnapshot()
         try:
             outputs = self._step(only=group, snapshot=snapshot)
+            self._release_fetches()
         except Exception as error:
             self.stats.num_step_errors += 1
             if self._batch_queue is not None:
@@ -465,7 +489,9 @@ class EngineCore:
                 ]
             if self.pipeline is not None and self.pipeline.dead_reason is not None:
                 raise self._end_all_with_error() from error
-            raise self._recover_from_failed_step(group, snapshot) from error
+            error_to_raise = self._recover_from_failed_step(group, snapshot)
+            self._release_fetches()
+            raise error_to_raise from error
         if group is not None:
             if not snapshot.request_ids:
                 logger.warning(
@@ -562,12 +588,14 @@ class EngineCore:
             if plan.requests != [probe]:
                 return None
             result = self.runner.execute(plan)
+            finished_sending_ids, finished_recving_ids = self._connector_finished(result)
             self.scheduler.update_from_output(
                 plan,
                 result.request_id_to_token,
                 result.load_failures,
-                result.finished_sending_ids,
+                finished_sending_ids,
                 result.request_id_to_accepted_draft_ids,
+                finished_recving_ids,
             )
             return probe.is_finished and probe.finish_reason == "length"
         except Exception as error:  # noqa: BLE001 - the answer is the point
@@ -602,7 +630,7 @@ class EngineCore:
         plan = self.scheduler.schedule(only)
         if self.scheduler.waits_only_for_transfers(plan):
             # Only background fetches are under way: sleep until one progresses, not spin.
-            self.scheduler.connector.wait_for_transfers(0.005)
+            self.runner.connector.wait_for_transfers(0.005)
         snapshot.take(plan.requests)
         began = time.perf_counter()
         # the prefix-cache hashes that admission left out are made while the device runs
@@ -632,13 +660,14 @@ class EngineCore:
             )
         if plan.requests:
             self._device_work_left_over = not waited_for_device
+        finished_sending_ids, finished_recving_ids = self._connector_finished(result)
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,
             result.load_failures,
-            result.finished_sending_ids,
+            finished_sending_ids,
             result.request_id_to_accepted_draft_ids,
-            result.finished_recving_ids,
+            finished_recving_ids,
         )
         self.stats.num_steps += 1
         self.stats.num_computed_tokens_total += result.num_computed_tokens

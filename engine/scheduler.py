@@ -51,7 +51,7 @@ class SchedulerOutput:
     requests: list[Request]
     num_scheduled_tokens: list[int]
     preempted_request_ids: list[str]
-    #: requests finished since the previous step (for the connector worker's get_finished)
+    #: requests finished since the previous step (pipeline stages drop what they keep of them)
     finished_request_ids: set[str]
     connector_meta: ConnectorMetadata | None = None
     #: speculative drafts to verify this step (requests without drafts are absent)

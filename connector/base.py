@@ -4,7 +4,9 @@ The engine owns two objects built from one :class:`~connector.config.OffloadConf
 the *scheduler side* (no tensors: decides what to load and save) and the
 *worker side* (owns transfers between the paged KV tensor and the tiers).
 Each engine step the scheduler side emits exactly one :class:`ConnectorMetadata`
-and the model runner hands it to the worker side before the forward pass.
+and the model runner hands it to the worker side before the forward pass; the worker
+side answers with one :class:`WorkerReport` that the engine core hands to the scheduler
+side. Both are plain data: neither role holds an object of the other.
 
 The engine never imports a concrete connector; ``engine`` depends on this file
 and on a factory in ``connector``.

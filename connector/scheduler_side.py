@@ -522,8 +522,6 @@ class OffloadScheduler(KVConnectorScheduler):
     def update_connector_output(self, report: WorkerReport | None) -> tuple[set[str], set[str]]:
         registry = self.registry
         if report is not None:
-            for request_id, num_saved_tokens in report.saves:
-                registry.save_done(request_id, num_saved_tokens)
             for load in report.loads:
                 registry.loaded(
                     load.request_id,
@@ -534,6 +532,9 @@ class OffloadScheduler(KVConnectorScheduler):
                     load.seconds,
                     load.tier_to_num_tokens,
                 )
+            # after the loads: a finished request's last save done forgets it
+            for request_id, num_saved_tokens in report.saves:
+                registry.save_done(request_id, num_saved_tokens)
             if self.planner is not None:
                 # With a planner every load reads the CPU tier (a fetcher brought the lower
                 # tiers' chunks into it, or it is the only tier): its rate is the host's read

@@ -380,6 +380,7 @@ class OffloadWorker(KVConnectorWorker):
             report.load_failures = dict(self._request_id_to_num_valid)
         return report
 
+    # ---- pipeline stages after the first (their scheduler side runs in another process) ----
     def add_load_failures(self, request_id_to_num_valid: dict[str, int]) -> None:
         """An earlier pipeline stage's loads of these requests stopped early (request id →
         leading tokens truly in its cache): this stage's KV of the tokens after that was

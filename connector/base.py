@@ -4,7 +4,9 @@ The engine owns two objects built from one :class:`~connector.config.OffloadConf
 the *scheduler side* (no tensors: decides what to load and save) and the
 *worker side* (owns transfers between the paged KV tensor and the tiers).
 Each engine step the scheduler side emits exactly one :class:`ConnectorMetadata`
-and the model runner hands it to the worker side before the forward pass.
+and the model runner hands it to the worker side before the forward pass; the worker
+side answers with one :class:`WorkerReport` that the engine core hands to the scheduler
+side. Both are plain data: neither role holds an object of the other.
 
 The engine never imports a concrete connector; ``engine`` depends on this file
 and on a factory in ``connector``.
@@ -68,15 +70,85 @@ class SaveSpec(NamedTuple):
     cache_salt: str | None = None  # the request's, selects its chain of chunk keys
 
 
+class FetchSpec(NamedTuple):
+    """A background fetch the worker side starts: bring one request's chunks from the lower
+    tiers into the CPU tier (its fetcher builds a ``connector.fetcher.FetchJob`` from it).
+    Plain data, chosen by the scheduler side; ``fetch_id`` names it in both roles."""
+
+    fetch_id: int
+    request_id: str
+    keys: tuple[str, ...]
+    #: [num_layers, 2, num_tokens, num_kv_heads, head_dim] of each chunk
+    shapes: tuple[tuple[int, ...], ...]
+    #: the tier to read each chunk from ("cpu": already there, only pinned)
+    tier_names: tuple[str, ...]
+    #: seconds after its start when the fetch stops waiting for its missing chunks
+    deadline_s: float
+    #: chunk index in the prompt of ``keys[0]``
+    first_chunk: int = 0
+
+
 @dataclass
 class ConnectorMetadata:
     """Everything the worker side needs for one step. Built once per step by the
-    scheduler side; read-only for the worker side."""
+    scheduler side; read-only for the worker side. Plain data: it pickles."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    #: background fetches to start (``connector.fetcher.FetchJob``: keys, shapes, tiers; no tensors)
-    fetches: list = field(default_factory=list)
+    #: background fetches to start
+    fetches: list[FetchSpec] = field(default_factory=list)
+    #: fetches whose pins nobody needs any more (loaded, or their request ended): the worker
+    #: drops them once this step's loads hold what they read (``start_load_kv``)
+    released_fetch_ids: list[int] = field(default_factory=list)
+
+
+class LoadReport(NamedTuple):
+    """One load the worker side finished: ``num_loaded`` of ``num_promised`` tokens from
+    ``num_load_start`` on are in the paged cache (see ``RequestTransfer.loaded``)."""
+
+    request_id: str
+    num_load_start: int
+    num_loaded: int
+    num_promised: int
+    num_bytes: int
+    seconds: float
+    #: tier name -> tokens it gave; None: the request's recorded origins (its fetch) say it
+    tier_to_num_tokens: dict[str, int] | None = None
+
+
+class FetchProgress(NamedTuple):
+    """Where a running or ended fetch stands (reported when its ready prefix grew or it ended)."""
+
+    fetch_id: int
+    request_id: str
+    #: leading chunks in the CPU tier, pinned for the fetch
+    num_ready_chunks: int
+    #: it ended: ``num_ready_chunks`` grows no more (its pins past them are dropped)
+    done: bool
+    #: its deadline ended it with reads still running (its rates replace the estimate)
+    cut: bool = False
+    #: when done: tier name -> (bytes read, seconds from its start to that tier's last
+    #: read, reads in flight it ran at)
+    tier_to_transfer: dict[str, tuple[int, float, int]] = {}
+
+
+@dataclass
+class WorkerReport:
+    """What the worker side did since its last report (``KVConnectorWorker.take_report``), for
+    the scheduler side's ``update_connector_output``. Plain data: it pickles, so the worker
+    side may live in another process (docs/architecture.md, The connector contract)."""
+
+    #: (request id, tokens stored) of each save that read its blocks (0: skipped)
+    saves: list[tuple[str, int]] = field(default_factory=list)
+    loads: list[LoadReport] = field(default_factory=list)
+    #: request id -> leading tokens truly in the paged cache (the step's loads that stopped early)
+    load_failures: dict[str, int] = field(default_factory=dict)
+    fetches: list[FetchProgress] = field(default_factory=list)
+    #: (bytes, seconds) of each step's loads from the CPU tier: the host's read plus the moves
+    cpu_reads: list[tuple[int, float]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.load_failures or self.fetches or self.cpu_reads)
 
 
 class GrantWait(enum.Enum):
@@ -87,7 +159,7 @@ class GrantWait(enum.Enum):
     #: queue, skipped this step (the requests behind it go on), and is asked again next step
     LOOKUP = "lookup"
     #: its KV is fetched into the CPU tier first: it waits aside without blocks
-    #: (WAITING_FOR_REMOTE_KVS) until ``get_finished`` reports it as received
+    #: (WAITING_FOR_REMOTE_KVS) until ``update_connector_output`` reports it as received
     FETCH = "fetch"
     #: a running request at its compute limit whose fetch brought nothing new: skipped this step
     TAIL = "tail"
@@ -174,7 +246,7 @@ class KVConnectorScheduler(abc.ABC):
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         """Called once when a request finishes or is aborted. Returns True when an
         asynchronous save still reads the request's blocks: the engine must keep
-        them until ``get_finished`` reports the request id as done sending."""
+        them until ``update_connector_output`` reports the request id as done sending."""
 
     def request_preempted(self, request: ConnectorRequest) -> None:  # noqa: B027 - optional hook
         """Called when the scheduler frees a request's blocks and sends it back to the
@@ -184,9 +256,20 @@ class KVConnectorScheduler(abc.ABC):
         again when it is next asked. Saves need nothing: the next ``build_connector_meta``
         sees its ``num_computed_tokens`` went back."""
 
-    def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
-        """Called by an engine with nothing to schedule while requests wait for
-        background fetches: sleep until one makes progress or ``timeout_s`` passed."""
+    def update_connector_output(self, report: WorkerReport | None) -> tuple[set[str], set[str]]:
+        """Called once per worker report (each step's, in step order, before the scheduler
+        updates its requests from the step): apply what the worker side did (saves, loads,
+        fetch progress, rates). Returns (request ids whose saves all read their blocks since:
+        the engine frees their blocks, request ids whose fetch ended or, with pipelined loads,
+        brought more: they go back to the front of the waiting queue). A connector whose
+        worker side reports nothing has nothing to apply."""
+        return set(), set()
+
+    def take_released_fetch_ids(self) -> list[int]:
+        """Fetches released since the last metadata was built (an abort between steps, a
+        request a step ended): the engine hands them to the worker side's
+        ``release_fetches`` when no step carries them (the engine goes idle)."""
+        return []
 
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every store queued for lower tiers was attempted (tests,
@@ -235,8 +318,8 @@ class KVConnectorWorker(abc.ABC):
     def wait_for_save(self) -> None:
         """Called once at the end of the forward pass: every save of this step is
         queued, ordered after the step's writes to the paged cache. A save may still
-        read its blocks afterwards (its request is then reported as sending, see
-        ``get_finished``, and ``finish_saves`` waits for it)."""
+        read its blocks afterwards (its request is then reported as sending until a report
+        says the save read them, see ``take_report``; ``finish_saves`` waits for it)."""
 
     def finish_saves(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every save issued so far has read its blocks. The model runner
@@ -250,9 +333,20 @@ class KVConnectorWorker(abc.ABC):
         save may stay pending (the engine would hold its request's blocks for it)."""
 
     @abc.abstractmethod
-    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Return (request ids whose async saves completed, request ids whose
-        async loads completed) since the last call."""
+    def take_report(self) -> WorkerReport:
+        """What this side did since the last call (saves that read their blocks, finished
+        loads, the step's load failures, fetch progress, rates): called once at the end of
+        each step (the engine hands it to the scheduler side's ``update_connector_output``)
+        and when the engine frees the blocks of sent requests out of a step."""
+
+    def release_fetches(self, fetch_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Drop the pins of these fetches and stop those still running (ids not known
+        here are ignored). Steps carry releases in ``ConnectorMetadata.released_fetch_ids``;
+        the engine calls this for those made when no step follows (an abort, an idle engine)."""
+
+    def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
+        """Called by an engine with nothing to schedule while requests wait for
+        background fetches: sleep until one makes progress or ``timeout_s`` passed."""
 
     def load_failures(self) -> dict[str, int]:
         """Request id → number of leading tokens truly in the paged cache, for each

@@ -81,7 +81,9 @@ def create_kv_connector(
     step_times: StepTimes,
     layer_range: tuple[int, int, int] | None = None,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """The scheduler-side and worker-side connector of one engine, sharing one cache engine.
+    """The scheduler-side and worker-side connector of one engine, sharing one cache engine
+    (stage 0 still shares its CPU tier's index and pins and its write gate; everything else
+    goes between them as plain data: the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
@@ -94,7 +96,6 @@ def create_kv_connector(
         device=device,
         layer_range=layer_range,
     )
-    registry = TransferRegistry()
     tiers = cache_engine.tiers
     lookups = planner = fetcher = prober = None
     if tiers.cpu is not None and (config.async_loads or not tiers.lower):
@@ -145,26 +146,26 @@ def create_kv_connector(
                 connections=config.reads_in_flight,
                 interval_s=config.tier_probe_interval_s,
                 name_to_breaker=name_to_breaker,
-                busy=fetcher.is_reading,
             )
             prober.start()
             weakref.finalize(cache_engine, prober.close)
+            tiers.on_close(prober.close)  # it writes and reads the tiers: it stops first
     scheduler = OffloadScheduler(
         cache_engine,
-        registry,
+        TransferRegistry(),
         block_size=block_size,
         lookups=lookups,
         planner=planner,
-        fetcher=fetcher,
-        pipelined_loads=config.pipelined_loads,
-    )
-    worker = OffloadWorker(
-        cache_engine,
-        registry,
-        layerwise=config.layerwise,
-        fetcher=fetcher,
-        planner=planner,
+        fetches=fetcher is not None,
         pipelined_loads=config.pipelined_loads,
         prober=prober,
+    )
+    if prober is not None:
+        prober.busy = scheduler.is_fetching_from  # a tier fetches read is measured by them
+    worker = OffloadWorker(
+        cache_engine,
+        layerwise=config.layerwise,
+        fetcher=fetcher,
+        pipelined_loads=config.pipelined_loads,
     )
     return scheduler, worker

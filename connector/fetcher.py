@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from connector.base import FetchSpec
 from connector.breaker import CircuitBreaker
 from connector.cpu_tier import PinKind, PinnedChunkPool
 from storage_backends.base import CapacityError, StorageBackend
@@ -42,8 +43,8 @@ CPU = "cpu"
 
 @dataclass(eq=False)
 class FetchJob:
-    """The chunks of one request to bring into the CPU tier. Built by the scheduler
-    side (no tensors), run by the fetcher."""
+    """The chunks of one request to bring into the CPU tier: the worker side's running
+    state of a :class:`~connector.base.FetchSpec` (no tensors), run by the fetcher."""
 
     request_id: str
     keys: list[str]
@@ -55,6 +56,8 @@ class FetchJob:
     deadline_s: float
     #: chunk index in the prompt of ``keys[0]``
     first_chunk: int = 0
+    #: the scheduler side's name for it (``FetchSpec.fetch_id``)
+    fetch_id: int = 0
     started: float = 0.0
     deadline: float = 0.0
     #: per chunk: None while being read, then whether it is in the CPU tier with this job's pin
@@ -68,6 +71,19 @@ class FetchJob:
     num_reported_ready: int = 0
     #: its deadline ended it with reads still running: its rates are what the tiers deliver now
     cut: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: FetchSpec) -> FetchJob:
+        """The job of a fetch the scheduler side planned (the worker side runs it)."""
+        return cls(
+            spec.request_id,
+            list(spec.keys),
+            list(spec.shapes),
+            list(spec.tier_names),
+            spec.deadline_s,
+            first_chunk=spec.first_chunk,
+            fetch_id=spec.fetch_id,
+        )
 
     @property
     def num_ready_chunks(self) -> int:
@@ -182,11 +198,6 @@ class ChunkFetcher:
                     job.num_reported_ready = num_ready
                     progressed.append(job)
         return progressed
-
-    def is_reading(self, tier_name: str) -> bool:
-        """Whether a read of ``tier_name`` is queued or running (any thread)."""
-        with self._lock:
-            return any(read.tier_name == tier_name for read in self._key_to_read.values())
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Sleep until some read finished or ``timeout_s`` passed (an idle step loop)."""

@@ -29,9 +29,10 @@ CPU-tier load: tokens [compute_limit, num_deferred_end) stay pinned for it
 (``deferred_keys``) and load in the next steps; with a fetch (the head-and-tail plan) it
 goes on in TAIL once they are in.
 
-The scheduler side never touches tensors: a fetch is described here (keys, shapes,
-tiers) and run by the worker side's fetcher. Thread-safe where the worker side's
-reports come in (:class:`TransferRegistry`).
+The scheduler side never touches tensors: a fetch is described as a
+:class:`~connector.base.FetchSpec` (keys, shapes, tiers) and run by the worker side's
+fetcher; a request keeps only its :class:`FetchState`, replaced as the worker side's
+reports (``WorkerReport.fetches``) come in through :class:`TransferRegistry`.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from connector.base import RequestTransferStats
-from connector.fetcher import FetchJob
+from connector.base import FetchProgress, RequestTransferStats
 from connector.lookup import PendingLookup
 from connector.planner import LoadDecision
 from connector.token_db import ChunkSpan
@@ -67,6 +68,27 @@ class TransferPhase(enum.Enum):
 ADMITTED_PHASES = frozenset({TransferPhase.RUNNING, TransferPhase.TAIL, TransferPhase.DEFERRED})
 #: phases of a request that ended
 ENDED_PHASES = frozenset({TransferPhase.SENDING, TransferPhase.FINISHED})
+
+
+class FetchState(NamedTuple):
+    """A request's fetch as the worker side last reported it (immutable: a report replaces it)."""
+
+    fetch_id: int
+    #: chunk index in the prompt of its first chunk
+    first_chunk: int
+    #: the tier each of its chunks is read from
+    tier_names: tuple[str, ...]
+    #: leading chunks in the CPU tier, pinned for it
+    num_ready_chunks: int = 0
+    #: it ended: ``num_ready_chunks`` grows no more
+    done: bool = False
+
+    def advanced(self, progress: FetchProgress) -> FetchState:
+        """This fetch after ``progress`` (reports may come late: it never goes back)."""
+        return self._replace(
+            num_ready_chunks=max(self.num_ready_chunks, progress.num_ready_chunks),
+            done=self.done or progress.done,
+        )
 
 
 @dataclass
@@ -119,7 +141,7 @@ class RequestTransfer:
     #: tokens on the GPU when the lookup was planned
     num_computed_at_plan: int = 0
     decision: LoadDecision | None = None
-    fetch: FetchJob | None = None
+    fetch: FetchState | None = None
     #: (start, end, tier name) of the prompt tokens the next loads bring, by origin tier
     token_origins: list[tuple[int, int, str]] = field(default_factory=list)
     #: leading prompt tokens already stored (or being stored)
@@ -159,16 +181,18 @@ class RequestTransfer:
         if origins is not None:
             self.token_origins = origins
 
-    def fetch_started(self, job: FetchJob) -> None:
-        """It waits unadmitted for ``job`` (NEW -> FETCHING)."""
+    def fetch_started(self, fetch: FetchState) -> None:
+        """It waits unadmitted for ``fetch`` (NEW -> FETCHING)."""
         self._expect(TransferPhase.NEW)
-        self.fetch = job
+        self.fetch = fetch
         self.phase = TransferPhase.FETCHING
 
-    def fetch_ended(self) -> None:
-        """Its fetch ended while it waits unadmitted (FETCHING -> FETCHED)."""
-        self._expect(TransferPhase.FETCHING)
-        self.phase = TransferPhase.FETCHED
+    def fetch_reported(self, progress: FetchProgress) -> None:
+        """The worker side reported its fetch's progress; one that ended while it waits
+        unadmitted makes it FETCHED."""
+        self.fetch = self.fetch.advanced(progress)
+        if self.fetch.done and self.phase is TransferPhase.FETCHING:
+            self.phase = TransferPhase.FETCHED
 
     # ---- admission and loads at its compute limit -------------------------------------
     def admitted(
@@ -177,7 +201,7 @@ class RequestTransfer:
         num_external: int,
         origins: list[tuple[int, int, str]] | None = None,
         *,
-        tail: FetchJob | None = None,
+        tail: FetchState | None = None,
         compute_limit: int | None = None,
     ) -> None:
         """Blocks were allocated (again after a preemption) for a load of ``num_external``
@@ -363,33 +387,30 @@ class TransferRegistry:
         with self._lock:
             return list(self._request_id_to_transfer.values())
 
-    def fetch_started(self, transfer: RequestTransfer, job: FetchJob) -> None:
+    def fetch_started(self, transfer: RequestTransfer, fetch: FetchState) -> None:
         with self._lock:
-            transfer.fetch_started(job)
+            transfer.fetch_started(fetch)
 
-    def fetch_finished(self, job: FetchJob) -> RequestTransfer | None:
-        """The worker's fetcher ended ``job``: its request is reported by
-        :meth:`take_finished_recving` (unless it finished meanwhile); an admitted one
-        takes the rest at its compute limit. None: nobody loads the job's chunks."""
+    def fetch_reported(self, progress: FetchProgress) -> bool:
+        """The worker side reported a fetch that ended or (pipelined loads) brought more:
+        a request waiting for it unadmitted is reported by :meth:`take_finished_recving`
+        (to load what arrived); an admitted one takes the new chunks at its compute limit.
+        False: nobody loads the fetch's chunks (its request ended or dropped it): the
+        caller releases it."""
         with self._lock:
-            transfer = self._request_id_to_transfer.get(job.request_id)
-            if transfer is None or transfer.fetch is not job or transfer.phase in ENDED_PHASES:
-                return None
-            if transfer.phase is TransferPhase.FETCHING:
-                transfer.fetch_ended()
-                self._finished_recving_ids.add(job.request_id)
-            return transfer
-
-    def fetch_progressed(self, job: FetchJob) -> RequestTransfer | None:
-        """More of a running ``job`` arrived (pipelined loads): a request still waiting for
-        it unadmitted is reported by :meth:`take_finished_recving`, to load what arrived;
-        one admitted already takes the new chunks at its compute limit."""
-        with self._lock:
-            transfer = self._request_id_to_transfer.get(job.request_id)
-            if transfer is None or transfer.fetch is not job or transfer.phase is not TransferPhase.FETCHING:
-                return None
-            self._finished_recving_ids.add(job.request_id)
-            return transfer
+            transfer = self._request_id_to_transfer.get(progress.request_id)
+            if (
+                transfer is None
+                or transfer.fetch is None
+                or transfer.fetch.fetch_id != progress.fetch_id
+                or transfer.phase in ENDED_PHASES
+            ):
+                return False
+            waiting = transfer.phase is TransferPhase.FETCHING
+            transfer.fetch_reported(progress)
+            if waiting:
+                self._finished_recving_ids.add(progress.request_id)
+            return True
 
     def finish(self, request_id: str) -> tuple[RequestTransfer | None, bool]:
         """A request finished or was aborted: returns its state (the caller releases

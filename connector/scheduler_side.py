@@ -5,6 +5,11 @@ Per request it keeps one :class:`~connector.request_transfer.RequestTransfer`:
 its lookup (asked once, lower tiers in the background, see ``connector.lookup``),
 the planner's decision, the fetch that brings lower-tier chunks into the CPU
 tier while the request waits unadmitted, and its saves.
+
+It talks to the worker side through plain data only: the step's
+:class:`~connector.base.ConnectorMetadata` (loads, saves, fetches to start, fetches to
+release) and the worker's :class:`~connector.base.WorkerReport`, applied by
+:meth:`OffloadScheduler.update_connector_output`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from connector.base import (
     ConnectorMetadata,
     ConnectorRequest,
+    FetchSpec,
     Grant,
     GrantWait,
     KVConnectorScheduler,
@@ -25,19 +31,21 @@ from connector.base import (
     RequestTransferStats,
     SaveSpec,
     ScheduledRequest,
+    WorkerReport,
 )
 from connector.cache_engine import CacheEngine
 from connector.cpu_tier import PinKind
-from connector.fetcher import ChunkFetcher, FetchJob
 from connector.lookup import TierLookups
 from connector.planner import LoadDecision, LoadPlanner
 from connector.request_transfer import (
     ADMITTED_PHASES,
     ENDED_PHASES,
+    FetchState,
     RequestTransfer,
     TransferPhase,
     TransferRegistry,
 )
+from connector.tier_probe import TierProber
 from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
@@ -71,8 +79,9 @@ class OffloadScheduler(KVConnectorScheduler):
         block_size: int,
         lookups: TierLookups | None = None,
         planner: LoadPlanner | None = None,
-        fetcher: ChunkFetcher | None = None,
+        fetches: bool = False,
         pipelined_loads: bool = True,
+        prober: TierProber | None = None,
     ) -> None:
         self.cache_engine = cache_engine
         self.registry = registry
@@ -81,12 +90,18 @@ class OffloadScheduler(KVConnectorScheduler):
         self.save_partial_chunks = cache_engine.token_db.save_partial_chunks
         self.lookups = lookups
         self.planner = planner
-        #: None without a CPU tier: lower-tier chunks are then read in the step (no fetch)
-        self.fetcher = fetcher
+        #: measures the lower tiers in the background for the planner (the tiers close it first)
+        self.prober = prober
+        #: whether the worker side fetches in the background (False without a CPU tier:
+        #: lower-tier chunks are then read in the step)
+        self.fetches = fetches
         #: load a fetch's chunks as they arrive (at the compute limit); off: once it ended
         self.pipelined_loads = pipelined_loads
         self._pending_loads: list[LoadSpec] = []
-        self._pending_fetches: list[FetchJob] = []
+        self._pending_fetches: list[FetchSpec] = []
+        #: fetches released since the last metadata (``ConnectorMetadata.released_fetch_ids``)
+        self._released_fetch_ids: list[int] = []
+        self._num_fetches = 0  # fetch ids handed out so far
 
     def _transfer_of(self, request: ConnectorRequest) -> RequestTransfer:
         transfer = self.registry.get(request.request_id)
@@ -133,7 +148,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if num_gpu_hit >= num_loadable_end or num_hit <= num_gpu_hit:
             transfer.planned(num_gpu_hit, None, len(transfer.prompt) - min(num_gpu_hit, num_loadable_end))
             return Grant(num_gpu_hit)
-        if self.planner is None or self.fetcher is None:
+        if self.planner is None or not self.fetches:
             # Without a CPU tier every hit is read in the admitting step (the old, blocking path).
             transfer.planned(num_gpu_hit, None, transfer.figures.num_planned_recompute_tokens)
             return self._fitted(num_gpu_hit, min(num_hit, num_loadable_end) - num_gpu_hit, None, seconds_left)
@@ -173,9 +188,9 @@ class OffloadScheduler(KVConnectorScheduler):
             num_load = max(0, transfer.num_deferred_end - num_computed)
             final = transfer.fetch is None
         else:
-            job = transfer.fetch
-            final = job.done  # read before the ready chunks: a job that ended grows no more
-            num_load = max(0, self._ready_end(transfer, job) - num_computed)
+            fetch = transfer.fetch
+            final = fetch.done
+            num_load = max(0, self._ready_end(transfer, fetch) - num_computed)
             if not final and (not self.pipelined_loads or num_load == 0):
                 return Grant(num_computed, wait=GrantWait.TAIL)
         return self._fitted(num_computed, num_load, None if final else 0, seconds_left)
@@ -227,21 +242,24 @@ class OffloadScheduler(KVConnectorScheduler):
         transfer.looked_up(merged)
         return merged
 
-    def _ready_end(self, transfer: RequestTransfer, job: FetchJob) -> int:
-        """The prompt position up to which ``job``'s chunks are in the CPU tier (pinned for
-        it), at most the prompt's last token (which is always computed); 0 when none are."""
-        num_ready = job.num_ready_chunks
+    def _ready_end(self, transfer: RequestTransfer, fetch: FetchState) -> int:
+        """The prompt position up to which ``fetch``'s chunks are in the CPU tier (pinned for
+        it, as last reported), at most the prompt's last token (which is always computed);
+        0 when none are."""
+        num_ready = fetch.num_ready_chunks
         if not num_ready:
             return 0
-        return min(transfer.spans[job.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
+        return min(transfer.spans[fetch.first_chunk + num_ready - 1].end, len(transfer.prompt) - 1)
 
-    def _fetch_origins(self, transfer: RequestTransfer, job: FetchJob, num_start: int, num_end: int) -> list:
-        """(start, end, tier) of ``job``'s chunks within tokens [num_start, num_end) (a load
+    def _fetch_origins(
+        self, transfer: RequestTransfer, fetch: FetchState, num_start: int, num_end: int
+    ) -> list:
+        """(start, end, tier) of ``fetch``'s chunks within tokens [num_start, num_end) (a load
         of them): where the tokens it loads came from (the request's figures). Loads of one
         request never overlap, so neither do the origins recorded for them."""
         origins = []
-        for index, tier in enumerate(job.tier_names[: job.num_ready_chunks]):
-            span = transfer.spans[job.first_chunk + index]
+        for index, tier in enumerate(fetch.tier_names[: fetch.num_ready_chunks]):
+            span = transfer.spans[fetch.first_chunk + index]
             if span.end > num_start and span.start < num_end:
                 origins.append((max(span.start, num_start), min(span.end, num_end), tier))
         return origins
@@ -336,8 +354,8 @@ class OffloadScheduler(KVConnectorScheduler):
             # the host: the disk tier's background writes wait (the worker releases them).
             self.cache_engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
             self._add_load(transfer, block_ids, num_gpu_hit, num_load_end)
-        if done_fetch is not None and self.fetcher is not None:
-            self.fetcher.release(done_fetch)  # the load's lookup pins hold its chunks now
+        if done_fetch is not None:
+            self._release_fetch(done_fetch)  # the load's lookup pins hold its chunks now
 
     def _record_plan(self, transfer: RequestTransfer) -> None:
         """The planner learns the plan admitted (the tiers it skipped are measured again)."""
@@ -361,14 +379,14 @@ class OffloadScheduler(KVConnectorScheduler):
                 self.cache_engine.tiers.cpu.unpin(unpinned, PinKind.DEFERRED)
             transfer.deferred_piece_loaded(num_start, num_end, set(unpinned))
             return
-        job = transfer.fetch
+        fetch = transfer.fetch
         final = grant.max_compute_tokens != 0
-        origins = self._fetch_origins(transfer, job, num_start, num_end) if num_end > num_start else []
+        origins = self._fetch_origins(transfer, fetch, num_start, num_end) if num_end > num_start else []
         transfer.tail_loaded(num_start, num_end, final, origins)
         if num_end > num_start:
             self._add_load(transfer, block_ids, num_start, num_end)
-        if final and self.fetcher is not None:
-            self.fetcher.release(job)  # the lookup pins of the load hold the chunks it loads
+        if final:
+            self._release_fetch(fetch)  # the lookup pins of the load hold the chunks it loads
 
     def _add_load(
         self, transfer: RequestTransfer, block_ids: Sequence[int], num_start: int, num_end: int
@@ -404,12 +422,18 @@ class OffloadScheduler(KVConnectorScheduler):
     def _release_held(self, transfer: RequestTransfer) -> None:
         """Drop what the request holds for loads still to come (an abort, a preemption, a
         roll-back): its fetch and its pins, and the deferred rest of its CPU-tier load."""
-        if transfer.fetch is not None and self.fetcher is not None:
-            self.fetcher.release(transfer.fetch)
+        if transfer.fetch is not None:
+            self._release_fetch(transfer.fetch)
         if transfer.deferred_keys:
             self.cache_engine.tiers.cpu.unpin(list(transfer.deferred_keys), PinKind.DEFERRED)
 
-    def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchJob:
+    def _release_fetch(self, fetch: FetchState) -> None:
+        """Nobody loads ``fetch``'s chunks any more: the worker side drops its pins (and stops
+        it) once the next metadata's loads hold what they read, or when the engine hands it
+        the releases made with no step to follow (:meth:`take_released_fetch_ids`)."""
+        self._released_fetch_ids.append(fetch.fetch_id)
+
+    def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchState:
         """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the
         planned fetch end: the CPU tier's are pinned while the request waits, the others
         are read into it. A whole fetch makes the request wait for it (FETCHING); a tail's
@@ -421,25 +445,32 @@ class OffloadScheduler(KVConnectorScheduler):
             first = next(i for i, span in enumerate(spans) if span.end > transfer.num_computed_at_plan)
         spans = spans[first : decision.first_fetch_chunk + decision.num_fetch_chunks]
         engine = self.cache_engine
-        job = FetchJob(
+        self._num_fetches += 1
+        spec = FetchSpec(
+            self._num_fetches,
             transfer.request_id,
-            [span.key for span in spans],
-            [
+            tuple(span.key for span in spans),
+            tuple(
                 (engine.num_layers, 2, span.end - span.start, engine.num_kv_heads, engine.head_dim)
                 for span in spans
-            ],
-            list(transfer.chunk_tiers[first : first + len(spans)]),
+            ),
+            tuple(transfer.chunk_tiers[first : first + len(spans)]),
             deadline_s=decision.fetch_deadline_s,
             first_chunk=first,
         )
+        fetch = FetchState(spec.fetch_id, first, spec.tier_names)
         if first_chunk is None:
-            self.registry.fetch_started(transfer, job)
-        self._pending_fetches.append(job)
-        return job
+            self.registry.fetch_started(transfer, fetch)
+        self._pending_fetches.append(spec)
+        return fetch
 
     # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
-        metadata = ConnectorMetadata(loads=self._pending_loads, fetches=self._pending_fetches)
+        metadata = ConnectorMetadata(
+            loads=self._pending_loads,
+            fetches=self._pending_fetches,
+            released_fetch_ids=self.take_released_fetch_ids(),
+        )
         self._pending_loads = []
         self._pending_fetches = []
         for entry in scheduled:
@@ -470,7 +501,7 @@ class OffloadScheduler(KVConnectorScheduler):
     def _forget_pending(self, request_id: str) -> None:
         """Drop the request's load and fetches not yet handed to the worker."""
         self._pending_loads = [spec for spec in self._pending_loads if spec.request_id != request_id]
-        self._pending_fetches = [job for job in self._pending_fetches if job.request_id != request_id]
+        self._pending_fetches = [spec for spec in self._pending_fetches if spec.request_id != request_id]
 
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         # Ended by a step that raised while scheduling: its load must never reach freed blocks.
@@ -488,9 +519,50 @@ class OffloadScheduler(KVConnectorScheduler):
             self._release_held(transfer)
             transfer.preempted()  # looked up and planned again when next asked
 
-    def wait_for_transfers(self, timeout_s: float) -> None:
-        if self.fetcher is not None:
-            self.fetcher.wait_for_progress(timeout_s)
+    # ---- what the worker side did ---------------------------------------------------
+    def update_connector_output(self, report: WorkerReport | None) -> tuple[set[str], set[str]]:
+        registry = self.registry
+        if report is not None:
+            for load in report.loads:
+                registry.loaded(
+                    load.request_id,
+                    load.num_load_start,
+                    load.num_loaded,
+                    load.num_promised,
+                    load.num_bytes,
+                    load.seconds,
+                    load.tier_to_num_tokens,
+                )
+            # after the loads: a finished request's last save done forgets it
+            for request_id, num_saved_tokens in report.saves:
+                registry.save_done(request_id, num_saved_tokens)
+            if self.planner is not None:
+                # With a planner every load reads the CPU tier (a fetcher brought the lower
+                # tiers' chunks into it, or it is the only tier): its rate is the host's read
+                # of the slots plus the moves.
+                for num_bytes, seconds in report.cpu_reads:
+                    self.planner.observe_read("cpu", num_bytes, seconds)
+            for progress in report.fetches:
+                if progress.done and self.planner is not None:
+                    for tier_name, (num_bytes, seconds, connections) in progress.tier_to_transfer.items():
+                        self.planner.observe_read(
+                            tier_name, num_bytes, seconds, connections, replace=progress.cut
+                        )
+                if not registry.fetch_reported(progress) and progress.done:
+                    self._released_fetch_ids.append(progress.fetch_id)  # nobody will load it
+        return registry.take_finished_sending(), registry.take_finished_recving()
+
+    def take_released_fetch_ids(self) -> list[int]:
+        released, self._released_fetch_ids = self._released_fetch_ids, []
+        return released
+
+    def is_fetching_from(self, tier_name: str) -> bool:
+        """Whether a fetch still reads ``tier_name``, as the worker last reported (the
+        prober leaves such a tier alone: the fetch measures it). Any thread."""
+        return any(
+            transfer.fetch is not None and not transfer.fetch.done and tier_name in transfer.fetch.tier_names
+            for transfer in self.registry.transfers()
+        )
 
     def flush(self) -> None:
         self.cache_engine.publish_finished_stores(wait=True)

@@ -152,6 +152,8 @@ class TierManager:
         self.write_buffers = PrivateWriteBuffers(save_buffer_bytes)
         self._writer: threading.Thread | None = None
         self._closed = False
+        #: called first by :meth:`close` (users of the tiers that must stop before them)
+        self._close_hooks: list[Callable[[], None]] = []
         #: lower tier name -> its circuit breaker (set by create_kv_connector with async loads)
         self.breakers: dict = {}
         #: held by the connector while a step's loads are planned and copied: the lower
@@ -496,13 +498,22 @@ class TierManager:
             "tiers": tier_stats,
         }
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` first when the tiers close (a background user of them, such as the
+        tier prober, stops and cleans up before they do)."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
-        """Finish queued writes, stop the writer thread, close every tier. Idempotent."""
+        """Stop the users registered with :meth:`on_close`, finish queued writes, stop the
+        writer thread, close every tier. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             writer = self._writer
+            hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
         if writer is not None:
             self._write_queue.put(_STOP)
             writer.join()

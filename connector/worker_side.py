@@ -2,7 +2,7 @@
 
 Per step (called from the model runner's thread): ``start_load_kv`` starts the
 metadata's background fetches (lower-tier chunks read into CPU-tier slots on the
-fetcher's threads; ``get_finished`` reports the requests whose fetch ended), then
+fetcher's threads; ``take_report`` reports their progress), then
 reads the chunks of every load from the CPU tier (misses and corrupt chunks are
 found here; without a CPU tier, from the lower tiers, blocking) and queues their moves; ``wait_for_layer_load(l)`` makes layer l's KV ready —
 with ``layerwise`` on CUDA every layer's moves are queued at once on the
@@ -18,23 +18,33 @@ PCIe time. Blocks a save still reads stay allocated: a finished request is
 reported as sending until its saves are published, and a step that freed
 blocks by preemption first waits for the saves in flight (``finish_saves``).
 Lower-tier writes then happen on the tier manager's thread.
+
+It holds no state of the scheduler side: what it did (saves, loads and their figures,
+load failures, fetch progress, the CPU tier's rate) goes into a
+:class:`~connector.base.WorkerReport` that ``take_report`` hands out once per step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from connector.base import ConnectorMetadata, KVConnectorWorker, LoadSpec
+from connector.base import (
+    ConnectorMetadata,
+    FetchProgress,
+    KVConnectorWorker,
+    LoadReport,
+    LoadSpec,
+    WorkerReport,
+)
 from connector.cache_engine import CacheEngine, LoadPlan
-from connector.fetcher import ChunkFetcher
-from connector.planner import LoadPlanner
-from connector.request_transfer import TransferRegistry
-from connector.tier_probe import TierProber
+from connector.fetcher import ChunkFetcher, FetchJob
 from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
@@ -80,21 +90,16 @@ class OffloadWorker(KVConnectorWorker):
     def __init__(
         self,
         cache_engine: CacheEngine,
-        registry: TransferRegistry,
         *,
         layerwise: bool,
         fetcher: ChunkFetcher | None = None,
-        planner: LoadPlanner | None = None,
         pipelined_loads: bool = True,
-        prober: TierProber | None = None,
     ) -> None:
         self.cache_engine = cache_engine
-        #: measures the lower tiers in the background (closed before them)
-        self.prober = prober
-        self.registry = registry
         #: runs the metadata's background fetches; with it a step loads from the CPU tier only
         self.fetcher = fetcher
-        self.planner = planner
+        #: fetch id -> its running (or ended, not yet released) job
+        self._fetch_jobs: dict[int, FetchJob] = {}
         #: report fetches whose ready prefix grew, so their requests load it already
         self.pipelined_loads = pipelined_loads
         self.layerwise = layerwise
@@ -108,6 +113,11 @@ class OffloadWorker(KVConnectorWorker):
         #: this step's loads that stopped early: request id -> leading tokens truly in the cache
         self._request_id_to_num_valid: dict[str, int] = {}
         self._num_saves_queued = 0  # saves of the bound metadata queued so far
+        self._releases_applied = True  # the bound metadata's released fetches were released
+        #: what goes into the next report; saves finish on whichever thread publishes them
+        self._report_lock = threading.Lock()
+        self._report = WorkerReport()
+        self._failures_reported = True  # the bound metadata's load failures are in a report
 
     @property
     def needs_layer_hooks(self) -> bool:
@@ -132,6 +142,8 @@ class OffloadWorker(KVConnectorWorker):
         self._metadata = metadata
         self._clear_failed_loads()
         self._num_saves_queued = 0
+        self._releases_applied = not metadata.released_fetch_ids
+        self._failures_reported = False
 
     # ---- loads ---------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -140,10 +152,13 @@ class OffloadWorker(KVConnectorWorker):
         self._num_layers_moved = 0
         self._move_seconds = 0.0
         self._timing = None
-        for job in self._metadata.fetches:
-            # Never blocks: reads run on the fetcher's threads, finished ones come from get_finished.
+        for spec in self._metadata.fetches:
+            # Never blocks: reads run on the fetcher's threads, their progress goes in the report.
+            job = FetchJob.from_spec(spec)
+            self._fetch_jobs[spec.fetch_id] = job
             self.fetcher.start(job)
         if not self._metadata.loads:
+            self._apply_releases()
             return
         if self.kv_cache is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
@@ -164,6 +179,8 @@ class OffloadWorker(KVConnectorWorker):
             self._loads.append(_Load(spec, plan, time.perf_counter() - began))
             if plan.num_loaded_end < spec.num_load_end:
                 self._request_id_to_num_valid[spec.request_id] = plan.num_loaded_end
+        # The loads' plans hold what they read now: the fetches they came from may go.
+        self._apply_releases()
         mover = engine.mover(self.kv_cache)
         if not mover.on_cuda:
             if not self.layerwise:
@@ -226,29 +243,34 @@ class OffloadWorker(KVConnectorWorker):
         if self._timing is not None:
             move_seconds = self._timing[0].elapsed_time(self._timing[1]) / 1e3
         num_step_tokens = sum(load.plan.num_loaded_end - load.spec.num_load_start for load in self._loads)
-        if self.planner is not None and num_step_tokens:
-            # With a planner every load reads the CPU tier (a fetcher brought the lower tiers'
-            # chunks into it, or it is the only tier): its rate is the host read plus the move
-            self.planner.observe_read(
-                "cpu",
-                num_step_tokens * engine.bytes_per_token,
-                sum(load.read_seconds for load in self._loads) + move_seconds,
-            )
+        reports = []
         for load in self._loads:
             num_tokens = load.plan.num_loaded_end - load.spec.num_load_start
             # The step's moves share one stream: each request gets its share of the move time.
             share = num_tokens / num_step_tokens if num_step_tokens else 0.0
-            self.registry.loaded(
-                load.spec.request_id,
-                load.spec.num_load_start,
-                num_tokens,
-                load.spec.num_load_end - load.spec.num_load_start,
-                num_tokens * engine.bytes_per_token,
-                load.read_seconds + move_seconds * share,
-                # With a fetcher every load reads the CPU tier: where its tokens came from is
-                # the request's record of its fetch; without one, the tiers the load read.
-                None if self.fetcher is not None else load.plan.tier_to_num_tokens,
+            reports.append(
+                LoadReport(
+                    load.spec.request_id,
+                    load.spec.num_load_start,
+                    num_tokens,
+                    load.spec.num_load_end - load.spec.num_load_start,
+                    num_tokens * engine.bytes_per_token,
+                    load.read_seconds + move_seconds * share,
+                    # With a fetcher every load reads the CPU tier: where its tokens came from
+                    # is the request's record of its fetch; without one, the tiers it read.
+                    None if self.fetcher is not None else load.plan.tier_to_num_tokens,
+                )
             )
+        with self._report_lock:
+            self._report.loads += reports
+            if num_step_tokens:
+                # the CPU tier's rate (when it is what the loads read): the host's read plus the moves
+                self._report.cpu_reads.append(
+                    (
+                        num_step_tokens * engine.bytes_per_token,
+                        sum(load.read_seconds for load in self._loads) + move_seconds,
+                    )
+                )
         self._loads = []
 
     # ---- saves ---------------------------------------------------------------
@@ -262,7 +284,7 @@ class OffloadWorker(KVConnectorWorker):
         for spec in self._metadata.saves:
             if spec.request_id in self._request_id_to_num_valid:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
-                self.registry.save_done(spec.request_id, 0)
+                self._saved(spec.request_id, 0)
                 self._num_saves_queued += 1
                 continue
             store = engine.begin_store(
@@ -282,7 +304,8 @@ class OffloadWorker(KVConnectorWorker):
             self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins
         self.cache_engine.tiers.write_gate.release()
         for spec in self._metadata.saves[self._num_saves_queued :]:
-            self.registry.save_done(spec.request_id, 0)
+            self._saved(spec.request_id, 0)
+        self._apply_releases()  # the step's loads are over: no pin of them is needed
         self._metadata = ConnectorMetadata()
         self._clear_failed_loads()
         self._num_saves_queued = 0
@@ -291,58 +314,83 @@ class OffloadWorker(KVConnectorWorker):
         self._request_id_to_num_valid = {}
 
     def _on_saved(self, request_id: str):
-        return lambda num_saved_tokens: self.registry.save_done(request_id, num_saved_tokens)
+        return lambda num_saved_tokens: self._saved(request_id, num_saved_tokens)
+
+    def _saved(self, request_id: str, num_saved_tokens: int) -> None:
+        """A save read its blocks (or was skipped): the next report says it."""
+        with self._report_lock:
+            self._report.saves.append((request_id, num_saved_tokens))
+
+    # ---- fetches -------------------------------------------------------------
+    def _apply_releases(self) -> None:
+        """Release the bound metadata's released fetches (once)."""
+        if not self._releases_applied:
+            self._releases_applied = True
+            self.release_fetches(self._metadata.released_fetch_ids)
+
+    def release_fetches(self, fetch_ids: Sequence[int]) -> None:
+        for fetch_id in fetch_ids:
+            job = self._fetch_jobs.pop(fetch_id, None)
+            if job is not None:
+                self.fetcher.release(job)
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        if self.fetcher is not None:
+            self.fetcher.wait_for_progress(timeout_s)
+
+    def _fetch_progress(self) -> list[FetchProgress]:
+        """Fetches that ended since the last call (their figures counted), and with
+        ``pipelined_loads`` running ones whose ready prefix grew."""
+        fetcher = self.fetcher
+        progress = []
+        for job in fetcher.poll():
+            tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
+            self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
+            tier_to_transfer = {}
+            for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
+                # its reads of that tier ran reads_in_flight at a time
+                num_reads = sum(1 for name in job.tier_names if name == tier_name)
+                tier_to_transfer[tier_name] = (num_bytes, seconds, min(num_reads, fetcher.reads_in_flight))
+            progress.append(
+                FetchProgress(
+                    job.fetch_id, job.request_id, job.num_ready_chunks, True, job.cut, tier_to_transfer
+                )
+            )
+        if self.pipelined_loads:
+            for job in fetcher.poll_progress():
+                progress.append(FetchProgress(job.fetch_id, job.request_id, job.num_reported_ready, False))
+        return progress
 
     def finish_saves(self) -> None:
         """Block until every save issued so far has read its blocks and is published."""
         self.cache_engine.publish_finished_stores(wait=True)
 
-    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Finished saves, and finished receives: requests whose background fetch ended
-        (their chunks that arrived are in the CPU tier; the step that admits them
-        copies those to the GPU), and with ``pipelined_loads`` unadmitted requests whose
-        fetch brought its first chunks or more of them (admitted to load those while the
-        rest is read: partial receives)."""
+    def take_report(self) -> WorkerReport:
+        """What this side did since the last report: saves that read their blocks, finished
+        loads, the bound step's load failures (once), fetches that ended and, with
+        ``pipelined_loads``, running fetches whose ready prefix grew (their requests load
+        it while the rest is read: partial receives), and the CPU tier's read rate."""
         self.cache_engine.publish_finished_stores()
-        if self.fetcher is not None:
-            for job in self.fetcher.poll():
-                tier_to_chunks = Counter(job.tier_names[: job.num_ready_chunks])
-                self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
-                if self.planner is not None:
-                    for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
-                        # its reads of that tier ran reads_in_flight at a time
-                        num_reads = sum(1 for name in job.tier_names if name == tier_name)
-                        connections = min(num_reads, self.fetcher.reads_in_flight)
-                        self.planner.observe_read(tier_name, num_bytes, seconds, connections, replace=job.cut)
-                if self.registry.fetch_finished(job) is None:
-                    self.fetcher.release(job)  # its request ended meanwhile: nobody will load it
-            if self.pipelined_loads:
-                for job in self.fetcher.poll_progress():
-                    self.registry.fetch_progressed(job)
-        return self.registry.take_finished_sending(), self.registry.take_finished_recving()
+        fetches = self._fetch_progress() if self.fetcher is not None else []
+        with self._report_lock:
+            report, self._report = self._report, WorkerReport()
+        report.fetches = fetches
+        if not self._failures_reported:
+            self._failures_reported = True
+            report.load_failures = dict(self._request_id_to_num_valid)
+        return report
 
     # ---- pipeline stages after the first (their scheduler side runs in another process) ----
-    def track_requests(self, metadata: ConnectorMetadata, finished_request_ids: set[str]) -> None:
-        """Called once per step before ``bind_connector_metadata`` by a pipeline stage whose
-        scheduler side lives in the first stage's process: create the transfer state of
-        every request ``metadata`` loads or saves (as that scheduler side does when it
-        builds the metadata) and forget the finished ones. Such a stage calls
-        ``finish_saves`` at the end of each step, so no finished request is still sending."""
-        for request_id in finished_request_ids:
-            self.registry.finish(request_id)
-        for spec in (*metadata.loads, *metadata.saves):
-            self.registry.get_or_create(spec.request_id, tuple(spec.token_ids), spec.cache_salt)
-        for spec in metadata.saves:
-            self.registry.save_issued(self.registry.get(spec.request_id), spec.num_save_end)
-
     def add_load_failures(self, request_id_to_num_valid: dict[str, int]) -> None:
         """An earlier pipeline stage's loads of these requests stopped early (request id →
         leading tokens truly in its cache): this stage's KV of the tokens after that was
         computed from wrong inputs. Called after ``start_load_kv``, before ``wait_for_save``:
         such a request saves nothing this step and is reported by ``load_failures`` with
         the smaller of both lengths (one consistent mask over every stage)."""
+        metadata = self._metadata
+        here = {spec.request_id for spec in (*metadata.loads, *metadata.saves)}
         for request_id, num_valid in request_id_to_num_valid.items():
-            if self.registry.get(request_id) is None:
+            if request_id not in here:
                 continue  # neither loads nor saves here this step: nothing of it to drop
             own = self._request_id_to_num_valid.get(request_id)
             self._request_id_to_num_valid[request_id] = num_valid if own is None else min(own, num_valid)
@@ -355,8 +403,6 @@ class OffloadWorker(KVConnectorWorker):
     def close(self) -> None:
         """Finish saves in flight and queued lower-tier writes, close the tiers (idempotent)."""
         self.finish_saves()
-        if self.prober is not None:
-            self.prober.close()
         if self.fetcher is not None:
             self.fetcher.close()
         self.cache_engine.tiers.close()

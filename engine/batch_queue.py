@@ -133,7 +133,7 @@ class BatchQueue:
             outputs = self.drain(finish)
             if self.scheduler.waits_only_for_transfers(plan):
                 # Only background fetches are under way: sleep until one progresses, not spin.
-                self.scheduler.connector.wait_for_transfers(0.005)
+                self.runner.connector.wait_for_transfers(0.005)
             began = time.perf_counter()
             self.num_sync_steps += 1
             return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))
@@ -167,7 +167,7 @@ class BatchQueue:
             # its connector bookkeeping runs after every step in flight
             outputs += self.drain(finish)
             if scheduler.waits_only_for_transfers(plan):
-                scheduler.connector.wait_for_transfers(0.005)
+                self.runner.connector.wait_for_transfers(0.005)
             began = time.perf_counter()
             self.num_sync_steps += 1
             return latest_per_request(outputs + finish(plan, self.runner.execute(plan), began))

@@ -332,6 +332,7 @@ class EngineCore:
         if request is None:
             return None
         self.scheduler.finish_request(request, "abort")
+        self._release_fetches()  # no step may follow: its fetch's pins go now
         return request.to_output()
 
     def reset_prefix_cache(self) -> bool:
@@ -358,9 +359,27 @@ class EngineCore:
         if connector is None:
             return
         connector.finish_saves()
-        finished_sending_ids, finished_recving_ids = connector.get_finished(set())
+        finished_sending_ids, finished_recving_ids = self.scheduler.connector.update_connector_output(
+            connector.take_report()
+        )
         self.scheduler.free_sent(finished_sending_ids)
         self.scheduler.readmit_received(finished_recving_ids)
+
+    def _release_fetches(self) -> None:
+        """Hand the connector's worker side the fetch releases that no step carries yet
+        (a step carries those made while it was scheduled, in its metadata; these were made
+        after: an abort, a request a step ended, a fetch that ended for nobody), so no CPU-tier
+        pin outlives its request when no step follows. Every step submitted so far has
+        planned its loads: what they read is pinned for them already."""
+        connector = self.scheduler.connector
+        if connector is None or self.runner.connector is None:
+            return
+        released = connector.take_released_fetch_ids()
+        if released:
+            self.runner.connector.release_fetches(released)
+
+    def _connector_finished(self, result) -> tuple[set[str], set[str]]:
+        return self.scheduler.apply_connector_report(result.connector_report)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Turn async scheduling on or off between steps (benchmarks compare one engine
@@ -408,6 +427,7 @@ class EngineCore:
         snapshot = StepSnapshot()
         try:
             outputs = self._step(only=group, snapshot=snapshot)
+            self._release_fetches()
         except Exception as error:
             self.stats.num_step_errors += 1
             if self._batch_queue is not None:
@@ -419,7 +439,9 @@ class EngineCore:
                 ]
             if self.pipeline is not None and self.pipeline.dead_reason is not None:
                 raise self.recovery.end_all_with_error() from error
-            raise self.recovery.recover(group, snapshot) from error
+            error_to_raise = self.recovery.recover(group, snapshot)
+            self._release_fetches()
+            raise error_to_raise from error
         self.recovery.step_passed(group, snapshot)
         return outputs
 
@@ -445,7 +467,7 @@ class EngineCore:
         plan = self.scheduler.schedule(only)
         if self.scheduler.waits_only_for_transfers(plan):
             # Only background fetches are under way: sleep until one progresses, not spin.
-            self.scheduler.connector.wait_for_transfers(0.005)
+            self.runner.connector.wait_for_transfers(0.005)
         snapshot.take(plan.requests)
         began = time.perf_counter()
         # the prefix-cache hashes that admission left out are made while the device runs
@@ -475,13 +497,14 @@ class EngineCore:
             )
         if plan.requests:
             self._device_work_left_over = not waited_for_device
+        finished_sending_ids, finished_recving_ids = self._connector_finished(result)
         updated = self.scheduler.update_from_output(
             plan,
             result.request_id_to_token,
             result.load_failures,
-            result.finished_sending_ids,
+            finished_sending_ids,
             result.request_id_to_accepted_draft_ids,
-            result.finished_recving_ids,
+            finished_recving_ids,
         )
         self.stats.num_steps += 1
         self.stats.num_computed_tokens_total += result.num_computed_tokens

@@ -509,21 +509,19 @@ class ModelRunner:
         if while_device_runs is not None:  # the step samples nothing
             while_device_runs()
         load_failures: dict[str, int] = {}
-        finished_sending: set[str] = set()
-        finished_recving: set[str] = set()
+        report = None
         if connector is not None:
             if not saves_queued:
                 connector.wait_for_save()
-            load_failures = dict(connector.load_failures())
-            finished_sending, finished_recving = connector.get_finished(plan.finished_request_ids)
+            report = connector.take_report()
+            load_failures = dict(report.load_failures)
         self._metadata = None
         output = RunnerOutput(
             request_id_to_token=request_id_to_token or {},
             request_id_to_accepted_draft_ids=request_id_to_accepted_draft_ids,
             load_failures=load_failures,
-            finished_sending_ids=set(finished_sending),
             num_computed_tokens=plan.total_num_scheduled_tokens,
-            finished_recving_ids=set(finished_recving),
+            connector_report=report,
         )
         if request_id_to_token is not None or token_ids is None:
             return StepFuture.done(output)

@@ -1,5 +1,5 @@
 """The outcome of one model-runner step as plain data: sampled tokens, accepted drafts,
-the connector's load failures and finished transfers.
+the connector's load failures and its worker side's report.
 
 A module of its own so that the model runner (which makes it), the step future (which
 completes it) and the batch queue and pipeline executor (which read it) import it without
@@ -8,7 +8,9 @@ importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from connector.base import WorkerReport
 
 
 @dataclass
@@ -22,7 +24,8 @@ class RunnerOutput:
     request_id_to_accepted_draft_ids: dict[str, list[int]]
     #: request id -> leading tokens truly in the paged cache (connector load failures)
     load_failures: dict[str, int]
-    finished_sending_ids: set[str]
     num_computed_tokens: int
-    #: requests whose background connector fetch ended (they may be admitted now)
-    finished_recving_ids: set[str] = field(default_factory=set)
+    #: what the connector's worker side did this step (None: no connector): the engine core
+    #: hands it to the scheduler side (``update_connector_output``) before updating the
+    #: scheduler, which tells it the requests done sending and those whose fetch progressed
+    connector_report: WorkerReport | None = None

@@ -51,7 +51,7 @@ class SchedulerOutput:
     requests: list[Request]
     num_scheduled_tokens: list[int]
     preempted_request_ids: list[str]
-    #: requests finished since the previous step (for the connector worker's get_finished)
+    #: requests finished since the previous step (pipeline stages drop what they keep of them)
     finished_request_ids: set[str]
     connector_meta: ConnectorMetadata | None = None
     #: speculative drafts to verify this step (requests without drafts are absent)
@@ -446,6 +446,14 @@ class Scheduler:
         if transfer is not None:
             request.metrics.tier_to_loaded_tokens = dict(transfer.tier_to_loaded_tokens)
             request.metrics.num_planned_recompute_tokens = transfer.num_planned_recompute_tokens
+
+    def apply_connector_report(self, report) -> tuple[set[str], set[str]]:
+        """The connector's scheduler side applies a step's worker report (called once per
+        step result, before `update_from_output`) -> (request ids done sending, request
+        ids whose fetch ended or progressed)."""
+        if self.connector is None or report is None:
+            return set(), set()
+        return self.connector.update_connector_output(report)
 
     def readmit_received(self, finished_recving_ids: Iterable[str]) -> None:
         """Requests whose background fetch ended wait for admission again, ahead of

@@ -182,12 +182,16 @@ class StepRecovery:
             if plan.requests != [probe]:
                 return None
             result = self.runner.execute(plan)
+            finished_sending_ids, finished_recving_ids = self.scheduler.apply_connector_report(
+                result.connector_report
+            )
             self.scheduler.update_from_output(
                 plan,
                 result.request_id_to_token,
                 result.load_failures,
-                result.finished_sending_ids,
+                finished_sending_ids,
                 result.request_id_to_accepted_draft_ids,
+                finished_recving_ids,
             )
             return probe.is_finished and probe.finish_reason == "length"
         except Exception as error:  # noqa: BLE001 - the answer is the point

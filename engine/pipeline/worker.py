@@ -141,10 +141,9 @@ def _serve_steps(
         scheduler_output = plan.to_scheduler_output()
         connector = runner.connector
         try:
-            if connector is not None and scheduler_output.connector_meta is not None:
-                connector.track_requests(
-                    scheduler_output.connector_meta, scheduler_output.finished_request_ids
-                )
+            # The stage's connector needs nothing but the metadata; its report (the output's
+            # connector_report) has no reader here: the first stage's scheduler side plans
+            # from the first stage's report, and load failures travel with the hidden states.
             output = runner.execute_stage(scheduler_output, plan.step_id)
             if connector is not None:
                 # the first stage's scheduler frees blocks when its own saves are done:

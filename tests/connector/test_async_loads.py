@@ -55,6 +55,11 @@ def connector_of(llm: LLM):
     return llm.engine.scheduler.connector
 
 
+def fetcher_of(llm: LLM):
+    """The worker side's fetcher (the scheduler side holds none)."""
+    return llm.engine.runner.connector.fetcher
+
+
 def run_until_done(engine, request_ids, max_steps=100_000):
     """Step until every request in ``request_ids`` finished; returns id -> RequestOutput."""
     finished = {}
@@ -174,9 +179,10 @@ def test_abort_while_waiting_releases_every_pin_and_the_prompt_still_works(model
         assert not engine.has_unfinished_requests()
         proxy.rate_bytes_per_s = None
         cpu = connector.cache_engine.tiers.cpu
+        fetcher = fetcher_of(llm)
         for _ in range(10_000):  # the reads in flight finish for the tier alone
-            connector.fetcher.wait_for_progress(0.01)
-            if not connector.fetcher._key_to_read:
+            fetcher.wait_for_progress(0.01)
+            if not fetcher._key_to_read:
                 break
         assert cpu.stats()["num_pinned"] == 0
         assert connector.cache_engine.tiers.num_pinned() == 0

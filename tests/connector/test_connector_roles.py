@@ -33,9 +33,8 @@ class FakeRequest:
 
 def roles(layerwise=False):
     engine = make_cache_engine(chunk_size=CHUNK)
-    registry = TransferRegistry()
-    scheduler = OffloadScheduler(engine, registry, block_size=BLOCK_SIZE)
-    worker = OffloadWorker(engine, registry, layerwise=layerwise)
+    scheduler = OffloadScheduler(engine, TransferRegistry(), block_size=BLOCK_SIZE)
+    worker = OffloadWorker(engine, layerwise=layerwise)
     return engine, scheduler, worker
 
 
@@ -50,13 +49,17 @@ def scheduled(request, block_ids, num_computed, num_scheduled):
     )
 
 
-def run_step(worker, kv_cache, metadata, num_layers=2):
+def run_step(worker, kv_cache, metadata, scheduler=None, num_layers=2):
+    """One step of the worker side; with ``scheduler``, its report is applied there (as the
+    engine core does at the end of a step)."""
     worker.bind_connector_metadata(metadata)
     worker.start_load_kv()
     for layer in range(num_layers):
         worker.wait_for_layer_load(layer)
         worker.save_kv_layer(layer)
     worker.wait_for_save()
+    if scheduler is not None:
+        scheduler.update_connector_output(worker.take_report())
 
 
 def test_saves_follow_chunked_prefill_and_never_include_output_tokens():
@@ -76,7 +79,7 @@ def test_saves_follow_chunked_prefill_and_never_include_output_tokens():
         )
         assert metadata.loads == []
         saves_per_step.append([(s.num_save_start, s.num_save_end) for s in metadata.saves])
-        run_step(worker, kv_cache, metadata)
+        run_step(worker, kv_cache, metadata, scheduler)
     assert saves_per_step == [[(0, 8)], [(8, 24)], [(24, 30)], [], []]
     assert engine.lookup(prompt) == 30
     assert engine.lookup(prompt + [5]) == 24  # output tokens were never stored
@@ -112,7 +115,7 @@ def test_load_of_a_non_aligned_range_writes_exactly_those_tokens():
     metadata = scheduler.build_connector_meta([scheduled(request, block_ids, 29, 1)])
     (load,) = metadata.loads
     assert (load.num_load_start, load.num_load_end) == (12, 29)
-    run_step(worker, kv_cache, metadata)
+    run_step(worker, kv_cache, metadata, scheduler)
     assert worker.load_failures() == {}
     assert engine.tiers.num_pinned() == 0
     target_slots = slot_mapping_for(block_ids, BLOCK_SIZE, 30)
@@ -145,7 +148,7 @@ def test_missing_chunk_is_reported_with_the_valid_length_and_skips_the_save():
     assert engine.tiers.cpu.delete(spans[2].key)  # vanishes before the load
     metadata = scheduler.build_connector_meta([scheduled(request, block_ids, 32, 8)])
     assert [(s.num_save_start, s.num_save_end) for s in metadata.saves] == [(32, 40)]
-    run_step(worker, kv_cache, metadata)
+    run_step(worker, kv_cache, metadata, scheduler)
     assert worker.load_failures() == {"r5": 16}
     # The step's new KV attended over missing tokens: its save was skipped.
     assert engine.lookup(prompt) == 16
@@ -166,10 +169,10 @@ def test_request_finished_waits_for_a_save_that_has_not_read_its_blocks():
     scheduler.update_state_after_alloc(request, block_ids, scheduler.grant(request, 0, None))
     metadata = scheduler.build_connector_meta([scheduled(request, block_ids, 0, 16)])
     assert scheduler.request_finished(request, block_ids) is True  # aborted before the step ran
-    assert worker.get_finished({"r6"}) == (set(), set())
+    assert scheduler.update_connector_output(worker.take_report()) == (set(), set())
     run_step(worker, kv_cache, metadata)
-    assert worker.get_finished(set()) == ({"r6"}, set())
-    assert worker.get_finished(set()) == (set(), set())
+    assert scheduler.update_connector_output(worker.take_report()) == ({"r6"}, set())
+    assert scheduler.update_connector_output(worker.take_report()) == (set(), set())
 
 
 @settings(max_examples=60, deadline=None)

@@ -21,7 +21,7 @@ from connector.request_transfer import TransferPhase
 from engine import SamplingParams
 from engine.request import RequestStatus
 from engine.step_time import StepTimeModel
-from tests.connector.test_async_loads import close, connector_of, make_prompt, new_llm, write_to
+from tests.connector.test_async_loads import close, connector_of, fetcher_of, make_prompt, new_llm, write_to
 
 CHUNK_SIZE = 32
 PROMPT_LEN = 256  # 8 chunks of 16 KiB of KV each for the tiny model
@@ -138,10 +138,10 @@ def partly_loaded_hit(model_dir, redis_server, seed: int) -> Iterator[PartlyLoad
         remote.close()
 
 
-def wait_for_reads(connector) -> None:
+def wait_for_reads(fetcher) -> None:
     for _ in range(100_000):  # reads in flight finish for the tier alone
-        connector.fetcher.wait_for_progress(0.01)
-        if not connector.fetcher._key_to_read:
+        fetcher.wait_for_progress(0.01)
+        if not fetcher._key_to_read:
             return
     raise AssertionError("reads still in flight")
 
@@ -194,7 +194,7 @@ def test_a_read_failing_midway_after_partial_loads_recomputes_the_rest(model_dir
         assert max(pieces) <= 6 * CHUNK_SIZE
         assert output.metrics.tier_to_loaded_tokens == {"redis": 6 * CHUNK_SIZE}
         assert output.metrics.num_external_cached_tokens == 6 * CHUNK_SIZE
-        wait_for_reads(connector)
+        wait_for_reads(fetcher_of(hit.llm))
         assert connector.cache_engine.tiers.cpu.pin_counts() == {}
 
 
@@ -207,7 +207,7 @@ def test_abort_while_partly_loaded_releases_everything(model_dir, redis_server):
         assert not engine.has_unfinished_requests()
         assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
         hit.remote.proxy.rate_bytes_per_s = None
-        wait_for_reads(connector)
+        wait_for_reads(fetcher_of(hit.llm))
         assert connector.cache_engine.tiers.cpu.stats()["num_pinned"] == 0
         assert connector.cache_engine.tiers.num_pinned() == 0
         assert hit.llm.generate([hit.prompt], PARAMS)[0].token_ids == hit.baseline
@@ -215,14 +215,14 @@ def test_abort_while_partly_loaded_releases_everything(model_dir, redis_server):
 
 def test_preempted_while_partly_loaded_the_request_starts_over_with_identical_tokens(model_dir, redis_server):
     with partly_loaded_hit(model_dir, redis_server, 54) as hit:
-        old_fetch = hit.transfer.fetch
+        old_fetch = hit.llm.engine.runner.connector._fetch_jobs[hit.transfer.fetch.fetch_id]
         hit.engine.scheduler.running.remove(hit.request)
         hit.engine.scheduler._preempt(hit.request)  # as when blocks run out
         output = run_to_end(hit.engine, "hit")
         assert old_fetch.done  # released at its readmission
         assert output.token_ids == hit.baseline
         assert hit.transfer.phase is not TransferPhase.FETCHING
-        wait_for_reads(hit.connector)
+        wait_for_reads(fetcher_of(hit.llm))
         assert hit.connector.cache_engine.tiers.cpu.pin_counts() == {}
 
 
@@ -234,7 +234,8 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
     import torch
 
     from connector import create_kv_connector
-    from connector.fetcher import FetchJob
+    from connector.base import ConnectorMetadata, FetchSpec
+    from connector.request_transfer import FetchState
     from storage_backends.chunk import KVChunk
 
     shape = (2, 2, 16, 2, 8)
@@ -253,25 +254,29 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
             device=torch.device("cpu"),
             step_times=StepTimeModel(),
         )
-        fetcher, registry = scheduler.fetcher, scheduler.registry
+        registry = scheduler.registry
         scheduler.cache_engine.tiers.cpu.put("k0", KVChunk(torch.ones(shape)))
         proxy.delay_s = 60.0  # the reads of k1 and k2 stay in flight
         jobs = {}
-        for request_id, pipelined in (("on", True), ("off", False)):
+        for fetch_id, (request_id, pipelined) in enumerate((("on", True), ("off", False)), start=1):
             worker.pipelined_loads = pipelined
             transfer = registry.get_or_create(request_id, tuple(range(48)))
-            jobs[request_id] = FetchJob(
-                request_id, ["k0", "k1", "k2"], [shape] * 3, ["cpu", "redis", "redis"], 60.0
+            spec = FetchSpec(
+                fetch_id, request_id, ("k0", "k1", "k2"), (shape,) * 3, ("cpu", "redis", "redis"), 60.0
             )
-            registry.fetch_started(transfer, jobs[request_id])
-            fetcher.start(jobs[request_id])
+            registry.fetch_started(transfer, FetchState(fetch_id, 0, spec.tier_names))
+            worker.bind_connector_metadata(ConnectorMetadata(fetches=[spec]))
+            worker.start_load_kv()  # the worker's fetcher runs it
+            jobs[request_id] = worker._fetch_jobs[fetch_id]
             assert jobs[request_id].num_ready_chunks == 1 and not jobs[request_id].done
             received = {"off": set(), "on": {"on"}}[request_id]
-            assert worker.get_finished(set()) == (set(), received)
-            assert worker.get_finished(set()) == (set(), set())  # nothing new arrived
+            assert scheduler.update_connector_output(worker.take_report()) == (set(), received)
+            assert scheduler.update_connector_output(worker.take_report()) == (set(), set())  # nothing new
             assert transfer.phase is TransferPhase.FETCHING
-        for job in jobs.values():
-            fetcher.release(job)
+        worker.bind_connector_metadata(
+            ConnectorMetadata(released_fetch_ids=[job.fetch_id for job in jobs.values()])
+        )
+        worker.start_load_kv()
         assert scheduler.cache_engine.tiers.cpu.pin_counts() == {}
         proxy.close()  # the reads in flight fail at once
         worker.close()

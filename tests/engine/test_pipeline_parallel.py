@@ -152,8 +152,7 @@ def test_two_micro_batches_in_flight_through_the_stages(pp_case) -> None:
             plan,
             output.request_id_to_token,
             output.load_failures,
-            output.finished_sending_ids,
-            output.request_id_to_accepted_draft_ids,
+            request_id_to_accepted_draft_ids=output.request_id_to_accepted_draft_ids,
         )
     engine.scheduler.step_requests = []
     for request in requests:

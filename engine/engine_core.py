@@ -378,9 +378,6 @@ class EngineCore:
         if released:
             self.runner.connector.release_fetches(released)
 
-    def _connector_finished(self, result) -> tuple[set[str], set[str]]:
-        return self.scheduler.apply_connector_report(result.connector_report)
-
     def set_async_scheduling(self, enabled: bool) -> None:
         """Turn async scheduling on or off between steps (benchmarks compare one engine
         both ways). Raises ValueError while steps are in flight, or to turn it on with
@@ -497,15 +494,7 @@ class EngineCore:
             )
         if plan.requests:
             self._device_work_left_over = not waited_for_device
-        finished_sending_ids, finished_recving_ids = self._connector_finished(result)
-        updated = self.scheduler.update_from_output(
-            plan,
-            result.request_id_to_token,
-            result.load_failures,
-            finished_sending_ids,
-            result.request_id_to_accepted_draft_ids,
-            finished_recving_ids,
-        )
+        updated = self.scheduler.update_from_result(plan, result)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens_total += result.num_computed_tokens
         for request_id, accepted_draft_ids in result.request_id_to_accepted_draft_ids.items():

@@ -37,6 +37,7 @@ from connector.base import ConnectorMetadata, Grant, GrantWait, KVConnectorSched
 from engine.block_manager import BlockManager
 from engine.prefill_cap import PrefillCap, StepPrefillCap
 from engine.request import Request, RequestStatus
+from engine.runner_output import RunnerOutput
 from engine.spec_decode import NgramProposer, draft_slots_leave_room, propose_drafts
 
 logger = logging.getLogger(__name__)
@@ -446,6 +447,19 @@ class Scheduler:
         if transfer is not None:
             request.metrics.tier_to_loaded_tokens = dict(transfer.tier_to_loaded_tokens)
             request.metrics.num_planned_recompute_tokens = transfer.num_planned_recompute_tokens
+
+    def update_from_result(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """A step's result: the connector applies its worker report, then
+        `update_from_output`. Returns the requests that got a new token."""
+        finished_sending_ids, finished_recving_ids = self.apply_connector_report(result.connector_report)
+        return self.update_from_output(
+            output,
+            result.request_id_to_token,
+            result.load_failures,
+            finished_sending_ids,
+            result.request_id_to_accepted_draft_ids,
+            finished_recving_ids,
+        )
 
     def apply_connector_report(self, report) -> tuple[set[str], set[str]]:
         """The connector's scheduler side applies a step's worker report (called once per

@@ -181,18 +181,7 @@ class StepRecovery:
             plan = self.scheduler.schedule(only={probe})
             if plan.requests != [probe]:
                 return None
-            result = self.runner.execute(plan)
-            finished_sending_ids, finished_recving_ids = self.scheduler.apply_connector_report(
-                result.connector_report
-            )
-            self.scheduler.update_from_output(
-                plan,
-                result.request_id_to_token,
-                result.load_failures,
-                finished_sending_ids,
-                result.request_id_to_accepted_draft_ids,
-                finished_recving_ids,
-            )
+            self.scheduler.update_from_result(plan, self.runner.execute(plan))
             return probe.is_finished and probe.finish_reason == "length"
         except Exception as error:  # noqa: BLE001 - the answer is the point
             logger.warning("the engine's probe step failed too: %s: %s", type(error).__name__, error)

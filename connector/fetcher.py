@@ -137,6 +137,8 @@ class ChunkFetcher:
         self._finished_jobs: list[FetchJob] = []
         self._closed = False
         self.num_failed_reads = 0
+        #: reads whose value was no chunk of the expected shape (a miss, never loaded)
+        self.num_corrupt_reads = 0
 
     # ---- the step thread -------------------------------------------------------
     def start(self, job: FetchJob) -> None:
@@ -259,6 +261,13 @@ class ChunkFetcher:
                 num_bytes = reservation.buffer.numel() * reservation.buffer.element_size() if ok else 0
         except CapacityError:
             pass  # every slot pinned: a miss for now, not the tier's fault
+        except ValueError as exc:
+            # a value that is no chunk of this shape (another model's, or damaged): a miss
+            # that is recomputed, not the tier's failure (its breaker stays closed)
+            self.num_corrupt_reads += 1
+            log.warning(
+                "fetch of %s from %s: not a usable chunk, recomputed: %s", read.key, read.tier_name, exc
+            )
         except Exception as exc:
             self.num_failed_reads += 1
             log.debug("fetch of %s from %s failed: %s", read.key, read.tier_name, exc)

@@ -329,7 +329,7 @@ def test_a_remote_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir
     engine = llm.engine
     connector = engine.scheduler.connector
     planner = connector.planner
-    prober = engine.runner.connector.prober
+    prober = engine.scheduler.connector.prober
     for _ in range(1000):  # the measurement runs on the prober's thread
         if prober.tier_to_num_probes.get("redis"):
             break
@@ -358,7 +358,7 @@ def test_a_local_disk_is_measured_by_its_fetches_only(tiny_model_dir, tmp_path):
     from tests.connector.test_async_loads import close, disk_config
 
     llm = new_llm(tiny_model_dir("llama"), disk_config(tmp_path))
-    assert llm.engine.runner.connector.prober is None
+    assert llm.engine.scheduler.connector.prober is None
     assert "tier:disk" not in llm.engine.scheduler.connector.planner.snapshot()
     close(llm)
     assert not list(tmp_path.glob("*probe*"))

@@ -60,7 +60,9 @@ def one_chunk_prompts(seed: int) -> list[list[int]]:
 
 
 def config(**tiers) -> OffloadConfig:
-    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, save_partial_chunks=False, **tiers)
+    return OffloadConfig(
+        chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, save_partial_chunks=False, **tiers
+    )
 
 
 def corruption_scenario(llm, backend, prompts, reference, caplog, corrupt_all) -> dict:

@@ -40,7 +40,9 @@ def test_disk_folder_replaced_by_a_file(model_dir, reference, reliability_report
     folder = tmp_path / "kv"
     llm = new_llm(
         model_dir,
-        OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(folder), disk_bytes=64 << 20),
+        OffloadConfig(
+            chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, disk_path=str(folder), disk_bytes=64 << 20
+        ),
     )
     prompts = make_prompts(NUM_PROMPTS, seed=21)
     tally = StreamTally()
@@ -87,7 +89,8 @@ def test_disk_byte_cap_full(model_dir, reference, reliability_report, caplog, tm
     # One-chunk prompts plus a partial chunk: two files each. Learn a file's size first.
     prompts = make_prompts(8, seed=22, min_tokens=CHUNK_SIZE + 4, max_tokens=CHUNK_SIZE + 12)
     probe = new_llm(
-        model_dir, OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(tmp_path / "probe"))
+        model_dir,
+        OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, disk_path=str(tmp_path / "probe")),
     )
     probe.generate(prompts[:1], PARAMS)
     tiers_of(probe).flush()
@@ -95,7 +98,10 @@ def test_disk_byte_cap_full(model_dir, reference, reliability_report, caplog, tm
     cap = 4 * file_bytes
 
     llm = new_llm(
-        model_dir, OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, disk_path=str(folder), disk_bytes=cap)
+        model_dir,
+        OffloadConfig(
+            chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, disk_path=str(folder), disk_bytes=cap
+        ),
     )
     tally = StreamTally()
     with caplog.at_level(logging.INFO):

@@ -34,7 +34,9 @@ def one_chunk_prompts(seed: int) -> list[list[int]]:
 
 
 def config(**tiers) -> OffloadConfig:
-    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, save_partial_chunks=False, **tiers)
+    return OffloadConfig(
+        chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, save_partial_chunks=False, **tiers
+    )
 
 
 def store(model_dir, offload: OffloadConfig, prompts, reference) -> StreamTally:

@@ -39,7 +39,7 @@ NUM_FAULT_ROUNDS = 2
 
 
 def remote_config(url: str) -> OffloadConfig:
-    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, remote_url=url)
+    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, remote_url=url)
 
 
 def outage_scenario(llm, tier_name, prompts, reference, caplog, inject, heal) -> dict:

@@ -121,7 +121,7 @@ def test_namespaces_keep_incompatible_kv_apart(
     from bench.tiny_model import make_tiny_model
 
     url = f"grpcs://{secure_server.address}?token={TOKEN}&ca={tls_files[0]}"
-    offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, remote_url=url)
+    offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, remote_url=url)
     prompts = make_prompts(4, seed=41)
     owner = new_llm(model_dir, offload)
     tally = StreamTally()

@@ -43,7 +43,9 @@ def test_another_tenant_cannot_list_read_overwrite_or_evict_an_engines_chunks(
     tenants_server, model_dir, reference, reliability_report
 ):
     url = f"{tenants_server.url}?token={TOKEN_A}&timeout=10"
-    offload = OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=0, remote_url=url, key_prefix="team-a/")
+    offload = OffloadConfig(
+        chunk_size=CHUNK_SIZE, cpu_bytes=0, staging_bytes=0, remote_url=url, key_prefix="team-a/"
+    )
     prompts = make_prompts(3, seed=17)
     owner = new_llm(model_dir, offload)
     tally = StreamTally()

@@ -137,8 +137,6 @@ class ChunkFetcher:
         self._finished_jobs: list[FetchJob] = []
         self._closed = False
         self.num_failed_reads = 0
-        #: reads whose value was no chunk of the expected shape (a miss, never loaded)
-        self.num_corrupt_reads = 0
 
     # ---- the step thread -------------------------------------------------------
     def start(self, job: FetchJob) -> None:
@@ -264,7 +262,6 @@ class ChunkFetcher:
         except ValueError as exc:
             # a value that is no chunk of this shape (another model's, or damaged): a miss
             # that is recomputed, not the tier's failure (its breaker stays closed)
-            self.num_corrupt_reads += 1
             log.warning(
                 "fetch of %s from %s: not a usable chunk, recomputed: %s", read.key, read.tier_name, exc
             )

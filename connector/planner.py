@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from connector.tier_rates import TIER_PRIOR_BYTES_PER_S, TierRates  # noqa: F401 (re-exported)
+from connector.tier_rates import TierRates
 
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
 ALWAYS_LOAD_DEADLINE_S = 600.0

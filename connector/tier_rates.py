@@ -37,12 +37,11 @@ ANY_CONNECTIONS = 0
 
 @dataclass
 class MovingRate:
-    """Exponential moving average of a rate; ``last`` is the latest sample, ``updated_at``
-    when it came (the clock's seconds; -inf before the first)."""
+    """Exponential moving average of a rate; ``updated_at`` is when its latest sample came
+    (the clock's seconds; -inf before the first)."""
 
     value: float
     alpha: float = RATE_ALPHA
-    last: float = 0.0
     #: the fastest sample so far
     best: float = 0.0
     num_samples: int = 0
@@ -56,7 +55,6 @@ class MovingRate:
             self.value = sample
         else:
             self.value = (1 - self.alpha) * self.value + self.alpha * sample
-        self.last = sample
         self.best = max(self.best, sample)
         self.num_samples += 1
         self.updated_at = now

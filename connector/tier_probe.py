@@ -73,7 +73,11 @@ class TierProber:
         #: whether fetches are reading a tier now (then it is not measured in the background)
         self.busy = busy
         self._clock = clock
+        #: tiers that may hold the probe value (named before the write starts, so a close
+        #: during the write deletes it); guarded by ``_lock`` with ``_closed``
         self._written_tier_names: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = None
@@ -111,9 +115,9 @@ class TierProber:
                 torch.empty(self.chunk_shape, dtype=self.dtype)
                 for _ in range(self.connections if full else 1)
             ]
-            if tier_name not in self._written_tier_names or not self._read(tier, buffers[0]):
-                self._write(tier)
-                self._written_tier_names.add(tier_name)
+            stored = tier_name in self._written_tier_names and self._read(tier, buffers[0])
+            if not stored and not self._write(tier_name, tier):
+                return False
             num_bytes = buffers[0].numel() * buffers[0].element_size()
             began = self._clock()
             if not self._read(tier, buffers[0]):
@@ -143,12 +147,32 @@ class TierProber:
         )
         return True
 
-    def _write(self, tier: StorageBackend) -> None:
+    def _write(self, tier_name: str, tier: StorageBackend) -> bool:
+        """Write the probe value to ``tier``; False (nothing left behind) when the prober
+        closed before or during the write."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._written_tier_names.add(tier_name)
         # random bytes: a codec must not shrink the value a real chunk would not shrink
         raw = torch.randint(
             0, 256, (torch.Size(self.chunk_shape).numel() * self.dtype.itemsize,), dtype=torch.uint8
         )
         tier.put(self.key, KVChunk(raw.view(self.dtype).view(self.chunk_shape), self.layout))
+        with self._lock:
+            closed = self._closed
+        if closed:
+            # close() gave up waiting for this write (a slow tier) and its delete may have
+            # come before the value landed: delete it again, or it stays in a shared tier
+            self._delete(tier_name)
+            return False
+        return True
+
+    def _delete(self, tier_name: str) -> None:
+        try:
+            self.name_to_tier[tier_name].delete(self.key)
+        except Exception as exc:
+            log.debug("deleting the probe value from tier %s failed: %s", tier_name, exc)
 
     def _read(self, tier: StorageBackend, out: torch.Tensor) -> bool:
         chunk = tier.get_into(self.key, out)
@@ -159,11 +183,10 @@ class TierProber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)  # a read stuck on a dead tier must not hang exit
-        for name in list(self._written_tier_names):
-            try:
-                self.name_to_tier[name].delete(self.key)
-            except Exception as exc:
-                log.debug("deleting the probe value from tier %s failed: %s", name, exc)
-        self._written_tier_names.clear()
+        with self._lock:
+            self._closed = True
+            written_tier_names, self._written_tier_names = self._written_tier_names, set()
+        for name in written_tier_names:
+            self._delete(name)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -126,3 +126,43 @@ def test_a_slow_remote_stalls_nothing_and_is_used_again_once_fast(model_dir, red
         assert output.metrics.tier_to_loaded_tokens.get("redis", 0) > 0, (stats, planner.snapshot())
         engine.abort_request("decode")
         llm.engine.runner.connector.close()
+
+
+def test_a_probe_write_that_outlasts_close_leaves_no_value_behind(redis_server):
+    """The prober's opening write to a slow remote can outlast ``close()`` (which waits 1 s
+    for the prober's thread, so a dead tier cannot hang exit). The value must not stay in
+    the shared tier: the thread deletes it once its write lands (a CI run found the probe
+    key as a seventh key in a cache server's Redis)."""
+    import redis
+    import torch
+
+    from connector.planner import LoadPlanner
+    from connector.tier_probe import PROBE_KEY_SUFFIX, TierProber
+    from connector.token_db import KV_LAYOUT
+    from storage_backends import create_backend
+
+    redis_server.flushall()
+    chunk_shape = (2, 2, 32, 2, 16)  # 8 KiB of float32: ~2 s through the proxy below
+    with DelayProxy(redis_server.port, rate_bytes_per_s=4_000) as proxy:
+        tier = create_backend(f"redis://127.0.0.1:{proxy.port}")
+        prober = TierProber(
+            LoadPlanner(bytes_per_token=1024, step_times=StepTimeModel()),
+            {"redis": tier},
+            key=f"test-namespace:{PROBE_KEY_SUFFIX}",
+            chunk_shape=chunk_shape,
+            dtype=torch.float32,
+            layout=KV_LAYOUT,
+            connections=2,
+            interval_s=60.0,
+        )
+        prober.start()
+        time.sleep(0.2)  # the write is under way
+        prober.close()
+        assert prober._thread.is_alive()  # close returned while the write was in flight
+        prober._thread.join(timeout=30)
+        assert not prober._thread.is_alive()
+        with redis.Redis(port=redis_server.port) as client:
+            left = [key for key in client.scan_iter(f"*{PROBE_KEY_SUFFIX}")]
+        assert left == []
+        assert prober.tier_to_num_probes == {}  # closed before it measured anything
+        tier.close()

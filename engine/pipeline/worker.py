@@ -85,16 +85,10 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         )
         conn.send(("loaded", None))
         allocation: StageAllocation = conn.recv()
-        connector = connector_scheduler_side = None
+        connector = None
         if allocation.kv_offload is not None:
-            connector_scheduler_side, connector = create_stage_connectors(
-                allocation.kv_offload,
-                spec.layout,
-                spec.model_config,
-                spec.dtype,
-                allocation.block_size,
-                device,
-                allocation.model_id,
+            connector = create_stage_connector(
+                allocation.kv_offload, spec.layout, spec.model_config, spec.dtype, device, allocation.model_id
             )
         link = StageLink(
             group, spec.layout.stage, spec.backend, device, spec.model_config.hidden_size, spec.dtype
@@ -115,16 +109,14 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         conn.send(("error", traceback.format_exc()))
         return
     try:
-        _serve_steps(runner, connector_scheduler_side, conn)
+        _serve_steps(runner, conn)
     finally:
         if runner.connector is not None:
             runner.connector.close()
         runner.link.drain()
 
 
-def _serve_steps(
-    runner: StageRunner, connector_scheduler_side, conn: multiprocessing.connection.Connection
-) -> None:
+def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connection) -> None:
     while True:
         try:
             message = conn.recv()
@@ -133,8 +125,8 @@ def _serve_steps(
         if message == STOP:
             return
         if message == FLUSH:
-            if connector_scheduler_side is not None:
-                connector_scheduler_side.flush()
+            if runner.connector is not None:
+                runner.connector.flush()
             conn.send(("flushed", None))
             continue
         plan: StagePlan = message
@@ -172,9 +164,9 @@ def create_stage_connectors(
     device: torch.device,
     model_id: str,
 ):
-    """A stage's connector pair over its layers (its namespace names its layer range,
-    its tiers are its share: `stage_offload_config`). The first stage's scheduler side
-    is the engine's; a later stage uses its scheduler side only to flush its tiers."""
+    """The first stage's connector pair over its layers (its namespace names its layer
+    range, its tiers are its share: `stage_offload_config`); its scheduler side is the
+    engine's."""
     from connector import create_kv_connector
     from engine.step_time import StepTimeModel
 
@@ -188,6 +180,31 @@ def create_stage_connectors(
         block_size=block_size,
         device=device,
         step_times=StepTimeModel(),
+        layer_range=layout.layer_range,
+    )
+
+
+def create_stage_connector(
+    kv_offload,
+    layout: StageLayout,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_id: str,
+):
+    """A later stage's worker-side connector over its layers and its share of the tiers;
+    its scheduler side is the first stage's (in another process): it runs from the
+    metadata alone, with no lookups, planner or tier prober of its own."""
+    from connector import create_worker_connector
+
+    return create_worker_connector(
+        stage_offload_config(kv_offload, layout),
+        model_id=model_id,
+        dtype=dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        device=device,
         layer_range=layout.layer_range,
     )
 

@@ -322,6 +322,10 @@ class KVConnectorWorker(abc.ABC):
         calls it before a step whose plan freed blocks by preemption, since that step
         may rewrite them; connectors whose saves end within ``wait_for_save`` need nothing."""
 
+    def attach_kv_events(self, record) -> None:  # noqa: B027 - optional hook, default no-op
+        """Tell ``record(kind, medium, keys)`` what the tiers hold and every change after
+        (the engine's KV events); called once at start-up by the engine core."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every save issued so far is stored and every write queued for lower
         tiers was attempted (tests, benchmarks, shutdown); the step loop never calls it."""

@@ -142,9 +142,22 @@ class EngineArgs:
     #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
     #: too; costs some throughput (docs/deterministic.md)
     deterministic: bool = False
+    #: publish what the engine's caches hold (GPU prefix cache, CPU and disk tiers, writes
+    #: to a shared tier) as KV events on this ZeroMQ PUB endpoint (kv_events; a router
+    #: follows them), e.g. ``tcp://*:5557``; None: no events
+    kv_events_endpoint: str | None = None
+    #: the ROUTER endpoint that answers replay and snapshot requests (needed with events)
+    kv_events_replay_endpoint: str | None = None
+    #: the engine's name in its KV events (default: host name and process id)
+    engine_id: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if (self.kv_events_endpoint is None) != (self.kv_events_replay_endpoint is None):
+            raise ValueError(
+                "kv_events_endpoint and kv_events_replay_endpoint go together: give both "
+                f"(got {self.kv_events_endpoint!r} and {self.kv_events_replay_endpoint!r})"
+            )
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:

@@ -134,6 +134,10 @@ class EngineCore:
                     step_times=self.step_times,
                 )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        #: the KV event stream (kv_events), when `kv_events_endpoint` is set
+        self.kv_events = None
+        if args.kv_events_endpoint is not None:
+            self.kv_events = self._publish_kv_events(args, worker_connector)
         self.scheduler = Scheduler(
             self.block_manager,
             args.max_num_seqs,
@@ -398,10 +402,36 @@ class EngineCore:
         """Steps submitted and not yet collected (async scheduling; 0 otherwise)."""
         return len(self._batch_queue) if self._batch_queue is not None else 0
 
+    def _publish_kv_events(self, args: EngineArgs, worker_connector):
+        """Start the KV event stream and connect what holds KV to it: the GPU prefix
+        cache (block hashes) and the connector's tiers (chunk keys; a pipeline's first
+        stage speaks for the engine)."""
+        import functools
+        import os
+        import socket
+
+        from kv_events.messages import GPU
+        from kv_events.publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            args.kv_events_endpoint,
+            args.kv_events_replay_endpoint,
+            engine_id=args.engine_id or f"{socket.gethostname()}-{os.getpid()}",
+            block_size=args.block_size,
+            chunk_size=args.kv_offload.chunk_size if args.kv_offload is not None else 0,
+        )
+        self.block_manager.on_change = functools.partial(_record_medium, publisher.record, GPU)
+        if worker_connector is not None:
+            worker_connector.attach_kv_events(publisher.record)
+        logger.info("KV events on %s (replays on %s)", publisher.endpoint, publisher.replay_endpoint)
+        return publisher
+
     def shutdown(self) -> None:
         """Stop the pipeline's stage processes (pipeline_parallel_size > 1; each closes
-        its connector first). Idempotent; also happens when the engine is collected or
-        the process exits. Nothing to do for a one-process engine."""
+        its connector first) and the KV event stream. Idempotent; also happens when the
+        engine is collected or the process exits."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.pipeline is not None:
             self.pipeline.shutdown()
 
@@ -546,3 +576,7 @@ class EngineCore:
             1000 * (m.ttft_s or 0.0),
             request.finish_reason,
         )
+
+
+def _record_medium(record, medium: str, kind: str, keys: list[str]) -> None:
+    record(kind, medium, keys)

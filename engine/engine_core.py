@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from connector.base import KVTransferParams
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.cache_salt import check_cache_salt
@@ -270,10 +271,13 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
         """Validate and queue one request. Raises ValueError (nothing is queued) for
         a duplicate id, an empty or too long prompt, token ids outside the vocab or a
-        bad ``cache_salt`` (a request shares cached KV only with requests of its salt)."""
+        bad ``cache_salt`` (a request shares cached KV only with requests of its salt).
+        ``kv_transfer_params``: a producer's hand-over of this prompt's KV (its response's
+        object, or parsed); only an engine with a connector that is no producer takes it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request_id.startswith(PROBE_REQUEST_ID_PREFIX):
@@ -306,6 +310,14 @@ class EngineCore:
                 f"request {request_id!r} may need {num_max_tokens} tokens of KV cache but the whole cache "
                 f"holds {capacity}; raise num_gpu_blocks or lower max_tokens"
             )
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = KVTransferParams.from_dict(kv_transfer_params)
+        if kv_transfer_params is not None and (
+            self.scheduler.connector is None or self.args.kv_role == "producer"
+        ):
+            raise ValueError(
+                "kv_transfer_params is for an engine with KV offload to the shared tier that is no producer"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -317,6 +329,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             generator=generator,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)

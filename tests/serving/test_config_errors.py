@@ -141,3 +141,17 @@ def test_bench_refuses_a_bad_config_file_before_making_or_loading_a_model(tmp_pa
     assert_refused_before_loading(result, "remote_url 'grpc://127.0.0.1'", "no port")
     assert "preset" not in result.stdout  # printed once the preset (and its model) is resolved
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--kv-role", "producer"], ["kv_role 'producer' needs a tier shared", "--kv-offload-remote"]),
+        (["--kv-role", "consumer", "--kv-offload"], ["kv_role 'consumer' needs a tier shared"]),
+        (["--kv-role", "prefill"], ["--kv-role", "'prefill' is not one of"]),
+    ],
+)
+def test_a_role_without_a_shared_tier_is_refused_before_the_model_loads(tiny_model_dir, flags, expected):
+    result = run_cli("serve", str(tiny_model_dir("llama")), "--port", "0", "--host", "127.0.0.1", *flags)
+    assert_refused_before_loading(result, *expected)
+

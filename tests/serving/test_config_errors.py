@@ -155,3 +155,15 @@ def test_a_role_without_a_shared_tier_is_refused_before_the_model_loads(tiny_mod
     result = run_cli("serve", str(tiny_model_dir("llama")), "--port", "0", "--host", "127.0.0.1", *flags)
     assert_refused_before_loading(result, *expected)
 
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--prefill", "http://127.0.0.1:1"], ["Missing option '--decode'"]),
+        (["--decode", "127.0.0.1:8000"], ["--decode", "'127.0.0.1:8000' is no http(s)://HOST:PORT URL"]),
+        (["--decode", "http://h:port"], ["--decode", "the port is no number"]),
+    ],
+)
+def test_the_proxy_refuses_bad_engine_urls(flags, expected):
+    result = run_cli("proxy", "--port", "0", "--host", "127.0.0.1", *flags)
+    assert_refused_before_loading(result, *expected)

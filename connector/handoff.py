@@ -13,6 +13,7 @@ and recomputes what did not come (:data:`FALLBACK_REASONS` name why).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from connector.base import ConnectorRequest, Grant, KVTransferParams
 from connector.request_transfer import ADMITTED_PHASES, RequestTransfer
 from connector.scheduler_side import OffloadScheduler
+
+log = logging.getLogger(__name__)
 
 #: how long a consumer's fetch of a producer's chunks may take before it recomputes the rest
 HANDOFF_FETCH_DEADLINE_S = 30.0
@@ -48,21 +51,34 @@ def wait_durable(
     left, or ``timeout_s``; return what is durable there (a prefix of the chunks: a
     consumer loads a prefix). ``is_sending()``: its saves are still being published;
     ``num_pending_writes()``: the lower tiers' writes queued or running. Any thread; it
-    reads the shared tier, so it belongs off the engine's step thread."""
+    reads the shared tier, so it belongs off the engine's step thread. A tier that fails
+    to answer makes nothing durable (0 chunks: the consumer computes the prompt)."""
     deadline = clock() + timeout_s
     keys = [span.key for span in spans]
     while is_sending() and clock() < deadline:
         sleep(DURABLE_POLL_S)
     num_found = 0
-    while keys:
-        num_found = remote.contains(keys)
-        if num_found >= len(keys) or clock() >= deadline:
-            break
-        if num_pending_writes() == 0:
-            # nothing in flight could add a chunk: ask once more (a write may have just ended)
+    try:
+        while keys:
             num_found = remote.contains(keys)
-            break
-        sleep(DURABLE_POLL_S)
+            if num_found >= len(keys) or clock() >= deadline:
+                break
+            if num_pending_writes() == 0:
+                # nothing in flight could add a chunk: ask once more (a write may have just ended)
+                num_found = remote.contains(keys)
+                break
+            sleep(DURABLE_POLL_S)
+    except Exception as error:  # noqa: BLE001 - any failure of the tier: nothing is known durable
+        log.warning("P/D: the shared tier %s did not answer (%s); nothing handed over", remote.name, error)
+        num_found = 0
+    if num_found < len(keys):
+        log.warning(
+            "P/D: %d of %d chunks durable in the shared tier %s after %.1f s",
+            num_found,
+            len(keys),
+            remote.name,
+            timeout_s - max(0.0, deadline - clock()),
+        )
     num_found = min(num_found, len(keys))
     num_tokens = spans[num_found - 1].end if num_found else 0
     return KVTransferParams(namespace, chunk_size, num_found, num_tokens, remote.name)

@@ -143,6 +143,21 @@ def test_bench_refuses_a_bad_config_file_before_making_or_loading_a_model(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_engine_args_check_the_role_offline_too():
+    from connector.config import OffloadConfig
+    from engine.config import EngineArgs
+
+    for role, offload in [
+        ("producer", None),
+        ("consumer", OffloadConfig(cpu_bytes=1 << 20)),
+        ("decode", None),
+    ]:
+        with pytest.raises(ValueError, match="kv_role"):
+            EngineArgs(kv_role=role, kv_offload=offload).validate()
+    EngineArgs(kv_role="producer", kv_offload=OffloadConfig(remote_url="redis://127.0.0.1:6379")).validate()
+    EngineArgs(kv_role="both").validate()
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [

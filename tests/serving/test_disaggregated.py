@@ -258,6 +258,34 @@ def test_a_chunk_lost_between_producer_and_consumer_is_recomputed(stack, server,
     assert "P/D: request" in stack.consumer.log() and f"({reason})" in stack.consumer.log()
 
 
+def test_kv_transfer_params_are_checked_where_they_enter(stack):
+    route = "/v1/completions"
+    body = completion_body(route, 30, False)
+    handed = {"kvstash_version": 1, "durable": True, "namespace": "n", "chunk_size": 256}
+    handed |= {"num_chunks": 3, "num_tokens": PROMPT_LEN, "tier": "redis"}
+    for bad, words in [
+        ({"durable": True}, "kvstash_version"),
+        (handed | {"num_tokens": 4 * 256}, "exceeds num_chunks * chunk_size"),
+        (handed | {"num_chunks": -1}, "num_chunks must be an integer >= 0"),
+    ]:
+        response = httpx.post(
+            stack.consumer.url + route, json=body | {"kv_transfer_params": bad}, headers=AUTH, timeout=30
+        )
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+    # a producer computes prompts: it takes no hand-over
+    response = httpx.post(
+        stack.producer.url + route, json=body | {"kv_transfer_params": handed}, headers=AUTH, timeout=30
+    )
+    assert response.status_code == 400 and "no producer" in response.json()["error"]["message"]
+    # of another namespace: never looked for, recomputed and counted (the proxy would drop a
+    # client's own kv_transfer_params; sent to the consumer directly they are taken as given)
+    before = metric_value(metrics(stack.consumer.url), "kvstash_pd_fallbacks_total", reason="namespace")
+    text, usage = ask(stack.consumer.url, route, body | {"kv_transfer_params": handed})
+    assert usage["kvstash"]["external_hit_tokens"] == 0
+    after = metric_value(metrics(stack.consumer.url), "kvstash_pd_fallbacks_total", reason="namespace")
+    assert after == before + 1
+
+
 def test_a_dead_producer_leaves_the_consumer_to_compute(stack, server):
     stack.producer.close()  # killed: every prefill URL of the proxy is dead now
     for seed, route in enumerate(ROUTES, start=20):

@@ -31,6 +31,8 @@ log = logging.getLogger("kvstash.proxy")
 
 #: an engine answering these cannot serve now: it is taken out and the next one tried
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+#: the hand-over is the proxy's: a client's own ``kv_transfer_params`` goes to no engine
+HANDOVER_FIELD = "kv_transfer_params"
 #: request headers passed on to the engines (besides the engines' API key)
 FORWARDED_HEADERS = ("x-request-id",)
 
@@ -88,7 +90,9 @@ class Relay:
     ) -> tuple[dict | None, Response | None]:
         """(the producer's ``kv_transfer_params`` or None, or the producer's refusal of a
         bad request to answer the client with)."""
-        prefill_body = {key: value for key, value in body.items() if key != "stream_options"}
+        prefill_body = {
+            key: value for key, value in body.items() if key not in ("stream_options", HANDOVER_FIELD)
+        }
         prefill_body["max_tokens"] = 1
         if "max_completion_tokens" in body:
             prefill_body["max_completion_tokens"] = 1
@@ -126,7 +130,7 @@ class Relay:
         return None, None
 
     async def decode(self, path: str, body: dict, params: dict | None, headers: dict[str, str]) -> Response:
-        decode_body = dict(body)
+        decode_body = {key: value for key, value in body.items() if key != HANDOVER_FIELD}
         if params is not None:
             decode_body["kv_transfer_params"] = params
         streamed = body.get("stream") is True

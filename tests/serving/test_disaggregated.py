@@ -202,6 +202,21 @@ def test_answers_through_the_proxy_equal_one_engine_s_and_the_consumer_loads_the
     assert dead >= 1
 
 
+def test_a_prefix_the_consumer_holds_is_loaded_from_its_gpu_and_only_the_rest_from_redis(stack, server):
+    route = "/v1/completions"
+    first = completion_body(route, 40, False)
+    ask(stack.proxy.url, route, first)
+    longer = first | {"prompt": prompt(40) + prompt(41)[:300]}
+    text, usage = ask(stack.proxy.url, route, longer)
+    reference, _ = ask(server.url, route, longer, None)
+    assert text == reference
+    hits = usage["kvstash"]
+    # the first prompt's full blocks are in the consumer's prefix cache; the producer's chunks
+    # bring the rest but the last token
+    assert hits["gpu_hit_tokens"] == PROMPT_LEN // 16 * 16
+    assert hits["external_hit_tokens"] == PROMPT_LEN + 300 - 1 - hits["gpu_hit_tokens"]
+
+
 def stored_chunk_keys(redis_url: str, params: dict, token_ids: list[int]) -> list[bytes]:
     """The Redis keys of a prompt's chunks, first to last, named as the producer's answer says
     (its namespace; the Redis tier puts a prefix of its own in front)."""

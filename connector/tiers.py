@@ -409,6 +409,10 @@ class TierManager:
         """Block until every queued lower-tier write was attempted (tests, shutdown)."""
         self._write_queue.join()
 
+    def num_pending_writes(self) -> int:
+        """Lower-tier writes queued or running (a producer's hand-over waits for its own). Any thread."""
+        return self._write_queue.unfinished_tasks
+
     # ---- pins ----------------------------------------------------------------
     def pin(self, keys: Sequence[str]) -> None:
         """Protect ``keys`` from eviction in every tier that evicts on its own (CPU,

@@ -56,6 +56,8 @@ def dtype_from_name(name: str) -> torch.dtype | None:
 
 
 SPECULATIVE_METHODS = ("ngram",)
+#: roles of disaggregated prefill/decode (`EngineArgs.kv_role`)
+KV_ROLES = ("both", "producer", "consumer")
 #: the shortest decode gap one can ask for: a step's own fixed costs (launches, sampling,
 #: the host's bookkeeping) take about a millisecond already
 MIN_DECODE_GAP_MS = 1.0
@@ -105,6 +107,12 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     kv_offload: OffloadConfig | None = None
+    #: disaggregated prefill/decode (vLLM's kv_producer / kv_consumer / kv_both): a
+    #: "producer" computes prompts and makes their KV durable in the shared tier before a
+    #: request's answer; a "consumer" loads what a producer handed over (a request's
+    #: ``kv_transfer_params``) instead of computing it; "both" (the default) is either.
+    #: producer and consumer need ``kv_offload`` with a ``remote_url`` (the tier they share)
+    kv_role: str = "both"
     speculative: str | None = None
     num_speculative_tokens: int = 0
     #: n-gram sizes the `ngram` proposer matches, longest first
@@ -160,6 +168,13 @@ class EngineArgs:
             )
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both" and (self.kv_offload is None or self.kv_offload.remote_url is None):
+            raise ValueError(
+                f"kv_role {self.kv_role!r} needs a tier shared by producers and consumers: kv_offload "
+                "with a remote_url (serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT)"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from connector.base import KVTransferParams
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.cache_salt import check_cache_salt
@@ -137,7 +138,9 @@ class EngineCore:
         #: the KV event stream (kv_events), when `kv_events_endpoint` is set
         self.kv_events = None
         if args.kv_events_endpoint is not None:
-            self.kv_events = self._publish_kv_events(args, worker_connector)
+            from engine.kv_event_stream import start_kv_events
+
+            self.kv_events = start_kv_events(args, self.block_manager, worker_connector)
         self.scheduler = Scheduler(
             self.block_manager,
             args.max_num_seqs,
@@ -274,10 +277,13 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
         """Validate and queue one request. Raises ValueError (nothing is queued) for
         a duplicate id, an empty or too long prompt, token ids outside the vocab or a
-        bad ``cache_salt`` (a request shares cached KV only with requests of its salt)."""
+        bad ``cache_salt`` (a request shares cached KV only with requests of its salt).
+        ``kv_transfer_params``: a producer's hand-over of this prompt's KV (its response's
+        object, or parsed); only an engine with a connector that is no producer takes it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request_id.startswith(PROBE_REQUEST_ID_PREFIX):
@@ -310,6 +316,14 @@ class EngineCore:
                 f"request {request_id!r} may need {num_max_tokens} tokens of KV cache but the whole cache "
                 f"holds {capacity}; raise num_gpu_blocks or lower max_tokens"
             )
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = KVTransferParams.from_dict(kv_transfer_params)
+        if kv_transfer_params is not None and (
+            self.scheduler.connector is None or self.args.kv_role == "producer"
+        ):
+            raise ValueError(
+                "kv_transfer_params is for an engine with KV offload to the shared tier that is no producer"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -321,6 +335,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             generator=generator,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -401,30 +416,6 @@ class EngineCore:
     def num_steps_in_flight(self) -> int:
         """Steps submitted and not yet collected (async scheduling; 0 otherwise)."""
         return len(self._batch_queue) if self._batch_queue is not None else 0
-
-    def _publish_kv_events(self, args: EngineArgs, worker_connector):
-        """Start the KV event stream and connect what holds KV to it: the GPU prefix
-        cache (block hashes) and the connector's tiers (chunk keys; a pipeline's first
-        stage speaks for the engine)."""
-        import functools
-        import os
-        import socket
-
-        from kv_events.messages import GPU
-        from kv_events.publisher import KVEventPublisher
-
-        publisher = KVEventPublisher(
-            args.kv_events_endpoint,
-            args.kv_events_replay_endpoint,
-            engine_id=args.engine_id or f"{socket.gethostname()}-{os.getpid()}",
-            block_size=args.block_size,
-            chunk_size=args.kv_offload.chunk_size if args.kv_offload is not None else 0,
-        )
-        self.block_manager.on_change = functools.partial(_record_medium, publisher.record, GPU)
-        if worker_connector is not None:
-            worker_connector.attach_kv_events(publisher.record)
-        logger.info("KV events on %s (replays on %s)", publisher.endpoint, publisher.replay_endpoint)
-        return publisher
 
     def shutdown(self) -> None:
         """Stop the pipeline's stage processes (pipeline_parallel_size > 1; each closes
@@ -576,7 +567,3 @@ class EngineCore:
             1000 * (m.ttft_s or 0.0),
             request.finish_reason,
         )
-
-
-def _record_medium(record, medium: str, kind: str, keys: list[str]) -> None:
-    record(kind, medium, keys)

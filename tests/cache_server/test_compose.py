@@ -22,6 +22,7 @@ from engine.cli import main
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 CACHE_PORT_OVERRIDE = REPO_ROOT / "docker-compose.cache-port.yml"
+PD_OVERRIDE = REPO_ROOT / "docker-compose.pd.yml"
 SECRETS = {"KVSTASH_AUTH_TOKEN": "cache-token-for-the-test", "KVSTASH_API_KEY": "api-key-for-the-test"}
 HAS_COMPOSE = shutil.which("docker-compose") is not None
 
@@ -56,7 +57,7 @@ def load_compose(*overrides) -> dict:
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
     for override in overrides:
         for name, service in yaml.safe_load(override.read_text())["services"].items():
-            compose["services"][name].update(service)
+            compose["services"].setdefault(name, {}).update(service)
     return compose
 
 
@@ -165,3 +166,38 @@ def test_compose_refuses_to_start_without_the_secrets() -> None:
     # the secrets stay out of the image and the repository
     assert ".env" in (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".env" in (REPO_ROOT / ".gitignore").read_text().split()
+
+
+def _serve_params(service: dict) -> dict:
+    """The `kvstash serve` flags of an engine service, parsed by the real command."""
+    command = " ".join(as_argv(service["command"]))
+    serve_command = main.get_command(click.Context(main), "serve")
+    argv = shlex.split(command.split("exec kvstash serve", 1)[1])
+    return serve_command.make_context("serve", argv, resilient_parsing=True).params
+
+
+def test_the_pd_override_runs_a_producer_a_consumer_and_the_proxy() -> None:
+    services = load_compose(PD_OVERRIDE)["services"]
+    assert {"prefill", "decode", "proxy"} <= set(services)
+    base_port = _serve_params(services["engine"])["port"]
+    for name, role in (("prefill", "producer"), ("decode", "consumer")):
+        params = _serve_params(services[name])
+        assert params["kv_role"] == role and params["kv_offload"] is True
+        # the tier they share is the cache server, which engines on other hosts reach too
+        assert params["kv_offload_remote"].startswith("grpc://cache-server:")
+        assert published_ports(services[name]) == []
+        assert f"localhost:{params['port']}/health" in " ".join(
+            as_argv(services[name]["healthcheck"]["test"])
+        )
+    proxy_argv = as_argv(services["proxy"]["command"])
+    assert proxy_argv[:2] == ["kvstash", "proxy"]
+    proxy_command = main.get_command(click.Context(main), "proxy")
+    params = proxy_command.make_context("proxy", proxy_argv[2:]).params
+    prefill_port = _serve_params(services["prefill"])["port"]
+    decode_port = _serve_params(services["decode"])["port"]
+    assert list(params["prefill_urls"]) == [f"http://prefill:{prefill_port}"]
+    assert list(params["decode_urls"]) == [f"http://decode:{decode_port}"]
+    # one endpoint for clients besides the base engine's, the engines' own stay inside
+    assert [port for _, port in published_ports(services["proxy"])] == [params["port"]] != [base_port]
+    for name in ("prefill", "decode"):
+        assert services["proxy"]["depends_on"][name]["condition"] == "service_healthy"

@@ -23,6 +23,10 @@ GIB = 1 << 30
 
 CODECS = ("none", "lz4")
 LOAD_POLICIES = ("planned", "always")
+#: lower tiers reached over the network, shared by every engine pointed at them: measured
+#: in the background (connector.tier_probe), read ``remote_reads_in_flight`` at a time,
+#: and the tier a disaggregated hand-over goes through (connector.handoff)
+REMOTE_TIER_NAMES = frozenset({"redis", "grpc"})
 
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
 ENV_PREFIX = "KVSTASH_KV_OFFLOAD_"
@@ -74,10 +78,13 @@ class OffloadConfig:
     #: chunk i overlaps fetching chunk i+1), computing nothing until the rest is in; off:
     #: it waits until the whole fetch is in the CPU tier, then loads it in one step
     pipelined_loads: bool = True
-    #: background reads in flight per lower tier. More fills a remote's link better, but each
-    #: read gets a share of the link, so the first chunks of a fetch arrive later (with 8,
-    #: a pipelined 16k disk hit on an H200 took 470 ms where 4 took 375)
+    #: background reads in flight per local lower tier (the disk). More reads share the
+    #: device, so the first chunks of a fetch arrive later (with 8, a pipelined 16k disk hit
+    #: on an H200 took 470 ms where 4 took 375)
     reads_in_flight: int = 4
+    #: background reads in flight per remote tier (Redis, the cache server): more fill the
+    #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222)
+    remote_reads_in_flight: int = 8
     #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
     lookup_wait_s: float = 0.002
     #: a lookup unanswered this long ends with what it found; its tier is skipped for a back-off
@@ -145,12 +152,10 @@ class OffloadConfig:
                 f"pin_timeout_s must be a positive number of seconds, got {self.pin_timeout_s!r}"
             )
         check_key_prefix(self.key_prefix)
-        if (
-            isinstance(self.reads_in_flight, bool)
-            or not isinstance(self.reads_in_flight, int)
-            or not 1 <= self.reads_in_flight <= 256
-        ):
-            raise ValueError(f"reads_in_flight must be an integer in [1, 256], got {self.reads_in_flight!r}")
+        for name in ("reads_in_flight", "remote_reads_in_flight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
+                raise ValueError(f"{name} must be an integer in [1, 256], got {value!r}")
         for name in ("lookup_wait_s", "lookup_timeout_s", "breaker_backoff_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

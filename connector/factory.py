@@ -12,7 +12,7 @@ import torch
 from connector.base import KVConnectorScheduler, KVConnectorWorker
 from connector.breaker import CircuitBreaker
 from connector.cache_engine import CacheEngine
-from connector.config import OffloadConfig
+from connector.config import REMOTE_TIER_NAMES, OffloadConfig
 from connector.fetcher import ChunkFetcher
 from connector.handoff import HandoffScheduler
 from connector.lookup import TierLookups
@@ -78,6 +78,11 @@ def _breakers_for(tiers: TierManager, config: OffloadConfig) -> dict[str, Circui
     return name_to_breaker
 
 
+def _reads_in_flight(config: OffloadConfig, tier_name: str) -> int:
+    """Background reads in flight for a lower tier: a remote's link wants more than a disk."""
+    return config.remote_reads_in_flight if tier_name in REMOTE_TIER_NAMES else config.reads_in_flight
+
+
 def _fetches(config: OffloadConfig, tiers: TierManager) -> bool:
     """Whether lower-tier chunks are fetched into the CPU tier in the background (else a
     step reads them: no CPU tier, or synchronous loads)."""
@@ -98,7 +103,7 @@ def _worker_over(
             tiers.cpu,
             {tier.name: tier for tier in tiers.lower},
             name_to_breaker,
-            reads_in_flight=config.reads_in_flight,
+            tier_to_reads_in_flight={tier.name: _reads_in_flight(config, tier.name) for tier in tiers.lower},
             dtype=dtype,
             layout=tiers.cpu.layout,
         )
@@ -181,6 +186,7 @@ def create_kv_connector(
             step_times=step_times,
             probe_interval_s=config.tier_probe_interval_s,
             reads_in_flight=config.reads_in_flight,
+            remote_reads_in_flight=config.remote_reads_in_flight,
             max_fetch_bytes=tiers.cpu.num_slots * tiers.cpu.slot_bytes,
         )
     name_to_breaker = None
@@ -205,7 +211,7 @@ def create_kv_connector(
                 chunk_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_dim),
                 dtype=dtype,
                 layout=tiers.cpu.layout,
-                connections=config.reads_in_flight,
+                connections=config.remote_reads_in_flight,  # it measures the remotes only
                 interval_s=config.tier_probe_interval_s,
                 name_to_breaker=name_to_breaker,
             )

@@ -15,7 +15,7 @@ abort) calls :meth:`ChunkFetcher.release`. While a job runs, :meth:`ChunkFetcher
 reports its ready prefix as it grows, so its request can load those chunks already
 (pipelined loads: the host→device copy of one chunk overlaps the reads of the next).
 
-Threads: one pool per lower tier (``reads_in_flight`` threads). The engine's step
+Threads: one pool per lower tier (``tier_to_reads_in_flight`` threads: a remote gets more). The engine's step
 thread calls :meth:`start`, :meth:`poll` and :meth:`release`; everything shared
 with the pools is under one lock.
 """
@@ -115,13 +115,18 @@ class ChunkFetcher:
         name_to_tier: dict[str, StorageBackend],
         name_to_breaker: dict[str, CircuitBreaker],
         *,
-        reads_in_flight: int,
+        tier_to_reads_in_flight: dict[str, int],
         dtype,
         layout: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if reads_in_flight <= 0:
-            raise ValueError(f"reads_in_flight must be positive, got {reads_in_flight}")
+        if (
+            set(tier_to_reads_in_flight) != set(name_to_tier)
+            or min(tier_to_reads_in_flight.values(), default=1) <= 0
+        ):
+            raise ValueError(
+                f"every lower tier needs a positive number of reads in flight, got {tier_to_reads_in_flight}"
+            )
         self.cpu = cpu
         self.name_to_tier = name_to_tier
         self.name_to_breaker = name_to_breaker
@@ -129,7 +134,7 @@ class ChunkFetcher:
         self.layout = layout
         self._clock = clock
         #: reads in flight per lower tier (one pool thread each)
-        self.reads_in_flight = reads_in_flight
+        self.tier_to_reads_in_flight = dict(tier_to_reads_in_flight)
         self._name_to_pool: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
@@ -234,7 +239,9 @@ class ChunkFetcher:
         with self._lock:
             pool = self._name_to_pool.get(tier_name)
             if pool is None:
-                pool = started_thread_pool(self.reads_in_flight, f"kvstash-fetch-{tier_name}")
+                pool = started_thread_pool(
+                    self.tier_to_reads_in_flight[tier_name], f"kvstash-fetch-{tier_name}"
+                )
                 self._name_to_pool[tier_name] = pool
             return pool
 

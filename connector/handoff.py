@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from connector.base import ConnectorRequest, Grant, KVTransferParams
+from connector.config import REMOTE_TIER_NAMES
 from connector.request_transfer import ADMITTED_PHASES, RequestTransfer
 from connector.scheduler_side import OffloadScheduler
 
@@ -28,8 +29,6 @@ log = logging.getLogger(__name__)
 HANDOFF_FETCH_DEADLINE_S = 30.0
 #: how long a producer waits for a request's chunks to reach the shared tier
 DURABLE_TIMEOUT_S = 30.0
-#: tiers that engines on other hosts reach: the hand-over goes through one of them
-SHARED_TIER_NAMES = ("redis", "grpc")
 #: how often the producer asks the shared tier while its writes are in flight
 DURABLE_POLL_S = 0.005
 
@@ -119,7 +118,7 @@ class HandoffScheduler(OffloadScheduler):
         self, request_id: str, prompt: Sequence[int], cache_salt: str | None
     ) -> KVTransferParams | None:
         tiers = self.cache_engine.tiers
-        remote = next((tier for tier in reversed(tiers.lower) if tier.name in SHARED_TIER_NAMES), None)
+        remote = next((tier for tier in reversed(tiers.lower) if tier.name in REMOTE_TIER_NAMES), None)
         if remote is None:
             return None
         return wait_durable(

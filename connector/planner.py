@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from connector.config import REMOTE_TIER_NAMES
 from connector.tier_rates import TierRates
 
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
@@ -106,6 +107,7 @@ class LoadPlanner:
         step_times: StepTimes,
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
         reads_in_flight: int = 4,
+        remote_reads_in_flight: int = 8,
         max_fetch_bytes: int | None = None,
         clock=time.monotonic,
     ) -> None:
@@ -119,8 +121,10 @@ class LoadPlanner:
         self.rates = TierRates(tier_priors, alpha=alpha, clock=clock)
         #: seconds between two background measurements of a tier the plans skip (0: never)
         self.probe_interval_s = probe_interval_s
-        #: background reads in flight per lower tier (the fetcher's): a fetch's connections
+        #: background reads in flight per local and per remote lower tier (the fetcher's):
+        #: a fetch's connections (``reads_in_flight_for``)
         self.reads_in_flight = reads_in_flight
+        self.remote_reads_in_flight = remote_reads_in_flight
         #: most bytes of lower-tier chunks one fetch brings (what the CPU tier or the staging
         #: area can hold for it; None: no bound): the tokens after them are recomputed
         self.max_fetch_bytes = max_fetch_bytes
@@ -216,7 +220,7 @@ class LoadPlanner:
                 if now - measured_at < self.probe_interval_s:
                     continue
                 skipped = self._tier_to_skipped_at.get(tier, -math.inf) >= measured_at
-                if not skipped and self.rates.rate(tier, self.reads_in_flight) >= break_even:
+                if not skipped and self.rates.rate(tier, self.reads_in_flight_for(tier)) >= break_even:
                     continue
                 if now < self._tier_to_next_probe_at.get(tier, -math.inf):
                     continue
@@ -224,6 +228,10 @@ class LoadPlanner:
                 self.counts["probes"] += 1
                 claimed.append(tier)
         return claimed
+
+    def reads_in_flight_for(self, tier_name: str) -> int:
+        """How many reads of ``tier_name`` a fetch has in flight (remote tiers: more)."""
+        return self.remote_reads_in_flight if tier_name in REMOTE_TIER_NAMES else self.reads_in_flight
 
     # ---- the plan ----------------------------------------------------------------
     def plan(
@@ -248,9 +256,9 @@ class LoadPlanner:
         step_times = self.step_times
         rates = {"prefill": step_times.rate(num_prompt_tokens)}
         for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
-            # a fetch reads its chunks of a tier reads_in_flight at a time
+            # a fetch reads its chunks of a tier reads_in_flight_for(tier) at a time
             num_chunks = sum(1 for name in chunk_tiers[first_fetch:] if name == tier)
-            rates[tier] = self.tier_rate(tier, min(num_chunks, self.reads_in_flight))
+            rates[tier] = self.tier_rate(tier, min(num_chunks, self.reads_in_flight_for(tier)))
 
         def chunk_start(chunk: int) -> int:
             return chunk_ends[chunk - 1] if chunk > 0 else 0

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from connector.breaker import CircuitBreaker
+from connector.config import REMOTE_TIER_NAMES
 from connector.planner import LoadPlanner
 from storage_backends.base import StorageBackend
 from storage_backends.chunk import KVChunk
@@ -40,7 +41,7 @@ PROBE_KEY_SUFFIX = "kvstash-tier-probe"
 #: moments ago from caches (on an H200 host the opening measurement made the planner load
 #: 4,351 tokens of a 16k disk hit where its fetches alone said 3,839, and the hit took
 #: 415 ms instead of 373): its rate comes from its fetches, from its prior on
-PROBED_TIER_NAMES = frozenset({"redis", "grpc"})
+PROBED_TIER_NAMES = REMOTE_TIER_NAMES
 
 
 class TierProber:

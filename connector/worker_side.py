@@ -350,9 +350,10 @@ class OffloadWorker(KVConnectorWorker):
             self.cache_engine.tiers.count_hits({t: n for t, n in tier_to_chunks.items() if t != "cpu"})
             tier_to_transfer = {}
             for tier_name, (num_bytes, seconds) in job.tier_to_transfer.items():
-                # its reads of that tier ran reads_in_flight at a time
+                # its reads of that tier ran that tier's reads in flight at a time
                 num_reads = sum(1 for name in job.tier_names if name == tier_name)
-                tier_to_transfer[tier_name] = (num_bytes, seconds, min(num_reads, fetcher.reads_in_flight))
+                connections = min(num_reads, fetcher.tier_to_reads_in_flight[tier_name])
+                tier_to_transfer[tier_name] = (num_bytes, seconds, connections)
             progress.append(
                 FetchProgress(
                     job.fetch_id, job.request_id, job.num_ready_chunks, True, job.cut, tier_to_transfer

@@ -64,7 +64,7 @@ def test_pipelined_loads_from_a_slow_cache_server_keep_tokens_exact_on_cuda(tiny
 
             def config(**fields):
                 return OffloadConfig(
-                    chunk_size=32, cpu_bytes=64 << 20, remote_url=url, reads_in_flight=1, **fields
+                    chunk_size=32, cpu_bytes=64 << 20, remote_url=url, remote_reads_in_flight=1, **fields
                 )
 
             writer = LLM(model, **common, kv_offload=config())

@@ -41,7 +41,7 @@ def remote_config(url: str, **fields) -> OffloadConfig:
         cpu_bytes=32 << 20,
         remote_url=url,
         load_policy="always",
-        reads_in_flight=1,
+        remote_reads_in_flight=1,
         cpu_async_moves=True,
         **fields,
     )
@@ -241,7 +241,10 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
     shape = (2, 2, 16, 2, 8)
     with DelayProxy(redis_server.port) as proxy:
         config = OffloadConfig(
-            chunk_size=16, cpu_bytes=8 << 20, remote_url=f"redis://127.0.0.1:{proxy.port}", reads_in_flight=1
+            chunk_size=16,
+            cpu_bytes=8 << 20,
+            remote_url=f"redis://127.0.0.1:{proxy.port}",
+            remote_reads_in_flight=1,
         )
         scheduler, worker = create_kv_connector(
             config,

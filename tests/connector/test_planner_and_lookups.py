@@ -284,7 +284,7 @@ def test_a_fetch_is_planned_at_the_rate_of_its_reads_in_flight():
     """One read from the cache server is latency-bound; four in flight fill the channel.
     A fetch of four chunks is planned at the four-connection rate: measured at one
     connection only, it is scaled up (and loaded); measured at four, that rate holds."""
-    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), reads_in_flight=4)
+    planner = LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), remote_reads_in_flight=4)
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)  # 0.256 s per chunk
     planner.observe_read("grpc", 256 * MIB, 0.4, connections=1)  # one chunk in 0.4 s: slower than recompute
     assert planner.tier_rate("grpc", 4) == pytest.approx(4 * 256 * MIB / 0.4)
@@ -335,7 +335,9 @@ def test_a_remote_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir
             break
         time.sleep(0.01)
     rates = planner.snapshot()
-    assert rates["tier:redis@1"] > 0 and rates[f"tier:redis@{planner.reads_in_flight}"] > 0, rates
+    assert rates["tier:redis@1"] > 0 and rates[f"tier:redis@{planner.reads_in_flight_for('redis')}"] > 0, (
+        rates
+    )
     with redis.Redis(port=redis_server.port) as client:
         probe_keys = [key.decode() for key in client.scan_iter(f"*{PROBE_KEY_SUFFIX}")]
     assert len(probe_keys) == 1  # the backend puts its own prefix in front of the engine's key

@@ -112,10 +112,12 @@ def test_a_slow_remote_stalls_nothing_and_is_used_again_once_fast(model_dir, red
         planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1_000.0)
         break_even = planner.bytes_per_token * 1_000.0
         assert prober.probe("redis")  # measured while throttled (as the background would)
-        assert planner.tier_rate("redis", planner.reads_in_flight) < break_even, planner.snapshot()
+        assert planner.tier_rate("redis", planner.reads_in_flight_for("redis")) < break_even, (
+            planner.snapshot()
+        )
         proxy.rate_bytes_per_s = None
         wait_until(
-            lambda: planner.tier_rate("redis", planner.reads_in_flight) > break_even,
+            lambda: planner.tier_rate("redis", planner.reads_in_flight_for("redis")) > break_even,
             30,
             f"redis measured fast again ({planner.snapshot()})",
         )

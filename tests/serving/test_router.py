@@ -315,24 +315,38 @@ def test_a_tenant_s_prefix_counts_for_no_other_tenant(cluster):
 
 
 def test_a_killed_replica_costs_no_request(cluster, server):
-    """Last in this module: it kills a replica. The requests after the kill prefer the dead
-    replica (it held their prefix): each is retried on the other one and answered."""
+    """Last in this module: it kills a replica while a request runs there (the router sent
+    it there: it held the prompt's prefix). Nothing of the answer had come, so the router
+    sends it to the other replica, and the requests after go there too: every one is answered
+    with the single engine's tokens."""
     prompt = tokens(5, 300)
     before, blocks = cluster.finished(), indexed_blocks(cluster)
     ask(cluster, "/v1/completions", completion(prompt), "before-kill")
     holder = cluster.holder_of(before)
     survivor = next(r for r in cluster.replicas if r is not holder)
     wait_indexed(cluster, blocks, 300 // BLOCK_SIZE)
-    holder.process.kill()
-    holder.process.wait()
-    for number, stream in enumerate((True, False, True)):
+    long_answer = completion(prompt + [29]) | {"max_tokens": 800}
+    with ThreadPoolExecutor(1) as running:
+        in_flight = running.submit(ask, cluster, "/v1/completions", long_answer, "killed-mid-run")
+        deadline = time.monotonic() + 30
+        while (
+            metric_value(metrics(holder.url), "kvstash_generation_tokens_total") < 50 and not in_flight.done()
+        ):
+            assert time.monotonic() < deadline, cluster.router.log()
+            time.sleep(0.02)
+        holder.process.kill()
+        holder.process.wait()
+        text, usage = in_flight.result()
+    assert usage["completion_tokens"] == 800
+    assert text == answer(server.url, "/v1/completions", long_answer)[0]
+    for number, stream in enumerate((True, False)):
         body = completion(prompt + [30 + number], stream=stream)
         text, _ = ask(cluster, "/v1/completions", body, f"after-kill-{number}")
         assert text == answer(server.url, "/v1/completions", completion(prompt + [30 + number]))[0]
     log = cluster.router.log()
-    assert f"route after-kill-0 -> {holder.url} (prefix)" in log
-    assert f"route after-kill-0 -> {survivor.url} (retry)" in log
-    assert f"route after-kill-1 -> {survivor.url}" in log  # the dead one is out
+    assert f"route killed-mid-run -> {holder.url} (prefix)" in log
+    assert f"route killed-mid-run -> {survivor.url} (retry)" in log
+    assert f"route after-kill-0 -> {survivor.url} (load)" in log  # the dead one is out
     router_metrics = metrics(cluster.router.url)
     assert (
         metric_value(router_metrics, "kvstash_router_engine_failures_total", role="replica", url=holder.url)
@@ -344,6 +358,9 @@ def test_a_killed_replica_costs_no_request(cluster, server):
     assert (
         metric_value(router_metrics, "kvstash_router_requests_total", route="/v1/completions", status="200")
         >= 4
+    )
+    assert (
+        metric_value(router_metrics, "kvstash_router_engine_in_flight", role="replica", url=holder.url) == 0
     )
     health = httpx.get(f"{cluster.router.url}/health", timeout=30)
     assert health.status_code == 200, health.text

@@ -314,6 +314,25 @@ def test_a_tenant_s_prefix_counts_for_no_other_tenant(cluster):
     assert usage["prompt_tokens_details"]["cached_tokens"] == 288
 
 
+def test_the_router_asks_for_its_key_and_answers_models_and_health(cluster):
+    no_key = httpx.post(f"{cluster.router.url}/v1/completions", json=completion([5, 6, 7]), timeout=30)
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{cluster.router.url}/metrics", timeout=30).status_code == 401
+    models = httpx.get(f"{cluster.router.url}/v1/models", headers=AUTH, timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    health = httpx.get(f"{cluster.router.url}/health", timeout=30)  # no key needed
+    assert health.status_code == 200
+    assert [(e["up"], e["index"]) for e in health.json()["replicas"]] == [(True, "synced")] * 2
+    bad = httpx.post(f"{cluster.router.url}/v1/completions", headers=AUTH, content=b"[1]", timeout=30)
+    assert bad.status_code == 400  # no JSON object: answered by the router itself
+    headers = AUTH | {"x-request-id": "no-prompt"}
+    refused = httpx.post(
+        f"{cluster.router.url}/v1/completions", headers=headers, json={"model": "tiny"}, timeout=30
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"  # the replica's answer
+    assert "(untokenized): prompt ? tokens" in route_line(cluster, "no-prompt")
+
+
 def test_a_killed_replica_costs_no_request(cluster, server):
     """Last in this module: it kills a replica while a request runs there (the router sent
     it there: it held the prompt's prefix). Nothing of the answer had come, so the router

@@ -178,32 +178,26 @@ def finished_requests(replica: ServeProcess) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(serving_model_dir) -> Iterator[Cluster]:
-    replicas, events, ports = [], [], iter(free_ports(4))
+    """Two replicas and the router, all three started at once (the router learns of the
+    replicas' ports before they listen: until they do, its index threads keep asking)."""
+    replicas, urls, events, ports = [], [], [], iter(free_ports(6))
     for name in ("a", "b"):
+        port = next(ports)
         endpoints = (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}")
-        flags = ("--num-gpu-blocks", "256", "--max-num-seqs", "16", "--api-key", KEY)
+        flags = ("--port", str(port), "--num-gpu-blocks", "256", "--max-num-seqs", "16", "--api-key", KEY)
         flags += ("--kv-offload", "--kv-offload-cpu-gb", "0.05", "--engine-id", f"replica-{name}")
         flags += ("--kv-events-endpoint", endpoints[0], "--kv-events-replay-endpoint", endpoints[1])
         replicas.append(ServeProcess(serving_model_dir, *flags))
+        urls += ["--replica", f"http://127.0.0.1:{port}"]
         events += ["--replica-events", ",".join(endpoints)]
+    tokenizer = ("--tokenizer", str(serving_model_dir))
+    router = FrontProcess("router", *urls, *events, *tokenizer, "--api-key", KEY, "--retry-after-s", "60")
     try:
-        with ThreadPoolExecutor(len(replicas)) as starting:  # both load at once
-            list(starting.map(ServeProcess.start, replicas))
-        urls = [flag for replica in replicas for flag in ("--replica", replica.url)]
-        router = FrontProcess(
-            "router",
-            *urls,
-            *events,
-            "--tokenizer",
-            str(serving_model_dir),
-            "--api-key",
-            KEY,
-            "--retry-after-s",
-            "60",
-        ).start()
+        with ThreadPoolExecutor(3) as starting:
+            list(starting.map(lambda process: process.start(), [*replicas, router]))
     except BaseException:
-        for replica in replicas:
-            replica.close()
+        for process in (router, *replicas):
+            process.close()
         raise
     try:
         yield Cluster(replicas, router)

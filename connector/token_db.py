@@ -28,10 +28,12 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 #: bytes of each chain hash (128-bit: collision-safe for any realistic cache)
 DIGEST_BYTES = 16
@@ -104,8 +106,10 @@ def token_ids_to_bytes(tokens: Sequence[int] | torch.Tensor) -> memoryview:
     """Token ids as little-endian uint32 bytes; ``ValueError`` for ids outside [0, 2**32).
 
     Called on every lookup, store and retrieve, so lists go through ``array`` (about 3x
-    faster than numpy for Python ints)."""
-    if isinstance(tokens, torch.Tensor):
+    faster than numpy for Python ints). Imports no torch: a tensor exists only once torch is
+    imported (`kvstash router` hashes prompts without it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be a 1-D integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
         ids = tokens.detach().cpu().numpy().astype(np.int64, copy=False)

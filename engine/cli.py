@@ -54,6 +54,11 @@ LAZY_SUBCOMMANDS: dict[str, LazySubcommand] = {
         "Serve one OpenAI-compatible endpoint in front of producer (--prefill) and consumer "
         "(--decode) engines: each request is prefilled by a producer, then decoded by a consumer.",
     ),
+    "router": LazySubcommand(
+        "engine.server.router.cli:router",
+        "Serve one OpenAI-compatible endpoint in front of kvstash serve replicas (--replica), sending each "
+        "request to the replica that holds most of its prompt's KV for the least queue.",
+    ),
     "serve": LazySubcommand(
         "engine.server.cli:serve",
         "Serve the model in folder MODEL over an OpenAI-compatible HTTP API "

@@ -265,9 +265,9 @@ class EngineCore:
     def _load_tokenizer(self):
         if self.model_dir is None:
             return None
-        from transformers import AutoTokenizer
+        from engine.prompts import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        return load_tokenizer(self.model_dir)
 
     # --- the driver API -----------------------------------------------------------------
 

@@ -98,6 +98,13 @@ class KVEventFollower:
             num_applied += self._receive(seq_from(seq_frame), decode_batch(payload))
         return num_applied
 
+    def resync(self) -> None:
+        """Forget what is known (the engine stopped answering its clients, say) and ask for a
+        snapshot at the next :meth:`poll`."""
+        self.state = EngineKV()
+        self.last_seq = -1
+        self.synced = False
+
     def _receive(self, seq: int, batch: EventBatch) -> int:
         if self.state.epoch and batch.epoch != self.state.epoch:
             log.info("engine %s restarted (new epoch): its KV index is dropped", batch.engine_id)

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import SamplingParams, SamplingParamsError
 from engine.metrics import CONTENT_TYPE
+from engine.prompts import ChatTemplateError, chat_token_ids, encode
 from engine.request import RequestOutput
 from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -235,24 +236,12 @@ def create_app(
     return app
 
 
-def encode(tokenizer, prompt: str) -> list[int]:
-    return list(tokenizer.encode(prompt))
-
-
 def chat_prompt_token_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The model's chat template when it has one; otherwise `role: content` lines and
-    an `assistant:` cue."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as error:  # a template may reject a conversation (e.g. role order)
-            raise bad_request(
-                f"the model's chat template rejected the messages: {error}", "messages"
-            ) from error
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return list(tokenizer.encode(text))
+    """The chat's prompt (`engine.prompts.chat_token_ids`); a refused template is a 400."""
+    try:
+        return chat_token_ids(tokenizer, body.message_dicts())
+    except ChatTemplateError as error:
+        raise bad_request(str(error), "messages") from error
 
 
 async def last_output(

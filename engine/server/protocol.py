@@ -132,6 +132,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
+    def message_dicts(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (``role``, text ``content``)."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
     def field_param(self, field_name: str) -> str:
         if field_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"

@@ -94,6 +94,24 @@ def test_lazy_help_reads_as_the_eager_group() -> None:
         assert command.help.split("\n\n")[0].split() == lazy.summary.split(), name
 
 
+def test_the_router_imports_no_torch() -> None:
+    """`kvstash router` hashes prompts and speaks HTTP: its command and its whole app (index,
+    matching, ranking, forwarding) import no torch (only loading a tokenizer may)."""
+    result, imported = run_kvstash_reporting_imports("router", "--help")
+    assert result.returncode == 0 and "--replica-events" in result.stdout, result.stderr
+    assert imported.startswith("IMPORTED torch=False")
+    app = "import sys, engine.server.router.app; print('torch' in sys.modules)"
+    check = subprocess.run(
+        [sys.executable, "-c", app],
+        cwd=REPO_ROOT,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.stdout.strip() == "False", check.stderr
+
+
 def test_unknown_command_is_refused_without_importing_anything() -> None:
     result, imported = run_kvstash_reporting_imports("no-such-command")
     assert result.returncode == 2 and "No such command 'no-such-command'" in result.stderr

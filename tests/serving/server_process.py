@@ -1,4 +1,7 @@
-"""A real `kvstash serve` child process on a free loopback port, for tests.
+"""Real `kvstash serve`, `kvstash proxy` and `kvstash router` child processes on free loopback ports, for tests.
+
+`FrontProcess("proxy" or "router", *flags).start()` runs `kvstash proxy` or `kvstash router`
+the same way; `answer` asks one of them (or a server) and reads a whole or streamed answer.
 
 `ServeProcess(model_dir, *flags).start()` runs `python -m engine.cli serve MODEL
 --host 127.0.0.1 --port 0 FLAGS`, reads the bound port from uvicorn's
@@ -7,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +28,19 @@ START_TIMEOUT_S = 180.0
 NUM_GPU_BLOCKS = 256
 MAX_NUM_SEQS = 16
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def bound_port(process: subprocess.Popen, log: Callable[[], str], what: str) -> int:
+    """The port uvicorn says it bound, once its log says so; RuntimeError with the log when
+    the process ends or ``START_TIMEOUT_S`` passes first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        match = _RUNNING.search(log())
+        if match:
+            return int(match.group(1))
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start\n{log()}")
+        time.sleep(0.1)
 
 
 def repo_env() -> dict[str, str]:
@@ -85,17 +103,11 @@ class ServeProcess:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.port is None:
-            match = _RUNNING.search(self.log())
-            if match:
-                self.port = int(match.group(1))
-            elif self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log()
-                self.close()
-                raise RuntimeError(f"kvstash serve did not start\n{log}")
-            else:
-                time.sleep(0.2)
+        try:
+            self.port = bound_port(self.process, self.log, "kvstash serve")
+        except RuntimeError:
+            self.close()
+            raise
         import httpx
 
         response = httpx.get(f"{self.url}/health", timeout=30)
@@ -150,3 +162,72 @@ def metric_value(text: str, sample_name: str, **labels: str) -> float:
             if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
+
+
+class FrontProcess:
+    """`kvstash proxy` or `kvstash router` (``subcommand``) on a free loopback port."""
+
+    def __init__(self, subcommand: str, *flags: str) -> None:
+        self.subcommand = subcommand
+        self.flags = flags
+        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix=f"kvstash-{subcommand}-", suffix=".log", delete=False
+        )
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return Path(self.log_file.name).read_text(errors="replace")
+
+    def start(self) -> FrontProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            self.subcommand,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *self.flags,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=repo_env(), stdout=self.log_file, stderr=subprocess.STDOUT
+        )
+        self.port = bound_port(self.process, self.log, f"kvstash {self.subcommand}")
+        return self
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log_file.close()
+        Path(self.log_file.name).unlink(missing_ok=True)
+
+
+def answer(url: str, route: str, body: dict, headers: dict | None = None) -> tuple[str, dict]:
+    """(the answer's text, its usage) from a streamed or a whole answer."""
+    import httpx
+
+    if not body["stream"]:
+        response = httpx.post(url + route, json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        whole = response.json()
+        choice = whole["choices"][0]
+        return choice.get("text", choice.get("message", {}).get("content")), whole["usage"]
+    text, usage = "", None
+    with httpx.stream("POST", url + route, json=body, headers=headers, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+        usage = event.get("usage") or usage
+    return text, usage

@@ -182,3 +182,28 @@ def test_a_role_without_a_shared_tier_is_refused_before_the_model_loads(tiny_mod
 def test_the_proxy_refuses_bad_engine_urls(flags, expected):
     result = run_cli("proxy", "--port", "0", "--host", "127.0.0.1", *flags)
     assert_refused_before_loading(result, *expected)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--tokenizer", "."], ["Missing option '--replica'"]),
+        (["--replica", "http://127.0.0.1:1"], ["Missing option '--tokenizer'"]),
+        (
+            ["--replica", "http://127.0.0.1:1", "--tokenizer", "/nonexistent"],
+            ["'/nonexistent' does not exist"],
+        ),
+        (
+            ["--replica", "http://127.0.0.1:1", "--tokenizer", ".", "--replica-events", "tcp://127.0.0.1:5"],
+            ["--replica-events", "is not PUB,REPLAY"],
+        ),
+        (
+            ["--replica", "http://127.0.0.1:1", "--replica", "http://127.0.0.1:2", "--tokenizer", "."]
+            + ["--replica-events", "tcp://127.0.0.1:5,tcp://127.0.0.1:6"],
+            ["1 --replica-events for 2 --replica"],
+        ),
+    ],
+)
+def test_the_router_refuses_bad_flags(flags, expected):
+    result = run_cli("router", "--port", "0", "--host", "127.0.0.1", *flags)
+    assert_refused_before_loading(result, *expected)

@@ -7,27 +7,19 @@ prompt from Redis rather than computing it."""
 
 from __future__ import annotations
 
-import json
-import re
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
 from benchmarks.support.delay_proxy import DelayProxy
-from tests.serving.server_process import REPO_ROOT, START_TIMEOUT_S, ServeProcess, metric_value, repo_env
+from tests.serving.server_process import FrontProcess, ServeProcess, answer, metric_value
 
 #: the engines' and the proxy's API key (the proxy passes it on to the engines)
 KEY = "pd-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-_RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 #: two full 256-token chunks and a partial one; each test uses prompts of its own
 PROMPT_LEN = 600
 
@@ -36,58 +28,8 @@ def prompt(seed: int) -> list[int]:
     return [(37 * i + 11 * seed + 3) % 480 + 10 for i in range(PROMPT_LEN)]
 
 
-class ProxyProcess:
-    """`kvstash proxy` on a free loopback port."""
-
-    def __init__(self, *flags: str) -> None:
-        self.flags = flags
-        self.log_file = tempfile.NamedTemporaryFile(prefix="kvstash-proxy-", suffix=".log", delete=False)  # noqa: SIM115
-        self.process: subprocess.Popen | None = None
-        self.port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return Path(self.log_file.name).read_text(errors="replace")
-
-    def start(self) -> ProxyProcess:
-        command = [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "proxy",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            *self.flags,
-        ]
-        self.process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=repo_env(), stdout=self.log_file, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.port is None:
-            match = _RUNNING.search(self.log())
-            if match:
-                self.port = int(match.group(1))
-            elif self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvstash proxy did not start\n{self.log()}")
-            else:
-                time.sleep(0.1)
-        return self
-
-    def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.log_file.close()
-        Path(self.log_file.name).unlink(missing_ok=True)
-
-
 class Stack:
-    def __init__(self, producer: ServeProcess, consumer: ServeProcess, proxy: ProxyProcess, redis_url: str):
+    def __init__(self, producer: ServeProcess, consumer: ServeProcess, proxy: FrontProcess, redis_url: str):
         self.producer, self.consumer, self.proxy, self.redis_url = producer, consumer, proxy, redis_url
         self.dead_url = ""
 
@@ -111,7 +53,7 @@ def stack(redis_server, serving_model_dir) -> Iterator[Stack]:
     consumer = ServeProcess(serving_model_dir, "--kv-role", "consumer", *consumer_tier, *engine).start()
     dead_url = url_nobody_listens_on()
     prefill = ("--prefill", dead_url, "--prefill", producer.url)
-    proxy = ProxyProcess(*prefill, "--decode", consumer.url, "--api-key", KEY).start()
+    proxy = FrontProcess("proxy", *prefill, "--decode", consumer.url, "--api-key", KEY).start()
     try:
         deployed = Stack(producer, consumer, proxy, redis_server.url)
         deployed.dead_url = dead_url
@@ -147,25 +89,7 @@ def metrics(url: str) -> str:
 
 
 def ask(url: str, route: str, body: dict, headers: dict | None = AUTH) -> tuple[str, dict]:
-    """(the answer's text, its usage) from a streamed or a whole answer."""
-    if not body["stream"]:
-        response = httpx.post(url + route, json=body, headers=headers, timeout=300)
-        assert response.status_code == 200, response.text
-        answer = response.json()
-        choice = answer["choices"][0]
-        return choice.get("text", choice.get("message", {}).get("content")), answer["usage"]
-    text, usage = "", None
-    with httpx.stream("POST", url + route, json=body, headers=headers, timeout=300) as response:
-        assert response.status_code == 200, response.read()
-        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
-        event = json.loads(line.removeprefix("data: "))
-        assert "error" not in event, event
-        for choice in event["choices"]:
-            text += choice.get("text") or choice.get("delta", {}).get("content") or ""
-        usage = event.get("usage") or usage
-    return text, usage
+    return answer(url, route, body, headers)
 
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")

@@ -6,22 +6,18 @@ producer then a consumer (`relay`), `GET /v1/models` from a consumer, `GET /heal
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.metrics import CONTENT_TYPE
-from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimitMiddleware
+from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.proxy.metrics import ProxyMetrics
-from engine.server.proxy.pool import DEFAULT_RETRY_AFTER_S, EnginePool
-from engine.server.proxy.relay import UNAVAILABLE_STATUSES, Relay
+from engine.server.proxy.relay import Relay
 from engine.server.responses import error_body
-
-#: connecting to an engine; reading its answer may take as long as generating does
-ENGINE_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
+from engine.server.upstream.forward import Forwarder
+from engine.server.upstream.http import add_generation_routes, engine_client, front_app
+from engine.server.upstream.pool import DEFAULT_RETRY_AFTER_S, EnginePool
 
 
 def create_proxy_app(
@@ -46,15 +42,18 @@ def create_proxy_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal relay
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=ENGINE_TIMEOUT, limits=limits) as client:
-            relay = Relay(client, prefill, decode, metrics, engine_api_key)
+        async with engine_client() as client:
+            forwarder = Forwarder(client, metrics.engine_failures, engine_api_key)
+            relay = Relay(forwarder, prefill, decode, metrics)
             yield
 
-    app = FastAPI(title="kvstash proxy", lifespan=lifespan)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app = front_app(
+        "kvstash proxy",
+        lifespan,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        render_metrics=metrics.render,
+    )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -64,46 +63,16 @@ def create_proxy_app(
             return JSONResponse({"status": "no decode engine is in", **state}, status_code=503)
         return JSONResponse({"status": "ok", **state})
 
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        for engine in decode.engines:
-            if not decode.is_up(engine):
-                continue
-            try:
-                answer = await relay.client.get(
-                    f"{engine.url}/v1/models", headers=relay.headers(request.headers)
-                )
-            except httpx.TransportError as error:
-                decode.failed(engine, f"{type(error).__name__}: {error}")
-                continue
-            if answer.status_code not in UNAVAILABLE_STATUSES:
-                return Response(answer.content, answer.status_code, media_type="application/json")
+        forwarder = relay.forwarder
+        answer = await forwarder.get_first(decode, "/v1/models", forwarder.headers(request.headers))
+        if answer is not None:
+            return answer
         return JSONResponse(error_body("no decode engine answered", "server_error"), status_code=503)
 
-    async def relayed(route: str, request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as error:
-            body = error
-        if not isinstance(body, dict):
-            response = JSONResponse(
-                error_body("the request body must be a JSON object", "invalid_request_error"), status_code=400
-            )
-        else:
-            response = await relay.run(route, body, request.headers)
-        metrics.requests.labels(route=route, status=str(response.status_code)).inc()
-        return response
+    async def relay_run(route: str, body: dict, headers: Mapping[str, str]) -> Response:
+        return await relay.run(route, body, headers)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await relayed("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await relayed("/v1/chat/completions", request)
-
+    add_generation_routes(app, relay_run, metrics.requests)
     return app

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+
+from engine.server.upstream.metrics import PoolCollector
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    from engine.server.proxy.pool import EnginePool
+    from engine.server.upstream.pool import EnginePool
 
 
 class ProxyMetrics:
@@ -40,28 +38,7 @@ class ProxyMetrics:
             "Prompt tokens producers made durable and handed to consumers (kv_transfer_params).",
             registry=registry,
         )
-        registry.register(_PoolCollector(pools))
+        registry.register(PoolCollector("kvstash_proxy", pools))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _PoolCollector(Collector):
-    """Each engine's requests in flight and whether it is in, read at scrape time."""
-
-    def __init__(self, pools: list[EnginePool]) -> None:
-        self.pools = pools
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        in_flight = GaugeMetricFamily(
-            "kvstash_proxy_engine_in_flight", "Requests in flight per engine.", labels=["role", "url"]
-        )
-        up = GaugeMetricFamily(
-            "kvstash_proxy_engine_up", "1 while an engine is in, 0 while it is out.", labels=["role", "url"]
-        )
-        for pool in self.pools:
-            for engine in pool.engines:
-                in_flight.add_metric([pool.role, engine.url], engine.num_in_flight)
-                up.add_metric([pool.role, engine.url], 1.0 if pool.is_up(engine) else 0.0)
-        yield in_flight
-        yield up

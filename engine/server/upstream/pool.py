@@ -1,6 +1,7 @@
-"""The engines behind the proxy, one pool per role: a request goes to the live engine with
-the fewest requests in flight; an engine that does not answer is taken out for
-``retry_after_s`` and then tried again by the next request that needs one."""
+"""The engines behind `kvstash proxy` (one pool per role) and `kvstash router` (one pool of
+replicas): a request goes to a live engine (the proxy: the one with the fewest requests in
+flight; the router ranks the live ones itself); an engine that does not answer is taken out
+for ``retry_after_s`` and then tried again by the next request that needs one."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ DEFAULT_RETRY_AFTER_S = 5.0
 
 @dataclass(eq=False)
 class Engine:
-    """One `kvstash serve` process as the proxy sees it."""
+    """One `kvstash serve` process as a proxy or router sees it."""
 
     url: str
     role: str
     num_in_flight: int = 0
+    #: prompt tokens its requests in flight compute, as their sender estimated them (the router)
+    queued_tokens: float = 0.0
     #: monotonic time before which it is out (0.0: in); set when it failed to answer
     out_until: float = 0.0
     num_failures: int = 0
@@ -27,7 +30,7 @@ class Engine:
 
 
 class EnginePool:
-    """Engines of one role (``prefill`` or ``decode``). Used from the event loop only."""
+    """Engines of one role (``prefill``, ``decode`` or ``replica``). Used from the event loop only."""
 
     def __init__(
         self,
@@ -48,25 +51,35 @@ class EnginePool:
     def is_up(self, engine: Engine) -> bool:
         return engine.out_until <= self._clock()
 
+    def live(self, exclude: Sequence[Engine] = ()) -> list[Engine]:
+        """The engines in (never failed, or out for ``retry_after_s`` already) and not in
+        ``exclude``, in turn order: each call starts one engine further (ties go round-robin)."""
+        self._turn += 1
+        count = len(self.engines)
+        order = sorted(range(count), key=lambda i: (i - self._turn) % count)
+        return [
+            self.engines[i] for i in order if self.engines[i] not in exclude and self.is_up(self.engines[i])
+        ]
+
     def pick(self, exclude: Sequence[Engine] = ()) -> Engine | None:
         """The engine to send the next request to: of those in (never failed, or out for
         ``retry_after_s`` already) and not in ``exclude``, the one with the fewest requests in
         flight (ties in turn). None when there is none. The caller counts the request with
         :meth:`started` and :meth:`ended`."""
-        candidates = [e for e in self.engines if e not in exclude and self.is_up(e)]
-        if not candidates:
-            return None
-        self._turn += 1
-        order = {id(e): (i - self._turn) % len(self.engines) for i, e in enumerate(self.engines)}
-        return min(candidates, key=lambda e: (e.num_in_flight, order[id(e)]))
+        candidates = self.live(exclude)
+        return min(candidates, key=lambda e: e.num_in_flight) if candidates else None
 
     @staticmethod
-    def started(engine: Engine) -> None:
+    def started(engine: Engine, tokens: float = 0.0) -> None:
+        """A request is sent to ``engine``; ``tokens``: the prompt tokens it computes there."""
         engine.num_in_flight += 1
+        engine.queued_tokens += tokens
 
     @staticmethod
-    def ended(engine: Engine) -> None:
+    def ended(engine: Engine, tokens: float = 0.0) -> None:
+        """That request ended (answered, or failed); ``tokens`` as given to :meth:`started`."""
         engine.num_in_flight -= 1
+        engine.queued_tokens = max(0.0, engine.queued_tokens - tokens)
 
     def failed(self, engine: Engine, error: str) -> None:
         """It did not answer (refused, reset, timed out, or said it cannot serve): out for

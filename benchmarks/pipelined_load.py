@@ -167,7 +167,9 @@ def main() -> None:
     parser.add_argument("--tiers", default="disk,redis", help="comma-separated: disk, redis")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--proxy-rate-mb", type=float, default=40.0, help="redis proxy MB/s per connection")
-    parser.add_argument("--reads-in-flight", type=int, default=4, help="background reads per tier (disk and remote alike)")
+    parser.add_argument(
+        "--reads-in-flight", type=int, default=4, help="background reads per tier (disk and remote alike)"
+    )
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")

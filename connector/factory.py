@@ -80,12 +80,15 @@ def create_kv_connector(
     device: torch.device,
     step_times: StepTimes,
     layer_range: tuple[int, int, int] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine, sharing one cache engine
     (stage 0 still shares its CPU tier's index and pins and its write gate; everything else
     goes between them as plain data: the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
-    pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
+    pipeline stage passes its ``layer_range``, a tensor-parallel rank its ``tp_rank`` and
+    ``tp_size`` and its own ``num_kv_heads`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -94,6 +97,8 @@ def create_kv_connector(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         device=device,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         layer_range=layer_range,
     )
     tiers = cache_engine.tiers

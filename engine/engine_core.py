@@ -62,8 +62,9 @@ class EngineCore:
         limit_host_threads(self.device)
         self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
         self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
-        #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline); this
-        #: process then runs stage 0 and `model` is None
+        #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline), or the
+        #: rank processes when `tensor_parallel_size` > 1 (engine.tensor_parallel); this
+        #: process then runs stage 0 (rank 0) and `model` is None
         self.pipeline = None
         # every setting was checked above (EngineArgs.validate, OffloadConfig at construction)
         logger.info("loading the model from %s", self.model_dir or "an in-memory config")
@@ -75,6 +76,19 @@ class EngineCore:
                 config,
                 self.model_dir,
                 num_stages=args.pipeline_parallel_size,
+                device=self.device,
+                dtype=self.dtype,
+                dummy_weights=args.load_format == "dummy",
+            )
+        elif args.tensor_parallel_size > 1:
+            # the same executor interface: rank 0 runs here, the other ranks in processes
+            from engine.tensor_parallel import TensorParallelExecutor
+
+            self.model = None
+            self.pipeline = TensorParallelExecutor(
+                config,
+                self.model_dir,
+                tensor_parallel_size=args.tensor_parallel_size,
                 device=self.device,
                 dtype=self.dtype,
                 dummy_weights=args.load_format == "dummy",

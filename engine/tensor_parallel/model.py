@@ -1,0 +1,61 @@
+"""One tensor-parallel rank's share of a Llama-family model.
+
+The model is `LlamaFamilyForCausalLM` built with the rank's config (its query heads,
+KV heads and MLP columns: `layout.rank_model_config`), so q/k/v and gate/up are
+column-parallel by construction; o_proj and down_proj become `RowParallelLinear`, the
+embedding `VocabParallelEmbedding`, and the LM head holds the rank's vocabulary rows.
+`compute_logits` gathers the shards to rank 0, which alone samples. Parameter names
+stay the checkpoint's, so `engine.tensor_parallel.weights` loads each rank's slices by
+name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.tensor_parallel.comm import TensorParallelGroup
+from engine.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from engine.tensor_parallel.layout import TensorParallelLayout, rank_model_config
+
+
+class TensorParallelCausalLM(LlamaFamilyForCausalLM):
+    """`forward(input_ids [T], positions [T], attention)` -> final hidden states
+    [T, hidden], the same on every rank (attention sees the rank's heads only).
+    `compute_logits(hidden [N, hidden])`: float32 logits [N, vocab] on rank 0, None on
+    the others; every rank calls it with the same rows (a collective)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: TensorParallelLayout,
+        group: TensorParallelGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        rank_config = rank_model_config(config, layout)
+        super().__init__(rank_config, device, dtype)
+        self.full_config = config
+        self.layout = layout
+        self.group = group
+        factory = {"device": device, "dtype": dtype}
+        hidden = config.hidden_size
+        self.model.embed_tokens = VocabParallelEmbedding(
+            layout.vocab_shard, hidden, layout.vocab_start, group, **factory
+        )
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hidden, layout.vocab_shard, bias=False, **factory)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.o_proj = RowParallelLinear(
+                attn.o_proj.in_features, hidden, attn.o_proj.bias is not None, group, **factory
+            )
+            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, False, group, **factory)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        shards = self.group.gather_to_first(super().compute_logits(hidden))
+        if shards is None:
+            return None
+        return torch.cat(shards, dim=-1)[:, : self.full_config.vocab_size]

@@ -244,13 +244,24 @@ def test_tp2_disk_hits_and_a_chunk_missing_on_one_rank(offload_case) -> None:
     assert removed
     for path in removed:
         path.unlink()
+    # three chunks of the 200-token prompt, then 100 new tokens: rank 0 loads its shards
+    # of the three, rank 1 finds none, and the step computes (and would save) the new ones
+    extended = _SHARED[:192] + random_prompt(100, seed=307)
+    (expected,) = _token_ids(LLM(model_dir, dtype="float32", device="cpu").generate([extended], GREEDY))
     again = fresh_engine()
     try:
-        (output,) = again.generate([PROMPTS[4]], GREEDY)
-        assert output.token_ids == tp1[4]
+        (output,) = again.generate([extended], GREEDY)
+        assert output.token_ids == expected
         assert again.engine.scheduler.stats.num_load_failures == 1
         # the ranks agreed: rank 0's loaded tokens were recomputed too
         assert output.metrics.num_external_cached_tokens == 0
+        # and no rank saved KV computed over rank 1's missing shards: the chunks stored
+        # since (by the recomputation) serve a hit of every token but the last, exactly
+        again.flush_kv_offload()
+        assert again.reset_prefix_cache()
+        (hit,) = again.generate([extended], GREEDY)
+        assert hit.token_ids == expected
+        assert hit.metrics.num_external_cached_tokens == len(extended) - 1
     finally:
         again.engine.shutdown()
         again.engine.runner.connector.close()

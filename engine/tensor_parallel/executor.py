@@ -31,7 +31,7 @@ from engine.pipeline.worker import FLUSH, StageAllocation
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
 from engine.tensor_parallel.layout import check_tensor_parallel_size, rank_layout
-from engine.tensor_parallel.rank_runner import TensorParallelRunner
+from engine.tensor_parallel.rank_runner import PeerRankError, TensorParallelRunner
 from engine.tensor_parallel.worker import (
     RankSpec,
     build_runner,
@@ -178,14 +178,17 @@ class TensorParallelExecutor:
         except Exception as raised:  # noqa: BLE001 - the other ranks still answer this step
             error = raised
         replies = [self._reply(rank, step_id) for rank in range(1, self.size)]
-        if error is not None:
+        if error is not None and not isinstance(error, PeerRankError):
             raise error
         failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
+            # the rank that failed first says why (rank 0 then raised PeerRankError)
             rank = replies.index(failed) + 1
             raise TensorParallelRankError(
                 f"tensor-parallel rank {rank} failed step {step_id}: {failed.error}"
-            )
+            ) from error
+        if error is not None:
+            raise error
         output.load_failures = merge_load_failures(output.load_failures, *(r.load_failures for r in replies))
         return output
 

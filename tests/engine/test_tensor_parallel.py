@@ -7,6 +7,13 @@ sizes are refused, naming the numbers, before any process starts."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -274,3 +281,100 @@ def test_tp2_disk_hits_and_a_chunk_missing_on_one_rank(offload_case) -> None:
         assert plain.token_ids == tp1[3] and plain.metrics.num_external_cached_tokens == 0
     finally:
         tp1_llm.engine.runner.connector.close()
+
+
+_FAULTY_RANK_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    from engine import LLM, SamplingParams
+    from engine.tensor_parallel import rank_runner
+
+    # Runs in every process (spawn re-imports this main module): rank 1 fails any step
+    # that prefills a prompt of 13 tokens, before its forward pass.
+    _prepare = rank_runner.TensorParallelRunner._prepare
+
+    def _faulty_prepare(self, plan):
+        if self.group.rank == 1 and any(
+            r.num_tokens == 13 and r.num_computed_tokens == 0 for r in plan.requests
+        ):
+            raise RuntimeError("injected fault on rank 1")
+        return _prepare(self, plan)
+
+    rank_runner.TensorParallelRunner._prepare = _faulty_prepare
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
+        prompts = json.loads(sys.argv[2])
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+        print(json.dumps([[o.finish_reason, o.token_ids] for o in outputs]), flush=True)
+        llm.engine.shutdown()
+    """
+)
+
+
+def test_a_step_failing_on_another_rank_ends_only_its_request(
+    tiny_model_dir, subprocess_env, tmp_path
+) -> None:
+    """Rank 1 fails before its forward pass and says so in the agreement: every rank ends
+    the step, the engine retries its requests in smaller groups, and only the request
+    that fails alone ends with an error; the others get one rank's tokens."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [random_prompt(20, seed=310), random_prompt(13, seed=311), random_prompt(30, seed=312)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params)]
+    script = tmp_path / "faulty_rank.py"  # a file, not -c: the ranks re-import the main module
+    script.write_text(_FAULTY_RANK_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(model_dir), json.dumps(prompts)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    outputs = json.loads(result.stdout.splitlines()[-1])
+    assert [reason for reason, _ in outputs] == ["length", "error", "length"]
+    assert [outputs[0][1], outputs[2][1]] == [expected[0], expected[2]]
+    assert "injected fault on rank 1" in result.stderr
+
+
+_KILLABLE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from engine import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
+        print("pids", *llm.engine.pipeline.rank_pids, flush=True)
+        params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([[5, 6, 7]], params)
+        print("done", outputs[0].finish_reason, len(outputs[0].token_ids), flush=True)
+        print("dead", llm.engine.device_error(), flush=True)
+    """
+)
+
+
+def test_a_killed_rank_ends_the_requests_with_an_error(tiny_model_dir, subprocess_env) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE_SCRIPT, str(tiny_model_dir("llama"))],
+        env=subprocess_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("pids"), line + process.stderr.read()
+        (rank_pid,) = (int(pid) for pid in line.split()[1:])
+        time.sleep(1.0)  # the request is decoding
+        os.kill(rank_pid, signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    done = stdout.splitlines()
+    assert done[0].startswith("done error"), stdout + stderr
+    assert done[1] == f"dead tensor-parallel rank 1 (pid {rank_pid}) was killed by signal 9", stdout

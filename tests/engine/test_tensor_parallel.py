@@ -1,7 +1,7 @@
 """Tensor parallelism (engine.tensor_parallel): an engine of 2 ranks, one process each
 (gloo on CPU), gives the greedy float32 tokens of Hugging Face and of one rank for
-every tiny arch, with chunked prefill, preemption and prefix caching; 4 ranks over 2 KV
-heads replicate them; offload hits come from each rank's own shard of every chunk (CPU
+every tiny arch, with chunked prefill, preemption and prefix caching; a model of one KV
+head replicates it on both ranks; offload hits come from each rank's own shard of every chunk (CPU
 and disk tiers), and a chunk missing on one rank only is recomputed on every rank. Bad
 sizes are refused, naming the numbers, before any process starts."""
 
@@ -169,15 +169,30 @@ def test_tp2_verifies_drafts_and_samples_seeded_like_one_rank(tp_case) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in one_rank]
 
 
-def test_tp4_replicates_kv_heads_and_matches_one_rank(tiny_model_dir) -> None:
-    """4 ranks over the tiny model's 2 KV heads: two ranks share each KV head."""
-    model_dir = tiny_model_dir("qwen2")  # tied embeddings, QKV bias
-    prompts = PROMPTS[1:4]
+def test_tp2_replicates_a_single_kv_head_with_random_weights_like_one_rank() -> None:
+    """A model of one KV head over 2 ranks (each holds a copy of it), with random weights
+    (`load_format="dummy"`: each rank keeps its slices of the whole model's draws)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=301,  # odd: the last rank's shard has one padding row
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        architectures=["LlamaForCausalLM"],
+    )
+    prompts = [random_prompt(9, seed=320, vocab_size=301), random_prompt(70, seed=321, vocab_size=301)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    expected = _token_ids(LLM(model_dir, dtype="float32", device="cpu").generate(prompts, params))
-    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=4)
+    kwargs = {"dtype": "float32", "device": "cpu", "load_format": "dummy"}
+    expected = _token_ids(LLM(config, **kwargs).generate(prompts, params))
+    llm = LLM(config, tensor_parallel_size=2, **kwargs)
     try:
         assert llm.engine.runner.layout.num_kv_heads == 1
+        assert llm.engine.runner.layout.vocab_shard == 151
         assert _token_ids(llm.generate(prompts, params)) == expected
     finally:
         llm.engine.shutdown()

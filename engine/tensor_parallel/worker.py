@@ -73,6 +73,10 @@ def join_and_load(spec: RankSpec, store) -> tuple[TensorParallelGroup, TensorPar
         spec.dtype,
         dummy=spec.dummy_weights,
     )
+    device = torch.device(spec.device)
+    if device.type == "cuda" and spec.dtype != torch.float32:
+        # the engine's rule for one process (EngineCore): float32 keeps torch's glue
+        model.use_glue_kernels()
     return group, layout, model
 
 

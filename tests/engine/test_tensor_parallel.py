@@ -393,3 +393,30 @@ def test_a_killed_rank_ends_the_requests_with_an_error(tiny_model_dir, subproces
     done = stdout.splitlines()
     assert done[0].startswith("done error"), stdout + stderr
     assert done[1] == f"dead tensor-parallel rank 1 (pid {rank_pid}) was killed by signal 9", stdout
+
+
+def test_serve_with_two_ranks_answers_like_one_and_stops_them(tiny_model_dir) -> None:
+    import httpx
+    import psutil
+
+    from tests.serving.server_process import ServeProcess
+
+    model_dir = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    (expected,) = LLM(model_dir, dtype="float32", device="cpu").generate(["the ranks say"], params)
+    server = ServeProcess(model_dir, "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2")
+    server.start()
+    try:
+        rank_pids = [child.pid for child in psutil.Process(server.process.pid).children()]
+        assert rank_pids
+        body = {"model": "tiny", "prompt": "the ranks say", "max_tokens": 12, "temperature": 0}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected.text
+        server.stop()  # SIGTERM
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in rank_pids):
+            assert time.monotonic() < deadline, "a rank outlived the server"
+            time.sleep(0.1)
+    finally:
+        server.close()

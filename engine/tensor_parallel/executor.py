@@ -174,7 +174,7 @@ class TensorParallelExecutor:
                 self._die(f"tensor-parallel rank {rank} cannot be reached ({type(error).__name__})")
         output = error = None
         try:
-            output = self.runner.execute_rank(plan, while_device_runs)
+            output = self.runner.execute(plan, while_device_runs)
         except Exception as raised:  # noqa: BLE001 - the other ranks still answer this step
             error = raised
         replies = [self._reply(rank, step_id) for rank in range(1, self.size)]

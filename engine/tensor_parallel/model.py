@@ -40,22 +40,44 @@ class TensorParallelCausalLM(LlamaFamilyForCausalLM):
         self.full_config = config
         self.layout = layout
         self.group = group
-        factory = {"device": device, "dtype": dtype}
-        hidden = config.hidden_size
-        self.model.embed_tokens = VocabParallelEmbedding(
-            layout.vocab_shard, hidden, layout.vocab_start, group, **factory
-        )
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden, layout.vocab_shard, bias=False, **factory)
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.o_proj = RowParallelLinear(
-                attn.o_proj.in_features, hidden, attn.o_proj.bias is not None, group, **factory
-            )
-            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, False, group, **factory)
+        shard_modules(self, list(self.model.layers), config, layout, group, device, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        shards = self.group.gather_to_first(super().compute_logits(hidden))
-        if shards is None:
-            return None
-        return torch.cat(shards, dim=-1)[:, : self.full_config.vocab_size]
+        return gather_logits(self.group, super().compute_logits(hidden), self.full_config.vocab_size)
+
+
+def shard_modules(
+    model: nn.Module,
+    layers: list[nn.Module],
+    config: ModelConfig,
+    layout: TensorParallelLayout,
+    group: TensorParallelGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Make a model built with the rank's config (`rank_model_config`) a rank's share:
+    o_proj and down_proj of `layers` row-parallel, the embedding (when the model has one)
+    vocab-parallel, the LM head (when it has one) the rank's vocabulary rows."""
+    factory = {"device": device, "dtype": dtype}
+    hidden = config.hidden_size
+    if hasattr(model.model, "embed_tokens"):
+        model.model.embed_tokens = VocabParallelEmbedding(
+            layout.vocab_shard, hidden, layout.vocab_start, group, **factory
+        )
+    if hasattr(model, "lm_head"):
+        model.lm_head = nn.Linear(hidden, layout.vocab_shard, bias=False, **factory)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj = RowParallelLinear(
+            attn.o_proj.in_features, hidden, attn.o_proj.bias is not None, group, **factory
+        )
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, False, group, **factory)
+
+
+def gather_logits(group: TensorParallelGroup, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Every rank's logits shard [N, vocab_shard] gathered to rank 0 -> [N, vocab] there,
+    None on the other ranks."""
+    shards = group.gather_to_first(local)
+    if shards is None:
+        return None
+    return torch.cat(shards, dim=-1)[:, :vocab_size]

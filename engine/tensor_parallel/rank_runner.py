@@ -1,6 +1,6 @@
 """The model runner of one tensor-parallel rank.
 
-It is the engine's `ModelRunner` (inputs, paged attention over the rank's KV heads,
+It is the engine's `ModelRunner` (or a pipeline stage's `StageRunner`) (inputs, paged attention over the rank's KV heads,
 connector hooks, sampling) over a `TensorParallelCausalLM`, run eagerly, with three
 changes:
 - before the forward pass every rank agrees on the step (`TensorParallelGroup.agree`):
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.model_runner import ModelRunner
+from engine.pipeline.stage_runner import StageRunner
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verify import draft_layout
@@ -33,19 +34,20 @@ class PeerRankError(RuntimeError):
     """Another rank failed this step before its forward pass: this rank ends it too."""
 
 
-class TensorParallelRunner(ModelRunner):
-    """Called once per step: rank 0 by the executor in the engine's process, the others
-    by their rank processes, every rank with the same plan (`execute_rank`)."""
+class TensorParallelSteps:
+    """The tensor-parallel part of a runner, mixed into `ModelRunner` (a whole model) or
+    `StageRunner` (a pipeline stage's layers). Called once per step on every rank of the
+    group with the same plan; `tp_init` first, once."""
 
-    def __init__(self, model, config, group: TensorParallelGroup, *args, **kwargs) -> None:
-        # rank 0 keeps the persistent batch; the others build their inputs from the plan
-        super().__init__(model, config, *args, persistent_batch=group.rank == 0, **kwargs)
+    def tp_init(self, group: TensorParallelGroup, embeds_tokens: bool) -> None:
         self.group = group
+        #: the model embeds input ids (not a later pipeline stage): they come from rank 0
+        self.embeds_tokens = embeds_tokens
         self._agreed = False
         #: ranks after the first: the rows whose logits rank 0 gathers this step
         self._logits_rows: list[int] = []
 
-    def execute_rank(
+    def execute(
         self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
     ) -> RunnerOutput:
         """One step on this rank (`ModelRunner.execute`). A rank whose step fails before the
@@ -54,7 +56,7 @@ class TensorParallelRunner(ModelRunner):
         the group's timeout."""
         self._agreed = False
         try:
-            return self.execute(plan, while_device_runs)
+            return super().execute(plan, while_device_runs)
         except BaseException:
             if plan.requests and not self._agreed:
                 self._agreed = True
@@ -97,4 +99,26 @@ class TensorParallelRunner(ModelRunner):
     def _fill_missing_input_ids(self, host: HostInputs, input_ids: torch.Tensor) -> None:
         if self.group.rank == 0:
             super()._fill_missing_input_ids(host, input_ids)
-        self.group.broadcast_from_first_(input_ids)
+        if self.embeds_tokens:
+            self.group.broadcast_from_first_(input_ids)
+
+
+class TensorParallelRunner(TensorParallelSteps, ModelRunner):
+    """A rank of a whole model: rank 0 in the engine's process (the executor calls it),
+    the others in their rank processes."""
+
+    def __init__(self, model, config, group: TensorParallelGroup, *args, **kwargs) -> None:
+        # rank 0 keeps the persistent batch; the others build their inputs from the plan
+        super().__init__(model, config, *args, persistent_batch=group.rank == 0, **kwargs)
+        self.tp_init(group, embeds_tokens=True)
+
+
+class TensorParallelStageRunner(TensorParallelSteps, StageRunner):
+    """A rank of a pipeline stage: `StageRunner` (hidden states from the previous stage's
+    rank of the same number, sent on to the next stage's) whose layers are sharded."""
+
+    def __init__(self, model, config, layout, link, *args, group: TensorParallelGroup, **kwargs) -> None:
+        super().__init__(model, config, layout, link, *args, **kwargs)
+        if group.rank != 0 and self.input_batch is not None:
+            self.input_batch = None  # only the engine's process holds the requests
+        self.tp_init(group, embeds_tokens=layout.is_first)

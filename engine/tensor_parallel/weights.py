@@ -55,6 +55,21 @@ def load_rank_model(
     has the wrong shape, or when no safetensors file exists."""
     with torch.device("meta"):
         model = TensorParallelCausalLM(config, layout, group, torch.device("meta"), dtype)
+    return fill_rank_weights(model, config, model_dir, layout, device, dtype, dummy=dummy)
+
+
+def fill_rank_weights(
+    model: torch.nn.Module,
+    config: ModelConfig,
+    model_dir: Path | None,
+    layout: TensorParallelLayout,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    dummy: bool,
+):
+    """A rank's model built on the meta device (the whole model's layers, or a pipeline
+    stage's), materialized on `device` with its slices of the weights; returns it."""
     model = model.to_empty(device=device)
     model.set_rope_device(device)
     if dummy:
@@ -83,7 +98,7 @@ def _copy_shard(param: torch.Tensor, shard: torch.Tensor, name: str, where: str)
 
 
 def _load_shards(
-    model: TensorParallelCausalLM, model_dir: Path, config: ModelConfig, layout: TensorParallelLayout
+    model: torch.nn.Module, model_dir: Path, config: ModelConfig, layout: TensorParallelLayout
 ) -> None:
     from safetensors import safe_open
 
@@ -114,28 +129,28 @@ def _load_shards(
 
 
 def _init_random_like_whole_model(
-    model: TensorParallelCausalLM, config: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype
+    model: torch.nn.Module, config: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype
 ) -> None:
     """Draw the whole model's random weights in its order (engine.models.loader's rule),
-    one full tensor at a time, and keep the rank's slice of each."""
+    one full tensor at a time, and keep the rank's slice of each it holds."""
     with torch.device("meta"):
         whole = LlamaFamilyForCausalLM(config, torch.device("meta"), dtype)
     name_to_param = dict(model.named_parameters())
-    device = model.model.norm.weight.device
+    device = next(iter(name_to_param.values())).device
     std = float(getattr(config.hf_config, "initializer_range", 0.02))
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, meta_param in whole.named_parameters():
-            param = name_to_param[name]
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            if name.endswith(".bias"):
-                param.zero_()
+            param = name_to_param.get(name)  # None: another pipeline stage's
+            if name.endswith(("norm.weight", ".bias")):
+                if param is not None:
+                    param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 continue
             full = torch.empty(meta_param.shape, dtype=dtype, device=device).normal_(
                 0.0, std, generator=generator
             )
+            if param is None:
+                continue
             shard = shard_of(name, layout, config)
             if shard is not None:
                 dim, start, end = shard

@@ -180,7 +180,7 @@ def _serve_steps(
         plan: StagePlan = message
         connector = runner.connector
         try:
-            output = runner.execute_rank(plan.to_scheduler_output())
+            output = runner.execute(plan.to_scheduler_output())
             if connector is not None:
                 # rank 0's scheduler frees blocks when rank 0's own saves are done: this
                 # rank's saves must have read them by the end of the step

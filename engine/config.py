@@ -206,7 +206,6 @@ class EngineArgs:
             raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
         if self.tensor_parallel_size > 1:
             unsupported = {
-                "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                 "cpu_offload_gb": bool(self.cpu_offload_gb),
                 "deterministic": self.deterministic,
                 "async_scheduling": self.async_scheduling,

@@ -71,6 +71,12 @@ class EngineCore:
         if args.pipeline_parallel_size > 1:
             from engine.pipeline import PipelineExecutor
 
+            builder = None  # one process per stage; with ranks, N per stage:
+            if args.tensor_parallel_size > 1:
+                from engine.tensor_parallel import TensorParallelStageBuilder, check_tensor_parallel_size
+
+                check_tensor_parallel_size(config, args.tensor_parallel_size)
+                builder = TensorParallelStageBuilder(args.tensor_parallel_size)
             self.model = None
             self.pipeline = PipelineExecutor(
                 config,
@@ -79,6 +85,7 @@ class EngineCore:
                 device=self.device,
                 dtype=self.dtype,
                 dummy_weights=args.load_format == "dummy",
+                builder=builder,
             )
         elif args.tensor_parallel_size > 1:
             # the same executor interface: rank 0 runs here, the other ranks in processes

@@ -8,11 +8,13 @@ from engine.tensor_parallel.executor import (
     TensorParallelRankError,
 )
 from engine.tensor_parallel.layout import check_tensor_parallel_size, rank_layout
+from engine.tensor_parallel.stage_builder import TensorParallelStageBuilder
 
 __all__ = [
     "TensorParallelDeadError",
     "TensorParallelExecutor",
     "TensorParallelRankError",
+    "TensorParallelStageBuilder",
     "check_tensor_parallel_size",
     "rank_layout",
 ]

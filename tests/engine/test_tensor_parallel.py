@@ -1,7 +1,8 @@
 """Tensor parallelism (engine.tensor_parallel): an engine of 2 ranks, one process each
 (gloo on CPU), gives the greedy float32 tokens of Hugging Face and of one rank for
 every tiny arch, with chunked prefill, preemption and prefix caching; a model of one KV
-head replicates it on both ranks; offload hits come from each rank's own shard of every chunk (CPU
+head replicates it on both ranks; 2 stages of 2 ranks (4 processes) give HF's tokens too;
+offload hits come from each rank's own shard of every chunk (CPU
 and disk tiers), and a chunk missing on one rank only is recomputed on every rank. Bad
 sizes are refused, naming the numbers, before any process starts."""
 
@@ -96,9 +97,9 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(model_dir, device="cpu", tensor_parallel_size=0)
     with pytest.raises(
-        ValueError, match="pipeline_parallel_size > 1 is not supported with tensor_parallel_size"
+        ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"
     ):
-        LLM(model_dir, device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+        LLM(model_dir, device="cpu", tensor_parallel_size=3, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size"):
         LLM(model_dir, device="cpu", tensor_parallel_size=2, async_scheduling=True)
 
@@ -420,3 +421,62 @@ def test_serve_with_two_ranks_answers_like_one_and_stops_them(tiny_model_dir) ->
             time.sleep(0.1)
     finally:
         server.close()
+
+
+def test_tp2_pp2_matches_hf_with_offload_hits_and_a_chunk_missing_on_one_process(
+    tiny_model_dir, tmp_path
+) -> None:
+    """2 stages of 2 ranks, 4 processes: each stage's ranks share its layers, each rank
+    sends its hidden states to the next stage's rank of its number. Tokens equal HF's with
+    chunked prefill; every process stores its own shard of its stage's layers; a chunk
+    missing on the last stage's rank 1 only is recomputed everywhere."""
+    model_dir = tiny_model_dir("llama")
+    expected = hf_greedy(model_dir, PROMPTS, NUM_NEW_TOKENS)
+    disk_path = tmp_path / "disk"
+
+    def engine() -> LLM:
+        return LLM(
+            model_dir,
+            dtype="float32",
+            device="cpu",
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            max_num_batched_tokens=64,
+            kv_offload=_offload_config(disk_path),
+        )
+
+    llm = engine()
+    try:
+        assert len(llm.engine.pipeline.stage_pids) == 3
+        assert _token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+        assert llm.stats.num_steps > sum(len(p) for p in PROMPTS) // 64  # prompts were cut into chunks
+        llm.flush_kv_offload()
+        assert llm.reset_prefix_cache()
+        outputs = llm.generate(PROMPTS[3:5], GREEDY)
+        assert _token_ids(outputs) == expected[3:5]
+        assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"cpu": 149}, {"cpu": 199}]
+    finally:
+        llm.engine.shutdown()
+        llm.engine.runner.connector.close()
+    folders = sorted(str(p.relative_to(disk_path)) for p in disk_path.glob("*/*"))
+    assert folders == [f"pp2-stage{k}/tp2-rank{r}" for k in range(2) for r in range(2)]
+    removed = list((disk_path / "pp2-stage1" / "tp2-rank1").rglob("*.kvc"))
+    assert removed
+    for path in removed:
+        path.unlink()
+    extended = _SHARED[:192] + random_prompt(100, seed=307)
+    (reference,) = _token_ids(LLM(model_dir, dtype="float32", device="cpu").generate([extended], GREEDY))
+    again = engine()
+    try:
+        (output,) = again.generate([extended], GREEDY)
+        assert output.token_ids == reference
+        assert again.engine.scheduler.stats.num_load_failures == 1
+        assert output.metrics.num_external_cached_tokens == 0
+        again.flush_kv_offload()
+        assert again.reset_prefix_cache()
+        (hit,) = again.generate([extended], GREEDY)
+        assert hit.token_ids == reference
+        assert hit.metrics.num_external_cached_tokens == len(extended) - 1
+    finally:
+        again.engine.shutdown()
+        again.engine.runner.connector.close()

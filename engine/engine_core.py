@@ -68,10 +68,10 @@ class EngineCore:
         self.pipeline = None
         # every setting was checked above (EngineArgs.validate, OffloadConfig at construction)
         logger.info("loading the model from %s", self.model_dir or "an in-memory config")
-        if args.pipeline_parallel_size > 1:
+        if args.pipeline_parallel_size > 1 or args.tensor_parallel_size > 1:
             from engine.pipeline import PipelineExecutor
 
-            builder = None  # one process per stage; with ranks, N per stage:
+            builder = None  # one process per stage; with tensor parallelism, N per stage
             if args.tensor_parallel_size > 1:
                 from engine.tensor_parallel import TensorParallelStageBuilder, check_tensor_parallel_size
 
@@ -86,19 +86,6 @@ class EngineCore:
                 dtype=self.dtype,
                 dummy_weights=args.load_format == "dummy",
                 builder=builder,
-            )
-        elif args.tensor_parallel_size > 1:
-            # the same executor interface: rank 0 runs here, the other ranks in processes
-            from engine.tensor_parallel import TensorParallelExecutor
-
-            self.model = None
-            self.pipeline = TensorParallelExecutor(
-                config,
-                self.model_dir,
-                tensor_parallel_size=args.tensor_parallel_size,
-                device=self.device,
-                dtype=self.dtype,
-                dummy_weights=args.load_format == "dummy",
             )
         else:
             self.model = load_model(

@@ -197,6 +197,8 @@ class PipelineExecutor:
         """Process p in messages: its stage, and its rank with tensor parallelism."""
         if self.tp_size == 1:
             return f"pipeline stage {p}"
+        if len(self.layouts) == 1:
+            return f"tensor-parallel rank {p}"
         return f"pipeline stage {p // self.tp_size} rank {p % self.tp_size}"
 
     def create_connectors(self, kv_offload, model_id: str, block_size: int):
@@ -272,19 +274,25 @@ class PipelineExecutor:
         replies: list[StageReply] = [self._reply(p, step.step_id) for p in range(1, self.num_processes)]
         self._replied_step_id = step.step_id
         step.collected = True
-        if step.error is not None:
+        # an error that only says another process failed (a tensor-parallel peer) gives way
+        # to that process's own
+        if step.error is not None and not getattr(step.error, "failed_elsewhere", False):
             raise step.error
         failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
-            step.error = PipelineStageError(
+            error = PipelineStageError(
                 f"{self._name(replies.index(failed) + 1)} failed step {step.step_id}: {failed.error}"
             )
+            error.__cause__, step.error = step.error, error
+            raise step.error
+        if step.error is not None:
             raise step.error
         output = step.output
-        # the last stage's rank 0 sampled
-        last = replies[(len(self.layouts) - 1) * self.tp_size - 1]
-        output.request_id_to_token = last.request_id_to_token
-        output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids
+        sampler = (len(self.layouts) - 1) * self.tp_size  # the last stage's rank 0
+        if sampler > 0:  # else this process sampled: its output has the tokens
+            last = replies[sampler - 1]
+            output.request_id_to_token = last.request_id_to_token
+            output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids
         output.load_failures = merge_load_failures(output.load_failures, *(r.load_failures for r in replies))
         return output
 

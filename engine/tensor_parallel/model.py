@@ -1,12 +1,12 @@
-"""One tensor-parallel rank's share of a Llama-family model.
+"""One tensor-parallel rank's share of a Llama-family model (or of a pipeline stage's
+layers: engine.tensor_parallel.stage_model builds it).
 
-The model is `LlamaFamilyForCausalLM` built with the rank's config (its query heads,
-KV heads and MLP columns: `layout.rank_model_config`), so q/k/v and gate/up are
-column-parallel by construction; o_proj and down_proj become `RowParallelLinear`, the
-embedding `VocabParallelEmbedding`, and the LM head holds the rank's vocabulary rows.
-`compute_logits` gathers the shards to rank 0, which alone samples. Parameter names
-stay the checkpoint's, so `engine.tensor_parallel.weights` loads each rank's slices by
-name.
+The model is built with the rank's config (its query heads, KV heads and MLP columns:
+`layout.rank_model_config`), so q/k/v and gate/up are column-parallel by construction;
+`shard_modules` makes o_proj and down_proj `RowParallelLinear`, the embedding
+`VocabParallelEmbedding`, and the LM head the rank's vocabulary rows; `gather_logits`
+brings the logits shards to rank 0, which alone samples. Parameter names stay the
+checkpoint's, so `engine.tensor_parallel.weights` loads each rank's slices by name.
 """
 
 from __future__ import annotations
@@ -15,35 +15,9 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.llama import LlamaFamilyForCausalLM
 from engine.tensor_parallel.comm import TensorParallelGroup
 from engine.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding
-from engine.tensor_parallel.layout import TensorParallelLayout, rank_model_config
-
-
-class TensorParallelCausalLM(LlamaFamilyForCausalLM):
-    """`forward(input_ids [T], positions [T], attention)` -> final hidden states
-    [T, hidden], the same on every rank (attention sees the rank's heads only).
-    `compute_logits(hidden [N, hidden])`: float32 logits [N, vocab] on rank 0, None on
-    the others; every rank calls it with the same rows (a collective)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        layout: TensorParallelLayout,
-        group: TensorParallelGroup,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        rank_config = rank_model_config(config, layout)
-        super().__init__(rank_config, device, dtype)
-        self.full_config = config
-        self.layout = layout
-        self.group = group
-        shard_modules(self, list(self.model.layers), config, layout, group, device, dtype)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_logits(self.group, super().compute_logits(hidden), self.full_config.vocab_size)
+from engine.tensor_parallel.layout import TensorParallelLayout
 
 
 def shard_modules(

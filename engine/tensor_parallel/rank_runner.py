@@ -1,8 +1,8 @@
 """The model runner of one tensor-parallel rank.
 
-It is the engine's `ModelRunner` (or a pipeline stage's `StageRunner`) (inputs, paged attention over the rank's KV heads,
-connector hooks, sampling) over a `TensorParallelCausalLM`, run eagerly, with three
-changes:
+It is a pipeline stage's `StageRunner` (every layer when there is one stage: inputs,
+paged attention over the rank's KV heads, connector hooks, sampling) over a
+`TensorParallelStageModel`, run eagerly, with three changes:
 - before the forward pass every rank agrees on the step (`TensorParallelGroup.agree`):
   a rank whose step failed before its forward says so and every rank ends the step;
   the load failures of every rank are merged into one mask, so a chunk is a hit only
@@ -21,7 +21,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.model_runner import ModelRunner
 from engine.pipeline.stage_runner import StageRunner
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
@@ -33,10 +32,13 @@ from engine.tensor_parallel.comm import TensorParallelGroup
 class PeerRankError(RuntimeError):
     """Another rank failed this step before its forward pass: this rank ends it too."""
 
+    #: the executor raises the failing rank's own error instead
+    failed_elsewhere = True
+
 
 class TensorParallelSteps:
-    """The tensor-parallel part of a runner, mixed into `ModelRunner` (a whole model) or
-    `StageRunner` (a pipeline stage's layers). Called once per step on every rank of the
+    """The tensor-parallel part of a runner, mixed into `StageRunner` (a pipeline stage's
+    layers, every layer when there is one stage). Called once per step on every rank of the
     group with the same plan; `tp_init` first, once."""
 
     def tp_init(self, group: TensorParallelGroup, embeds_tokens: bool) -> None:
@@ -103,19 +105,10 @@ class TensorParallelSteps:
             self.group.broadcast_from_first_(input_ids)
 
 
-class TensorParallelRunner(TensorParallelSteps, ModelRunner):
-    """A rank of a whole model: rank 0 in the engine's process (the executor calls it),
-    the others in their rank processes."""
-
-    def __init__(self, model, config, group: TensorParallelGroup, *args, **kwargs) -> None:
-        # rank 0 keeps the persistent batch; the others build their inputs from the plan
-        super().__init__(model, config, *args, persistent_batch=group.rank == 0, **kwargs)
-        self.tp_init(group, embeds_tokens=True)
-
-
 class TensorParallelStageRunner(TensorParallelSteps, StageRunner):
     """A rank of a pipeline stage: `StageRunner` (hidden states from the previous stage's
-    rank of the same number, sent on to the next stage's) whose layers are sharded."""
+    rank of the same number, sent on to the next stage's) whose layers are sharded. The
+    engine's process runs stage 0's rank 0; with one stage, every rank runs every layer."""
 
     def __init__(self, model, config, layout, link, *args, group: TensorParallelGroup, **kwargs) -> None:
         super().__init__(model, config, layout, link, *args, **kwargs)

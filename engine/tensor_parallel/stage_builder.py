@@ -1,5 +1,5 @@
-"""Tensor parallelism inside pipeline stages: N ranks per stage, M stages, N × M
-processes run by the pipeline executor (`PipelineExecutor(builder=...)`). Process
+"""Tensor parallelism: N ranks per pipeline stage, M stages (1 without pipeline
+parallelism), N × M processes run by the pipeline executor (`PipelineExecutor(builder=...)`). Process
 `stage · N + rank` joins two groups: the pipeline group of its rank number (the same
 rank of every stage: hidden states go from a stage's rank r to the next stage's rank r,
 each rank holding the whole residual stream after its all-reduces) and its stage's
@@ -65,13 +65,17 @@ class TensorParallelStageBuilder:
 
     def create_connectors(self, spec, kv_offload, block_size: int, model_id: str):
         """The rank's connector pair over its stage's layers and its KV heads: a namespace
-        naming both, 1/(M·N) of the byte caps, the folder `ppM-stageK/tpN-rankR`."""
+        naming both, 1/(M·N) of the byte caps, the folder `ppM-stageK/tpN-rankR` (with
+        one stage: its KV heads, 1/N of the caps, the folder `tpN-rankR`)."""
         from connector import create_kv_connector
         from engine.step_time import StepTimeModel
 
         layout = rank_layout(spec.model_config, spec.tp_rank, spec.tp_size)
+        stages = spec.layout.num_stages > 1  # one stage: the folders and keys of ranks alone
+        if stages:
+            kv_offload = stage_offload_config(kv_offload, spec.layout)
         return create_kv_connector(
-            rank_offload_config(stage_offload_config(kv_offload, spec.layout), layout),
+            rank_offload_config(kv_offload, layout),
             model_id=model_id,
             dtype=spec.dtype,
             num_layers=spec.layout.num_layers,
@@ -80,7 +84,7 @@ class TensorParallelStageBuilder:
             block_size=block_size,
             device=torch.device(spec.device),
             step_times=StepTimeModel(),
-            layer_range=spec.layout.layer_range,
+            layer_range=spec.layout.layer_range if stages else None,
             tp_rank=layout.rank,
             tp_size=layout.size,
         )

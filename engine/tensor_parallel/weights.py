@@ -17,9 +17,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.tensor_parallel.comm import TensorParallelGroup
 from engine.tensor_parallel.layout import TensorParallelLayout
-from engine.tensor_parallel.model import TensorParallelCausalLM
 
 
 def shard_of(name: str, layout: TensorParallelLayout, config: ModelConfig) -> tuple[int, int, int] | None:
@@ -39,23 +37,6 @@ def shard_of(name: str, layout: TensorParallelLayout, config: ModelConfig) -> tu
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, layout.vocab_start, layout.vocab_end
     return None
-
-
-def load_rank_model(
-    config: ModelConfig,
-    model_dir: Path | None,
-    layout: TensorParallelLayout,
-    group: TensorParallelGroup,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    dummy: bool = False,
-) -> TensorParallelCausalLM:
-    """Called once per rank at engine start. Raises ValueError when a weight is missing or
-    has the wrong shape, or when no safetensors file exists."""
-    with torch.device("meta"):
-        model = TensorParallelCausalLM(config, layout, group, torch.device("meta"), dtype)
-    return fill_rank_weights(model, config, model_dir, layout, device, dtype, dummy=dummy)
 
 
 def fill_rank_weights(

@@ -192,8 +192,9 @@ def test_tp2_replicates_a_single_kv_head_with_random_weights_like_one_rank() -> 
     expected = _token_ids(LLM(config, **kwargs).generate(prompts, params))
     llm = LLM(config, tensor_parallel_size=2, **kwargs)
     try:
-        assert llm.engine.runner.layout.num_kv_heads == 1
-        assert llm.engine.runner.layout.vocab_shard == 151
+        rank0 = llm.engine.pipeline.runner
+        assert rank0.config.num_kv_heads == 1 and rank0.kv_cache.shape[-2] == 1
+        assert rank0.model.model.embed_tokens.weight.shape[0] == 151
         assert _token_ids(llm.generate(prompts, params)) == expected
     finally:
         llm.engine.shutdown()
@@ -309,7 +310,7 @@ _FAULTY_RANK_SCRIPT = textwrap.dedent(
 
     # Runs in every process (spawn re-imports this main module): rank 1 fails any step
     # that prefills a prompt of 13 tokens, before its forward pass.
-    _prepare = rank_runner.TensorParallelRunner._prepare
+    _prepare = rank_runner.TensorParallelStageRunner._prepare
 
     def _faulty_prepare(self, plan):
         if self.group.rank == 1 and any(
@@ -318,7 +319,7 @@ _FAULTY_RANK_SCRIPT = textwrap.dedent(
             raise RuntimeError("injected fault on rank 1")
         return _prepare(self, plan)
 
-    rank_runner.TensorParallelRunner._prepare = _faulty_prepare
+    rank_runner.TensorParallelStageRunner._prepare = _faulty_prepare
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
@@ -364,7 +365,7 @@ _KILLABLE_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
-        print("pids", *llm.engine.pipeline.rank_pids, flush=True)
+        print("pids", *llm.engine.pipeline.stage_pids, flush=True)
         params = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
         outputs = llm.generate([[5, 6, 7]], params)
         print("done", outputs[0].finish_reason, len(outputs[0].token_ids), flush=True)

@@ -15,9 +15,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from connector.cache_engine import CacheEngine
     from connector.config import OffloadConfig
-    from connector.factory import create_cache_engine, create_kv_connector
+    from connector.factory import create_cache_engine, create_kv_connector, create_worker_connector
 
-__all__ = ["CacheEngine", "OffloadConfig", "create_cache_engine", "create_kv_connector"]
+__all__ = [
+    "CacheEngine",
+    "OffloadConfig",
+    "create_cache_engine",
+    "create_kv_connector",
+    "create_worker_connector",
+]
 
 #: public name -> the module that defines it
 _NAME_TO_MODULE = {
@@ -25,6 +31,7 @@ _NAME_TO_MODULE = {
     "OffloadConfig": "connector.config",
     "create_cache_engine": "connector.factory",
     "create_kv_connector": "connector.factory",
+    "create_worker_connector": "connector.factory",
 }
 
 

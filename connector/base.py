@@ -271,10 +271,6 @@ class KVConnectorScheduler(abc.ABC):
         ``release_fetches`` when no step carries them (the engine goes idle)."""
         return []
 
-    def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
-        """Block until every store queued for lower tiers was attempted (tests,
-        benchmarks, shutdown); the step loop never calls it."""
-
     def request_stats(self, request_id: str) -> RequestTransferStats | None:  # noqa: B027
         """Transfer figures for a finished request (None when unknown)."""
         return None
@@ -325,6 +321,10 @@ class KVConnectorWorker(abc.ABC):
         """Block until every save issued so far has read its blocks. The model runner
         calls it before a step whose plan freed blocks by preemption, since that step
         may rewrite them; connectors whose saves end within ``wait_for_save`` need nothing."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Block until every save issued so far is stored and every write queued for lower
+        tiers was attempted (tests, benchmarks, shutdown); the step loop never calls it."""
 
     def abort_step(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Called instead of the rest of the step when the step raised (the engine then

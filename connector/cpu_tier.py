@@ -12,42 +12,26 @@ Zero-copy reads: :meth:`get` returns a view into the slab. A view stays valid
 only while its key holds a pin (:meth:`pin`) — the tier manager takes one for
 every read and releases it after the transfer. Writes go through
 :meth:`reserve` (a :class:`Reservation`: a slot that nobody can see yet) and
-:meth:`publish` of that same reservation: publishing goes by the reservation's
-identity, never by key, so a second writer of the same key (which got a private
-buffer earlier, or came later) can never publish a slot another copy is still
-filling. Thread-safe.
+:meth:`publish` of that same reservation. Which slot holds which chunk, the pins and
+the reservations are the tier's :class:`~connector.slot_index.SlotIndex` (``index``),
+which holds no memory; this class adds the slab. Thread-safe.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from storage_backends.base import CapacityError, StorageBackend
+from connector.slot_index import PinKind, SlotIndex, SlotReservation
+from storage_backends.base import StorageBackend
 from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
-from storage_backends.counters import Counters
-from storage_backends.lru import LRUIndex, SlabTierMixin
 
 #: alignment of the slab (the disk tier's O_DIRECT needs block-aligned memory)
 _PAGE_BYTES = 4096
-
-
-class PinKind(str, enum.Enum):
-    """Who holds a pin: each kind is taken and released on its own, so one holder can
-    never release another's pin, and ``pin_counts`` shows which kind keeps a slot."""
-
-    LOOKUP = "lookup"  # an admitted request's chunks, until its load is planned (or a timeout)
-    READ = "read"  # a load reading the slot's zero-copy view
-    WRITE_THROUGH = "write_through"  # a write to the lower tiers reading the slot
-    FETCH = "fetch"  # a request waiting on its background fetch
-    DEFERRED = "deferred"  # an admitted request's CPU-tier chunks a step's time cap left for later steps
 
 
 @dataclass(eq=False)
@@ -56,13 +40,15 @@ class Reservation:
     then :meth:`~PinnedChunkPool.publish` or :meth:`~PinnedChunkPool.cancel` this object.
     Compared by identity: two reservations of one key are never the same."""
 
-    key: str
-    slot_id: int
-    shape: tuple[int, ...]
+    slot: SlotReservation
     buffer: torch.Tensor  # the slot's view [num_layers, 2, num_tokens, num_kv_heads, head_dim]
 
+    @property
+    def key(self) -> str:
+        return self.slot.key
 
-class PinnedChunkPool(SlabTierMixin, StorageBackend):
+
+class PinnedChunkPool(StorageBackend):
     """Byte-capped LRU pool of chunk slots; pinned host memory when ``pin_memory``."""
 
     name = "cpu"
@@ -95,19 +81,16 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         self.chunk_shape = tuple(chunk_shape)
         self.layout = layout
         self.pinned = pin_memory
+        #: which slot holds which chunk, pins and reservations (no memory of its own)
+        self.index = SlotIndex(self.num_slots)
         self._slab = _page_aligned_slab(self.num_slots, self.slot_numel, dtype, pin_memory=pin_memory)
         # slot id -> its full-chunk view, made on the slot's first use and kept: a read of
         # whole chunks then makes no tensor (each torch call gives up the GIL and waits to
         # take it back, per chunk, on the step's path while the disk tier's I/O threads run)
         self._slot_id_to_view: dict[int, torch.Tensor] = {}
-        self._free_slot_ids = list(range(self.num_slots - 1, -1, -1))
-        self._index = LRUIndex(self.num_slots)  # size unit: slots; record: (slot_id, shape)
-        self._key_to_reservation: dict[str, Reservation] = {}
-        self._key_to_pin_kinds: dict[str, Counter[PinKind]] = {}
-        self._lock = threading.Lock()
-        self._counters = Counters()
 
-    def _view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
+    def view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slab's memory of slot ``slot_id`` as a chunk of ``shape`` (no copy)."""
         if shape != self.chunk_shape:
             return self._slab[slot_id, : math.prod(shape)].view(shape)
         view = self._slot_id_to_view.get(slot_id)
@@ -125,93 +108,60 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
         ):
             raise ValueError(f"chunk shape {tuple(shape)} does not fit a cpu-tier slot of shape {expected}")
 
-    # ---- reads ---------------------------------------------------------------
-    def get(self, key: str) -> KVChunk | None:
-        """A zero-copy view of the chunk; hold a pin on ``key`` while reading it."""
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                self._counters.add("misses")
-                return None
-            slot_id, shape = entry.record
-            view = self._view(slot_id, shape)
-        self._counters.add("hits")
-        return KVChunk(view, self.layout)
+    # ---- the index's questions and pins ------------------------------------------
+    def contains(self, keys: Sequence[str]) -> int:
+        return self.index.contains(keys)
 
-    def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
-        """Pin every present key and return its zero-copy view, under one lock (the
-        read path of a retrieve). Each returned key holds one READ pin to release with :meth:`unpin`."""
-        key_to_record = {}
-        with self._lock:
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is not None:
-                    self._add_pins(key, PinKind.READ, 1)
-                    key_to_record[key] = entry.record
-        # The views are made outside the lock: the READ pins keep the slots.
-        key_to_chunk = {
-            key: KVChunk(self._view(slot_id, shape), self.layout)
-            for key, (slot_id, shape) in key_to_record.items()
-        }
-        self._counters.add("hits", len(key_to_chunk))
-        self._counters.add("misses", len(keys) - len(key_to_chunk))
-        return key_to_chunk
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        return self.index.present(keys)
 
-    def pin_each(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> list[bool]:
-        """Pin each present key (absent ones are skipped, not a stop); one lock for all."""
-        with self._lock:
-            pinned = []
-            for key in keys:
-                present = key in self._index
-                if present:
-                    self._add_pins(key, kind, 1)
-                pinned.append(present)
-            return pinned
+    def keys(self, prefix: str = "") -> list[str]:
+        return self.index.keys(prefix)
 
     def pin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> int:
         """Pin the leading present ``keys`` (stops at the first absent one); returns how many."""
-        with self._lock:
-            num_pinned = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                self._add_pins(key, kind, 1)
-                num_pinned += 1
-            return num_pinned
+        return self.index.pin(keys, kind)
+
+    def pin_each(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> list[bool]:
+        """Pin each present key (absent ones are skipped, not a stop); one lock for all."""
+        return self.index.pin_each(keys, kind)
 
     def unpin(self, keys: Sequence[str], kind: PinKind = PinKind.LOOKUP) -> None:
         """Drop one pin of ``kind`` from each key (keys without such a pin are ignored)."""
-        with self._lock:
-            for key in keys:
-                kinds = self._key_to_pin_kinds.get(key)
-                if not kinds or kinds[kind] <= 0:
-                    continue
-                kinds[kind] -= 1
-                if kinds[kind] == 0:
-                    del kinds[kind]
-                    if not kinds:
-                        del self._key_to_pin_kinds[key]
-                self._index.unpin([key])
-
-    def _add_pins(self, key: str, kind: PinKind, count: int) -> None:
-        """Under the lock, ``key`` indexed."""
-        if count <= 0:
-            return
-        self._key_to_pin_kinds.setdefault(key, Counter())[kind] += count
-        entry = self._index.get(key, touch=False)
-        entry.num_pins += count
+        self.index.unpin(keys, kind)
 
     def pin_counts(self) -> dict[str, int]:
         """Pins held now, per kind (``lookup``, ``read``, ``write_through``, ``fetch``, ``deferred``)."""
-        with self._lock:
-            totals: Counter[str] = Counter()
-            for kinds in self._key_to_pin_kinds.values():
-                for kind, count in kinds.items():
-                    totals[kind.value] += count
-            return dict(totals)
+        return self.index.pin_counts()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "pins_by_kind": self.pin_counts()}
+        gauges = self.index.gauges()
+        return {
+            "num_keys": gauges["num_keys"],
+            "bytes_used": gauges["num_used_slots"] * self.slot_bytes,
+            "capacity_bytes": self.num_slots * self.slot_bytes,
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+            "num_pinned": gauges["num_pinned"],
+            "pinned_memory": self.pinned,
+            **self.index.counters.snapshot(),
+            "pins_by_kind": self.pin_counts(),
+        }
+
+    # ---- reads ---------------------------------------------------------------
+    def get(self, key: str) -> KVChunk | None:
+        """A zero-copy view of the chunk; hold a pin on ``key`` while reading it."""
+        record = self.index.find(key)
+        return None if record is None else KVChunk(self.view(*record), self.layout)
+
+    def pin_and_get(self, keys: Sequence[str]) -> dict[str, KVChunk]:
+        """Pin every present key and return its zero-copy view (the read path of a
+        retrieve). Each returned key holds one READ pin to release with :meth:`unpin`."""
+        # The views are made outside the index's lock: the READ pins keep the slots.
+        return {
+            key: KVChunk(self.view(slot_id, shape), self.layout)
+            for key, (slot_id, shape) in self.index.pin_and_find(keys, PinKind.READ).items()
+        }
 
     def get_encoded(self, key: str) -> bytes | None:
         if self.pin([key], PinKind.READ) == 0:
@@ -224,53 +174,24 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
 
     # ---- writes --------------------------------------------------------------
     def reserve(self, key: str, shape: tuple[int, ...]) -> Reservation | None:
-        """A slot to fill with the chunk stored under ``key``, invisible until :meth:`publish`.
-
-        Evicts least-recently-used unpinned chunks. Returns None when ``key`` is
-        already stored or reserved (same key, same KV: nothing to do). Raises
-        ``CapacityError`` when pinned chunks leave no room.
-        """
+        """A slot to fill with the chunk stored under ``key``, invisible until :meth:`publish`
+        (see :meth:`SlotIndex.reserve`: None when ``key`` is stored or reserved already,
+        ``CapacityError`` when pinned chunks leave no room)."""
         self._check_shape(tuple(shape))
-        with self._lock:
-            if key in self._index or key in self._key_to_reservation:
-                self._index.get(key)  # refresh recency
-                return None
-            if not self._free_slot_ids:
-                # Reserved slots are outside the index but take capacity all the same.
-                victim_keys = self._index.victims_for(1 + len(self._key_to_reservation))
-                if victim_keys is None:
-                    self._counters.add("rejected")
-                    raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")
-                for victim_key in victim_keys:
-                    self._free_slot_ids.append(self._index.remove(victim_key).record[0])
-                self._counters.add("evictions", len(victim_keys))
-            slot_id = self._free_slot_ids.pop()
-            reservation = Reservation(key, slot_id, tuple(shape), self._view(slot_id, tuple(shape)))
-            self._key_to_reservation[key] = reservation
-            return reservation
+        slot = self.index.reserve(key, tuple(shape))
+        return None if slot is None else Reservation(slot, self.view(slot.slot_id, slot.shape))
 
     def publish(
         self, reservation: Reservation, *, num_pins: int = 0, kind: PinKind = PinKind.WRITE_THROUGH
     ) -> None:
-        """Make a filled reservation readable (most recently used), holding ``num_pins``
-        pins (each released with :meth:`unpin`), taken under the same lock so no
-        concurrent put can evict it first (pins of ``kind``). ``ValueError`` for a reservation that is not
-        outstanding (already published or cancelled)."""
-        with self._lock:
-            if self._key_to_reservation.get(reservation.key) is not reservation:
-                raise ValueError(f"reservation of {reservation.key!r} is not outstanding")
-            del self._key_to_reservation[reservation.key]
-            self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape))
-            self._add_pins(reservation.key, kind, num_pins)
-        self._counters.add("puts")
+        """Make a filled reservation readable, holding ``num_pins`` pins of ``kind`` (each
+        released with :meth:`unpin`); ``ValueError`` for one that is not outstanding."""
+        self.index.publish(reservation.slot, num_pins=num_pins, kind=kind)
 
     def cancel(self, reservation: Reservation) -> None:
         """Give back a reservation that will not be filled (the transfer failed); a
         reservation that is no longer outstanding is ignored."""
-        with self._lock:
-            if self._key_to_reservation.get(reservation.key) is reservation:
-                del self._key_to_reservation[reservation.key]
-                self._free_slot_ids.append(reservation.slot_id)
+        self.index.cancel(reservation.slot)
 
     def put(self, key: str, chunk: KVChunk) -> None:
         if chunk.layout != self.layout:
@@ -290,14 +211,7 @@ class PinnedChunkPool(SlabTierMixin, StorageBackend):
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` unless a reader holds a pin on it (its view must stay valid)."""
-        with self._lock:
-            entry = self._index.get(key, touch=False)
-            if entry is None or entry.num_pins > 0:
-                return False
-            self._free_slot_ids.append(self._index.remove(key).record[0])
-            return True
-
-    # keys comes from SlabTierMixin
+        return self.index.delete(key)
 
 
 def _page_aligned_slab(

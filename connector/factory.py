@@ -1,6 +1,7 @@
 """Build an engine's connector objects from an :class:`~connector.config.OffloadConfig`:
-the cache engine over its tiers, and the scheduler-side and worker-side connector that share
-it. Called once per engine (per pipeline stage) at start-up by ``engine``."""
+the cache engine over its tiers, and the scheduler-side and worker-side connector over it
+(a pipeline stage after the first: the worker side alone). Called once per engine (per
+pipeline stage) at start-up by ``engine``."""
 
 from __future__ import annotations
 
@@ -68,6 +69,82 @@ def create_cache_engine(
     return engine
 
 
+def _breakers_for(tiers: TierManager, config: OffloadConfig) -> dict[str, CircuitBreaker]:
+    """One circuit breaker per lower tier (the tiers' own reads and writes use them too)."""
+    name_to_breaker = {
+        tier.name: CircuitBreaker(tier.name, backoff_s=config.breaker_backoff_s) for tier in tiers.lower
+    }
+    tiers.breakers = name_to_breaker
+    return name_to_breaker
+
+
+def _fetches(config: OffloadConfig, tiers: TierManager) -> bool:
+    """Whether lower-tier chunks are fetched into the CPU tier in the background (else a
+    step reads them: no CPU tier, or synchronous loads)."""
+    return bool(config.async_loads and tiers.cpu is not None and tiers.lower)
+
+
+def _worker_over(
+    cache_engine: CacheEngine,
+    config: OffloadConfig,
+    name_to_breaker: dict[str, CircuitBreaker] | None,
+    dtype: torch.dtype,
+) -> OffloadWorker:
+    """The worker side over ``cache_engine``'s tiers, with a fetcher when fetches run."""
+    tiers = cache_engine.tiers
+    fetcher = None
+    if name_to_breaker is not None:
+        fetcher = ChunkFetcher(
+            tiers.cpu,
+            {tier.name: tier for tier in tiers.lower},
+            name_to_breaker,
+            reads_in_flight=config.reads_in_flight,
+            dtype=dtype,
+            layout=tiers.cpu.layout,
+        )
+        weakref.finalize(cache_engine, fetcher.close)
+    return OffloadWorker(
+        cache_engine,
+        layerwise=config.layerwise,
+        fetcher=fetcher,
+        pipelined_loads=config.pipelined_loads,
+    )
+
+
+def create_worker_connector(
+    config: OffloadConfig,
+    *,
+    model_id: str,
+    dtype: torch.dtype,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    layer_range: tuple[int, int, int] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> KVConnectorWorker:
+    """The worker side alone, over tiers of its own: a pipeline stage after the first or
+    a tensor-parallel rank after the first, whose scheduler side is the engine process's.
+    It runs from the metadata alone: no lookups, planner or prober of its own (one per
+    engine is enough)."""
+    cache_engine = create_cache_engine(
+        config,
+        model_id=model_id,
+        dtype=dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=device,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        layer_range=layer_range,
+    )
+    tiers = cache_engine.tiers
+    name_to_breaker = _breakers_for(tiers, config) if _fetches(config, tiers) else None
+    return _worker_over(cache_engine, config, name_to_breaker, dtype)
+
+
 def create_kv_connector(
     config: OffloadConfig,
     *,
@@ -83,9 +160,10 @@ def create_kv_connector(
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """The scheduler-side and worker-side connector of one engine, sharing one cache engine
-    (stage 0 still shares its CPU tier's index and pins and its write gate; everything else
-    goes between them as plain data: the metadata and the worker's reports).
+    """The scheduler-side and worker-side connector of one engine (the first pipeline
+    stage), over one cache engine: the scheduler side reads and pins the CPU tier's
+    index only (``SlotIndex``), the lookups read the lower tiers; everything else goes
+    between them as plain data (the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range``, a tensor-parallel rank its ``tp_rank`` and
     ``tp_size`` and its own ``num_kv_heads`` (see :func:`create_cache_engine`)."""
@@ -102,7 +180,7 @@ def create_kv_connector(
         layer_range=layer_range,
     )
     tiers = cache_engine.tiers
-    lookups = planner = fetcher = prober = None
+    lookups = planner = prober = None
     if tiers.cpu is not None and (config.async_loads or not tiers.lower):
         # Every load then reads the CPU tier: the planner measures its rate from them (the
         # scheduler's prefill cap sizes loads by it, a CPU tier alone too) and plans fetches.
@@ -115,24 +193,13 @@ def create_kv_connector(
             reads_in_flight=config.reads_in_flight,
             max_fetch_bytes=tiers.cpu.num_slots * tiers.cpu.slot_bytes,
         )
-    if config.async_loads and tiers.cpu is not None and tiers.lower:
-        name_to_breaker = {
-            tier.name: CircuitBreaker(tier.name, backoff_s=config.breaker_backoff_s) for tier in tiers.lower
-        }
-        tiers.breakers = name_to_breaker
+    name_to_breaker = None
+    if _fetches(config, tiers):
+        name_to_breaker = _breakers_for(tiers, config)
         lookups = TierLookups(
             tiers, name_to_breaker, wait_s=config.lookup_wait_s, timeout_s=config.lookup_timeout_s
         )
-        fetcher = ChunkFetcher(
-            tiers.cpu,
-            {tier.name: tier for tier in tiers.lower},
-            name_to_breaker,
-            reads_in_flight=config.reads_in_flight,
-            dtype=dtype,
-            layout=tiers.cpu.layout,
-        )
         weakref.finalize(cache_engine, lookups.close)
-        weakref.finalize(cache_engine, fetcher.close)
         remotes = {tier.name: tier for tier in tiers.lower if tier.name in PROBED_TIER_NAMES}
         if (
             planner is not None
@@ -161,16 +228,11 @@ def create_kv_connector(
         block_size=block_size,
         lookups=lookups,
         planner=planner,
-        fetches=fetcher is not None,
+        fetches=name_to_breaker is not None,
         pipelined_loads=config.pipelined_loads,
         prober=prober,
     )
     if prober is not None:
         prober.busy = scheduler.is_fetching_from  # a tier fetches read is measured by them
-    worker = OffloadWorker(
-        cache_engine,
-        layerwise=config.layerwise,
-        fetcher=fetcher,
-        pipelined_loads=config.pipelined_loads,
-    )
+    worker = _worker_over(cache_engine, config, name_to_breaker, dtype)
     return scheduler, worker

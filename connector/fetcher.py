@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from connector.base import FetchSpec
 from connector.breaker import CircuitBreaker
-from connector.cpu_tier import PinKind, PinnedChunkPool
+from connector.cpu_tier import PinnedChunkPool
+from connector.slot_index import PinKind
 from storage_backends.base import CapacityError, StorageBackend
 from storage_backends.thread_pools import started_thread_pool
 

@@ -34,7 +34,6 @@ from connector.base import (
     WorkerReport,
 )
 from connector.cache_engine import CacheEngine
-from connector.cpu_tier import PinKind
 from connector.lookup import TierLookups
 from connector.planner import LoadDecision, LoadPlanner
 from connector.request_transfer import (
@@ -45,8 +44,8 @@ from connector.request_transfer import (
     TransferPhase,
     TransferRegistry,
 )
+from connector.slot_index import PinKind, SlotIndex
 from connector.tier_probe import TierProber
-from connector.tiers import LOAD_WRITE_HOLD_S
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +83,12 @@ class OffloadScheduler(KVConnectorScheduler):
         prober: TierProber | None = None,
     ) -> None:
         self.cache_engine = cache_engine
+        cpu = cache_engine.tiers.cpu
+        #: the CPU tier's index (which chunk each slot holds, pins; no memory): the only
+        #: part of the CPU tier this side reads or pins (None: no CPU tier)
+        self.cpu_index: SlotIndex | None = None if cpu is None else cpu.index
+        #: the CPU tier is a staging area (fetched chunks only: stores skip it)
+        self.cpu_staging = cpu is not None and cpu.staging
         self.registry = registry
         self.block_size = block_size
         self.chunk_size = cache_engine.token_db.chunk_size
@@ -216,11 +221,11 @@ class OffloadScheduler(KVConnectorScheduler):
                 names = [tier.name for tier in tiers.tiers]
                 name = names[0] if len(names) == 1 else "lower"
                 transfer.looked_up([name] * tiers.contains_prefix(keys))
-            elif num_computed_tokens >= num_loadable_end and not self.cache_engine.tiers.cpu.staging:
+            elif num_computed_tokens >= num_loadable_end and not self.cpu_staging:
                 # A full GPU hit loads nothing: the CPU tier's answer is enough (for saves;
                 # a staging area holds no stores, so there the lower tiers are asked).
-                cpu = self.cache_engine.tiers.cpu
-                transfer.looked_up(["cpu"] * (cpu.contains(keys) if cpu is not None else 0))
+                index = self.cpu_index
+                transfer.looked_up(["cpu"] * (index.contains(keys) if index is not None else 0))
             else:
                 if transfer.lookup is None:
                     transfer.lookup_started(self.lookups.start(keys))
@@ -229,10 +234,9 @@ class OffloadScheduler(KVConnectorScheduler):
                     return None
                 transfer.looked_up(list(found))
             return transfer.chunk_tiers
-        cpu = self.cache_engine.tiers.cpu
-        if cpu is None or self.lookups is None:
+        if self.cpu_index is None or self.lookups is None:
             return transfer.chunk_tiers
-        num_cpu = cpu.contains(keys)
+        num_cpu = self.cpu_index.contains(keys)
         cached = transfer.chunk_tiers
         merged = ["cpu"] * num_cpu
         for index in range(num_cpu, len(cached)):
@@ -350,9 +354,6 @@ class OffloadScheduler(KVConnectorScheduler):
             num_hit if num_hit == len(transfer.prompt) else num_hit - num_hit % self.chunk_size
         )
         if grant.num_load_tokens > 0:
-            # From here until the load's copies are queued and done, the step thread needs
-            # the host: the disk tier's background writes wait (the worker releases them).
-            self.cache_engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
             self._add_load(transfer, block_ids, num_gpu_hit, num_load_end)
         if done_fetch is not None:
             self._release_fetch(done_fetch)  # the load's lookup pins hold its chunks now
@@ -376,7 +377,7 @@ class OffloadScheduler(KVConnectorScheduler):
                 taken = set(transfer.deferred_keys)
             unpinned = [key for key in transfer.deferred_keys if key in taken]
             if unpinned:
-                self.cache_engine.tiers.cpu.unpin(unpinned, PinKind.DEFERRED)
+                self.cpu_index.unpin(unpinned, PinKind.DEFERRED)
             transfer.deferred_piece_loaded(num_start, num_end, set(unpinned))
             return
         fetch = transfer.fetch
@@ -410,10 +411,9 @@ class OffloadScheduler(KVConnectorScheduler):
         chunks of [num_start, num_end) for the request (those still there; the rest of the
         hit after a missing one is recomputed) and stop its compute at ``num_start`` until
         they are loaded."""
-        cpu = self.cache_engine.tiers.cpu
         spans = transfer.spans
         keys = [span.key for span in spans if span.end > num_start and span.start < num_end]
-        num_pinned = cpu.pin(keys, PinKind.DEFERRED) if cpu is not None else 0
+        num_pinned = self.cpu_index.pin(keys, PinKind.DEFERRED) if self.cpu_index is not None else 0
         if num_pinned == 0:
             return
         last = next(span for span in spans if span.key == keys[num_pinned - 1])
@@ -425,7 +425,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if transfer.fetch is not None:
             self._release_fetch(transfer.fetch)
         if transfer.deferred_keys:
-            self.cache_engine.tiers.cpu.unpin(list(transfer.deferred_keys), PinKind.DEFERRED)
+            self.cpu_index.unpin(list(transfer.deferred_keys), PinKind.DEFERRED)
 
     def _release_fetch(self, fetch: FetchState) -> None:
         """Nobody loads ``fetch``'s chunks any more: the worker side drops its pins (and stops
@@ -563,10 +563,6 @@ class OffloadScheduler(KVConnectorScheduler):
             transfer.fetch is not None and not transfer.fetch.done and tier_name in transfer.fetch.tier_names
             for transfer in self.registry.transfers()
         )
-
-    def flush(self) -> None:
-        self.cache_engine.publish_finished_stores(wait=True)
-        self.cache_engine.tiers.flush()
 
     def request_stats(self, request_id: str) -> RequestTransferStats | None:
         return self.registry.stats(request_id)

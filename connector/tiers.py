@@ -31,7 +31,8 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 
 from connector.config import OffloadConfig
-from connector.cpu_tier import PinKind, PinnedChunkPool, Reservation
+from connector.cpu_tier import PinnedChunkPool, Reservation
+from connector.slot_index import PinKind
 from connector.token_db import KV_LAYOUT
 from connector.write_buffers import PrivateWriteBuffers
 from storage_backends import create_backend

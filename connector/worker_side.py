@@ -144,6 +144,10 @@ class OffloadWorker(KVConnectorWorker):
         self._num_saves_queued = 0
         self._releases_applied = not metadata.released_fetch_ids
         self._failures_reported = False
+        if metadata.loads:
+            # From here until the loads' copies are queued and done, the step thread needs
+            # the host: the lower tiers' background writes wait (released in _finish_loads).
+            self.cache_engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
 
     # ---- loads ---------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -163,8 +167,6 @@ class OffloadWorker(KVConnectorWorker):
         if self.kv_cache is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
         engine = self.cache_engine
-        # The lower tiers' background writes wait until the loads are done (_finish_loads).
-        engine.tiers.write_gate.hold(LOAD_WRITE_HOLD_S)
         for spec in self._metadata.loads:
             began = time.perf_counter()
             plan = engine.plan_load(
@@ -364,6 +366,10 @@ class OffloadWorker(KVConnectorWorker):
     def finish_saves(self) -> None:
         """Block until every save issued so far has read its blocks and is published."""
         self.cache_engine.publish_finished_stores(wait=True)
+
+    def flush(self) -> None:
+        self.finish_saves()
+        self.cache_engine.tiers.flush()
 
     def take_report(self) -> WorkerReport:
         """What this side did since the last report: saves that read their blocks, finished

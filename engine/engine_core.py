@@ -355,7 +355,7 @@ class EngineCore:
         """Block until every save is in the CPU tier and every queued write-through to
         lower offload tiers was attempted."""
         if self.scheduler.connector is not None:
-            self.scheduler.connector.flush()
+            self.runner.connector.flush()
             if self.pipeline is not None:
                 self.pipeline.flush_connectors()
             self._free_sent_blocks()

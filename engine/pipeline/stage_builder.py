@@ -56,9 +56,9 @@ class PipelineStageBuilder:
         )
 
     def create_connectors(self, spec, kv_offload, block_size: int, model_id: str):
-        """A stage's connector pair over its layers (its namespace names its layer range,
-        its tiers are its share: `stage_offload_config`). The first stage's scheduler side
-        is the engine's; a later stage uses its scheduler side only to flush its tiers."""
+        """The first stage's connector pair over its layers (its namespace names its layer
+        range, its tiers are its share: `stage_offload_config`); its scheduler side is the
+        engine's."""
         from connector import create_kv_connector
         from engine.step_time import StepTimeModel
 
@@ -73,6 +73,24 @@ class PipelineStageBuilder:
             block_size=block_size,
             device=torch.device(spec.device),
             step_times=StepTimeModel(),
+            layer_range=layout.layer_range,
+        )
+
+    def create_worker_connector(self, spec, kv_offload, model_id: str):
+        """A later stage's worker-side connector over its layers and its share of the tiers;
+        its scheduler side is the first stage's (in another process): it runs from the
+        metadata alone, with no lookups, planner or tier prober of its own."""
+        from connector import create_worker_connector
+
+        layout: StageLayout = spec.layout
+        return create_worker_connector(
+            stage_offload_config(kv_offload, layout),
+            model_id=model_id,
+            dtype=spec.dtype,
+            num_layers=layout.num_layers,
+            num_kv_heads=spec.model_config.num_kv_heads,
+            head_dim=spec.model_config.head_dim,
+            device=torch.device(spec.device),
             layer_range=layout.layer_range,
         )
 

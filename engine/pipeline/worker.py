@@ -100,11 +100,9 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         model = builder.load_model(spec, groups)
         conn.send(("loaded", None))
         allocation: StageAllocation = conn.recv()
-        connector = connector_scheduler_side = None
+        connector = None
         if allocation.kv_offload is not None:
-            connector_scheduler_side, connector = builder.create_connectors(
-                spec, allocation.kv_offload, allocation.block_size, allocation.model_id
-            )
+            connector = builder.create_worker_connector(spec, allocation.kv_offload, allocation.model_id)
         runner = builder.build_runner(
             spec, groups, model, allocation.num_blocks, allocation.block_size, connector
         )
@@ -113,16 +111,14 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         conn.send(("error", traceback.format_exc()))
         return
     try:
-        _serve_steps(runner, connector_scheduler_side, conn)
+        _serve_steps(runner, conn)
     finally:
         if runner.connector is not None:
             runner.connector.close()
         runner.link.drain()
 
 
-def _serve_steps(
-    runner: StageRunner, connector_scheduler_side, conn: multiprocessing.connection.Connection
-) -> None:
+def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connection) -> None:
     while True:
         try:
             message = conn.recv()
@@ -131,8 +127,8 @@ def _serve_steps(
         if message == STOP:
             return
         if message == FLUSH:
-            if connector_scheduler_side is not None:
-                connector_scheduler_side.flush()
+            if runner.connector is not None:
+                runner.connector.flush()
             conn.send(("flushed", None))
             continue
         plan: StagePlan = message

@@ -64,30 +64,23 @@ class TensorParallelStageBuilder:
         )
 
     def create_connectors(self, spec, kv_offload, block_size: int, model_id: str):
-        """The rank's connector pair over its stage's layers and its KV heads: a namespace
-        naming both, 1/(M·N) of the byte caps, the folder `ppM-stageK/tpN-rankR` (with
-        one stage: its KV heads, 1/N of the caps, the folder `tpN-rankR`)."""
+        """The engine's process's connector pair (stage 0, rank 0): its scheduler side is
+        the engine's (`_connector_args`)."""
         from connector import create_kv_connector
         from engine.step_time import StepTimeModel
 
-        layout = rank_layout(spec.model_config, spec.tp_rank, spec.tp_size)
-        stages = spec.layout.num_stages > 1  # one stage: the folders and keys of ranks alone
-        if stages:
-            kv_offload = stage_offload_config(kv_offload, spec.layout)
+        config, kwargs = _connector_args(spec, kv_offload)
         return create_kv_connector(
-            rank_offload_config(kv_offload, layout),
-            model_id=model_id,
-            dtype=spec.dtype,
-            num_layers=spec.layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=spec.model_config.head_dim,
-            block_size=block_size,
-            device=torch.device(spec.device),
-            step_times=StepTimeModel(),
-            layer_range=spec.layout.layer_range if stages else None,
-            tp_rank=layout.rank,
-            tp_size=layout.size,
+            config, block_size=block_size, step_times=StepTimeModel(), model_id=model_id, **kwargs
         )
+
+    def create_worker_connector(self, spec, kv_offload, model_id: str):
+        """Any other rank's worker-side connector: it runs from the metadata alone (its
+        scheduler side is rank 0's, in the engine's process)."""
+        from connector import create_worker_connector
+
+        config, kwargs = _connector_args(spec, kv_offload)
+        return create_worker_connector(config, model_id=model_id, **kwargs)
 
     def build_runner(self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector):
         device = torch.device(spec.device)
@@ -112,3 +105,24 @@ class TensorParallelStageBuilder:
             connector,
             group=groups.tensor_parallel,
         )
+
+
+def _connector_args(spec, kv_offload) -> tuple:
+    """A rank's offload config and connector arguments: its stage's layers and its KV
+    heads, a namespace naming both, 1/(M·N) of the byte caps and the folder
+    `ppM-stageK/tpN-rankR` (with one stage: its KV heads, 1/N of the caps, the folder
+    `tpN-rankR`)."""
+    layout = rank_layout(spec.model_config, spec.tp_rank, spec.tp_size)
+    stages = spec.layout.num_stages > 1  # one stage: the folders and keys of ranks alone
+    if stages:
+        kv_offload = stage_offload_config(kv_offload, spec.layout)
+    return rank_offload_config(kv_offload, layout), {
+        "dtype": spec.dtype,
+        "num_layers": spec.layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": spec.model_config.head_dim,
+        "device": torch.device(spec.device),
+        "layer_range": spec.layout.layer_range if stages else None,
+        "tp_rank": layout.rank,
+        "tp_size": layout.size,
+    }

@@ -195,7 +195,9 @@ def test_slot_mapping_refuses_more_tokens_than_the_blocks_hold():
         slot_mapping_for([3, 4], 4, 9)
 
 
-def test_background_writes_wait_from_a_loads_admission_until_its_loads_are_done():
+def test_background_writes_wait_from_a_steps_loads_until_they_are_done():
+    """The worker side holds the write gate (the disk writers are its threads) from the
+    metadata that carries loads until they are done; the scheduler side never touches it."""
     engine, scheduler, worker = roles(layerwise=True)
     gate = engine.tiers.write_gate
     prompt = list(range(200, 230))
@@ -208,11 +210,12 @@ def test_background_writes_wait_from_a_loads_admission_until_its_loads_are_done(
     num_external = grant.num_load_tokens
     assert num_external > 0 and not gate.is_held
     scheduler.update_state_after_alloc(request, block_ids, grant)
-    assert gate.is_held  # from admission on
     metadata = scheduler.build_connector_meta(
         [scheduled(request, block_ids, num_external, 30 - num_external)]
     )
+    assert not gate.is_held  # nothing held by the scheduler side
     worker.bind_connector_metadata(metadata)
+    assert gate.is_held  # from the step's metadata with loads on
     worker.start_load_kv()
     assert gate.is_held  # while the loads are queued and copied
     for layer in range(2):

@@ -80,7 +80,7 @@ def test_capacity_smaller_than_one_chunk_is_a_clear_error():
 
 
 def test_pins_of_each_kind_are_counted_and_released_on_their_own():
-    from connector.cpu_tier import PinKind
+    from connector.slot_index import PinKind
 
     tier = pool(2)
     tier.put("a", chunk())

@@ -165,7 +165,7 @@ def test_a_store_with_a_private_buffer_never_publishes_another_stores_slot(tmp_p
     read_slots = random_slots(8, 9)
     assert bool(engine.retrieve(seq(0), kv_caches=out, slot_mapping=read_slots).all())
     assert torch.equal(token_rows(out, read_slots), token_rows(kv, slots))
-    assert engine.tiers.num_pinned() == 0 and engine.tiers.cpu._index.num_pinned() == 0
+    assert engine.tiers.num_pinned() == 0 and engine.tiers.cpu.stats()["num_pinned"] == 0
     engine.tiers.close()
 
 

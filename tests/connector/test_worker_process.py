@@ -61,7 +61,9 @@ def serve_worker_side(conn, redis_url: str) -> None:
                 worker.wait_for_layer_load(layer)
                 worker.save_kv_layer(layer)
             worker.wait_for_save()
-            worker.finish_saves()  # every save of the step read its blocks
+            # every save of the step read its blocks and reached Redis (the scheduler side
+            # looks there next; without it a lookup can race the write-through)
+            worker.flush()
             conn.send((worker.take_report(), token_rows(kv_cache, slots).clone()))
     finally:
         worker.close()

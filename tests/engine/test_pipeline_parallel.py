@@ -251,6 +251,45 @@ def test_pp2_disk_hits_and_a_chunk_missing_on_one_stage(offload_case) -> None:
         pp1_llm.engine.runner.connector.close()
 
 
+def test_pp2_flushes_every_stages_writes_to_redis_and_hits_them(tiny_model_dir, redis_server) -> None:
+    """A later stage builds its worker side alone (its scheduler side is the first
+    stage's) and flushes through it: after ``flush_kv_offload`` every stage's chunks are
+    in Redis (each under its own layer-range namespace), and a fresh engine of two
+    stages with no CPU tier loads them from Redis, with PP=1's tokens."""
+    import redis
+
+    redis_server.flushall()
+    model_dir = tiny_model_dir("llama")
+    pp1 = _token_ids(LLM(model_dir, dtype="float32", device="cpu").generate(PROMPTS[3:5], GREEDY))
+    config = OffloadConfig(chunk_size=64, cpu_bytes=16 << 20, remote_url=redis_server.url)
+    llm = LLM(model_dir, dtype="float32", device="cpu", pipeline_parallel_size=2, kv_offload=config)
+    try:
+        assert _token_ids(llm.generate(PROMPTS[3:5], GREEDY)) == pp1
+        llm.flush_kv_offload()
+        with redis.Redis(port=redis_server.port) as client:
+            keys = [key.decode() for key in client.scan_iter("*")]
+    finally:
+        llm.engine.shutdown()
+        llm.engine.runner.connector.close()
+    # 150 and 300 tokens: 2 + 4 whole chunks of 64 and 2 partial ones, per stage
+    namespaces = {key.rsplit(":", 1)[0] for key in keys}
+    assert len(keys) == 2 * 8 and len(namespaces) == 2, keys
+    fresh = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        pipeline_parallel_size=2,
+        kv_offload=OffloadConfig(chunk_size=64, cpu_bytes=0, remote_url=redis_server.url),
+    )
+    try:
+        outputs = fresh.generate(PROMPTS[3:5], GREEDY)
+        assert _token_ids(outputs) == pp1
+        assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"redis": 149}, {"redis": 299}]
+    finally:
+        fresh.engine.shutdown()
+        fresh.engine.runner.connector.close()
+
+
 def test_serve_with_two_stages_answers_like_one_stage_and_stops_them(tiny_model_dir) -> None:
     import httpx
 

@@ -208,7 +208,6 @@ class EngineArgs:
             unsupported = {
                 "cpu_offload_gb": bool(self.cpu_offload_gb),
                 "deterministic": self.deterministic,
-                "async_scheduling": self.async_scheduling,
             }
             for name, is_set in unsupported.items():
                 if is_set:

@@ -8,6 +8,8 @@ pass; the pipeline headers carry them on to the later stages, as without ranks."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -49,8 +51,6 @@ class TensorParallelStageBuilder:
         return StageGroups(pipeline, TensorParallelGroup(stage_group, rank, size, spec.backend))
 
     def load_model(self, spec, groups: StageGroups) -> torch.nn.Module:
-        from pathlib import Path
-
         model_dir = None if spec.model_dir is None else Path(spec.model_dir)
         return load_rank_stage_model(
             spec.model_config,

@@ -100,8 +100,8 @@ def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None
         ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"
     ):
         LLM(model_dir, device="cpu", tensor_parallel_size=3, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size"):
-        LLM(model_dir, device="cpu", tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="deterministic is not supported with tensor_parallel_size"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=2, deterministic=True)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])
@@ -168,6 +168,21 @@ def test_tp2_verifies_drafts_and_samples_seeded_like_one_rank(tp_case) -> None:
     seeded = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=11)
     one_rank = LLM(model_dir, dtype="float32", device="cpu").generate(PROMPTS[:4], seeded)
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], seeded)] == [o.token_ids for o in one_rank]
+
+
+def test_tp2_with_async_scheduling_takes_rank_0s_samples_as_input_ids(tp_case) -> None:
+    """Two steps in flight: a step's input ids include the previous step's samples, which
+    only rank 0 has (on its device); it fills them and broadcasts the ids to rank 1."""
+    _, expected, llm = tp_case
+    engine = llm.engine
+    rank0 = engine.pipeline.runner
+    filled_before = rank0.num_device_filled_input_ids
+    engine.set_async_scheduling(True)
+    try:
+        assert _token_ids(llm.generate(PROMPTS, GREEDY)) == expected
+    finally:
+        engine.set_async_scheduling(False)
+    assert rank0.num_device_filled_input_ids > filled_before
 
 
 def test_tp2_replicates_a_single_kv_head_with_random_weights_like_one_rank() -> None:

@@ -18,7 +18,7 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -34,6 +34,75 @@ class ConnectorRequest(Protocol):
     num_computed_tokens: int
     #: the request's salt (None: none); it seeds the chain of its chunk keys (docs/architecture.md, Connector)
     cache_salt: str | None
+    #: a consumer's request: what the producer that computed its prompt made durable in the
+    #: shared tier (None: none; read with ``getattr``, a request may lack it)
+    kv_transfer_params: KVTransferParams | None
+
+
+#: the version of the ``kv_transfer_params`` object this code writes and reads
+PARAMS_VERSION = 1
+
+
+#: why a consumer recomputed part of what the producer handed it (its log line, ``/metrics``)
+FALLBACK_REASONS = (
+    "namespace",  # the producer's KV is of another model, dtype, layout or chunk size
+    "missing",  # the lookup found fewer chunks (deleted, evicted, the tier unreachable)
+    "timeout",  # the fetch's deadline ended it before every chunk came
+    "fetch",  # a read failed or a value was corrupt
+    "load",  # a fetched chunk could not be loaded into the paged cache
+    "short",  # fewer tokens loaded than handed over, for another reason
+)
+
+
+class KVTransferParams(NamedTuple):
+    """What a producer's response says of a request's KV (``kv_transfer_params``): its
+    leading ``num_chunks`` chunks (``num_tokens`` prompt tokens) are durable in the
+    shared tier under keys of ``namespace`` (the consumer's must be equal) and
+    ``chunk_size`` tokens per chunk; ``tier`` names that tier (``redis`` or ``grpc``)."""
+
+    namespace: str
+    chunk_size: int
+    num_chunks: int
+    num_tokens: int
+    tier: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kvstash_version": PARAMS_VERSION,
+            "durable": True,
+            "namespace": self.namespace,
+            "chunk_size": self.chunk_size,
+            "num_chunks": self.num_chunks,
+            "num_tokens": self.num_tokens,
+            "tier": self.tier,
+        }
+
+    @classmethod
+    def from_dict(cls, value: object) -> KVTransferParams:
+        """Parse a request's ``kv_transfer_params``; ValueError names what is wrong."""
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(value).__name__}")
+        if value.get("kvstash_version") != PARAMS_VERSION:
+            raise ValueError(
+                f"kv_transfer_params.kvstash_version must be {PARAMS_VERSION}, "
+                f"got {value.get('kvstash_version')!r}"
+            )
+        if value.get("durable") is not True:
+            raise ValueError("kv_transfer_params.durable must be true (a producer's response says so)")
+        fields = {}
+        for name, kind in (("namespace", str), ("tier", str)):
+            item = value.get(name)
+            if not isinstance(item, kind) or not item:
+                raise ValueError(f"kv_transfer_params.{name} must be a non-empty string, got {item!r}")
+            fields[name] = item
+        for name, low in (("chunk_size", 1), ("num_chunks", 0), ("num_tokens", 0)):
+            item = value.get(name)
+            if isinstance(item, bool) or not isinstance(item, int) or item < low:
+                raise ValueError(f"kv_transfer_params.{name} must be an integer >= {low}, got {item!r}")
+            fields[name] = item
+        if fields["num_tokens"] > fields["num_chunks"] * fields["chunk_size"]:
+            raise ValueError("kv_transfer_params.num_tokens exceeds num_chunks * chunk_size")
+        return cls(**fields)
 
 
 class ScheduledRequest(NamedTuple):
@@ -201,6 +270,9 @@ class RequestTransferStats(NamedTuple):
     num_planned_recompute_tokens: int = 0
     #: the planner's decision in words (for the request's log line)
     plan: str = ""
+    #: a consumer's request recomputed part of what its producer handed over: why
+    #: (:data:`FALLBACK_REASONS`); "" otherwise
+    pd_fallback: str = ""
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -275,6 +347,15 @@ class KVConnectorScheduler(abc.ABC):
         """Transfer figures for a finished request (None when unknown)."""
         return None
 
+    def durable_transfer_params(  # noqa: B027 - optional hook
+        self, request_id: str, prompt: Sequence[int], cache_salt: str | None
+    ) -> KVTransferParams | None:
+        """A producer's hand-over of a finished request: block until its prompt's chunks are
+        in the shared tier (or no write can bring more, or a timeout), and say how many
+        leading ones are. Any thread (it waits on I/O: never the step thread). None: this
+        connector has no shared tier."""
+        return None
+
 
 class KVConnectorWorker(abc.ABC):
     """Worker-side role: moves KV between the paged cache and the tiers."""
@@ -321,6 +402,10 @@ class KVConnectorWorker(abc.ABC):
         """Block until every save issued so far has read its blocks. The model runner
         calls it before a step whose plan freed blocks by preemption, since that step
         may rewrite them; connectors whose saves end within ``wait_for_save`` need nothing."""
+
+    def attach_kv_events(self, record) -> None:  # noqa: B027 - optional hook, default no-op
+        """Tell ``record(kind, medium, keys)`` what the tiers hold and every change after
+        (the engine's KV events); called once at start-up by the engine core."""
 
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every save issued so far is stored and every write queued for lower

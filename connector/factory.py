@@ -14,10 +14,10 @@ from connector.breaker import CircuitBreaker
 from connector.cache_engine import CacheEngine
 from connector.config import OffloadConfig
 from connector.fetcher import ChunkFetcher
+from connector.handoff import HandoffScheduler
 from connector.lookup import TierLookups
 from connector.planner import LoadPlanner, StepTimes
 from connector.request_transfer import TransferRegistry
-from connector.scheduler_side import OffloadScheduler
 from connector.tier_probe import PROBE_KEY_SUFFIX, PROBED_TIER_NAMES, TierProber
 from connector.tiers import TierManager
 from connector.token_db import TokenDatabase, namespace_fingerprint
@@ -222,7 +222,7 @@ def create_kv_connector(
             prober.start()
             weakref.finalize(cache_engine, prober.close)
             tiers.on_close(prober.close)  # it writes and reads the tiers: it stops first
-    scheduler = OffloadScheduler(
+    scheduler = HandoffScheduler(
         cache_engine,
         TransferRegistry(),
         block_size=block_size,

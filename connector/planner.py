@@ -113,6 +113,8 @@ class LoadPlanner:
         self.deadline_fraction = deadline_fraction
         #: load every hit and wait for it (``load_policy: always``): no recompute trade-off
         self.always_load = always_load
+        #: how long such a fetch may take (``forced_loading`` may shorten it)
+        self._always_deadline_s = ALWAYS_LOAD_DEADLINE_S
         #: what each tier delivered, per reads in flight (its prior until measured)
         self.rates = TierRates(tier_priors, alpha=alpha, clock=clock)
         #: seconds between two background measurements of a tier the plans skip (0: never)
@@ -153,16 +155,17 @@ class LoadPlanner:
         return self.rates.priors
 
     @contextlib.contextmanager
-    def forced_loading(self) -> Iterator[None]:
+    def forced_loading(self, deadline_s: float = ALWAYS_LOAD_DEADLINE_S) -> Iterator[None]:
         """Within the block, plan like ``load_policy: always`` (load every hit, wait for
-        it). For warm-ups that must take a tier's load path whatever the rates say; the
-        caller runs requests one at a time inside it (planning is on the step thread)."""
-        previous = self.always_load
-        self.always_load = True
+        it), a fetch waiting at most ``deadline_s``. For warm-ups that must take a tier's
+        load path whatever the rates say, and for a consumer's hand-over from a producer
+        (``connector.handoff``); planning is on the step thread, one request at a time."""
+        previous = self.always_load, self._always_deadline_s
+        self.always_load, self._always_deadline_s = True, deadline_s
         try:
             yield
         finally:
-            self.always_load = previous
+            self.always_load, self._always_deadline_s = previous
 
     # ---- measurements ------------------------------------------------------------
     def observe_read(
@@ -322,7 +325,7 @@ class LoadPlanner:
             num_fetch_chunks=tail_end - first_tail,
             num_fetch_end=num_fetch_end,
             fetch_deadline_s=(
-                ALWAYS_LOAD_DEADLINE_S
+                self._always_deadline_s
                 if self.always_load
                 else head_s + self.deadline_fraction * step_times.prefill_seconds(num_head_end, num_fetch_end)
             ),

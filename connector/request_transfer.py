@@ -38,16 +38,19 @@ reports (``WorkerReport.fetches``) come in through :class:`TransferRegistry`.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from connector.base import FetchProgress, RequestTransferStats
+from connector.base import FetchProgress, KVTransferParams, RequestTransferStats
 from connector.lookup import PendingLookup
 from connector.planner import LoadDecision
 from connector.token_db import ChunkSpan
+
+log = logging.getLogger(__name__)
 
 #: finished requests whose figures stay available to ``stats``
 MAX_FINISHED_STATS = 10_000
@@ -105,6 +108,8 @@ class RequestFigures:
     tier_to_loaded_tokens: Counter = field(default_factory=Counter)
     num_planned_recompute_tokens: int = 0
     plan: str = ""
+    #: a consumer's request recomputed part of its producer's hand-over: why ("" otherwise)
+    pd_fallback: str = ""
 
     def to_stats(self) -> RequestTransferStats:
         return RequestTransferStats(
@@ -118,6 +123,7 @@ class RequestFigures:
             dict(self.tier_to_loaded_tokens),
             self.num_planned_recompute_tokens,
             self.plan,
+            self.pd_fallback,
         )
 
 
@@ -156,6 +162,56 @@ class RequestTransfer:
     #: DEFERRED: chunks of that rest pinned for it in the CPU tier (``PinKind.DEFERRED``),
     #: released as each piece's load takes them over, or at an abort or a preemption
     deferred_keys: tuple[str, ...] = ()
+    #: a consumer's request: what its producer made durable in the shared tier (connector.handoff)
+    handoff: KVTransferParams | None = None
+    #: the first thing that went wrong with the hand-over (a reason of
+    #: ``connector.handoff.FALLBACK_REASONS``); it counts only if tokens were recomputed
+    handoff_problem: str = ""
+
+    # ---- the hand-over of disaggregated prefill/decode ----------------------------------
+    def handed_off(self, params: KVTransferParams, key_head: str, chunk_size: int) -> None:
+        """Its prompt was computed by a producer, which made ``params`` durable. KV of
+        another namespace (``key_head``: the key prefix and namespace of this engine's
+        chunks) or chunk size is never looked for: the request recomputes it."""
+        if params.namespace != key_head or params.chunk_size != chunk_size:
+            self.handoff_problem = "namespace"
+            self.figures.pd_fallback = "namespace"
+            log.warning(
+                "P/D: request %s: the producer's KV is of namespace %s (chunks of %d), this engine's "
+                "%s (chunks of %d); recomputing its prompt",
+                self.request_id,
+                params.namespace,
+                params.chunk_size,
+                key_head,
+                chunk_size,
+            )
+            return
+        self.handoff = params
+
+    def _handoff_went_wrong(self, reason: str) -> None:
+        if self.handoff is not None and not self.handoff_problem:
+            self.handoff_problem = reason
+
+    def _check_handoff(self) -> None:
+        """At its end: fewer prompt tokens hit or loaded than the producer handed over means
+        they were recomputed; record why (the engine's metrics count it) and say so."""
+        params = self.handoff
+        if params is None or self.figures.pd_fallback or self.num_expected_computed is None:
+            return  # no hand-over, told already, or never computed (aborted while waiting)
+        figures = self.figures
+        num_expected = min(params.num_tokens, len(self.prompt) - 1)
+        num_had = figures.num_gpu_hit_tokens + figures.num_external_hit_tokens
+        if num_had >= num_expected:
+            return
+        figures.pd_fallback = self.handoff_problem or "short"
+        log.warning(
+            "P/D: request %s: %d of the %d prompt tokens the producer handed over were hit or loaded; "
+            "the rest was recomputed (%s)",
+            self.request_id,
+            num_had,
+            num_expected,
+            figures.pd_fallback,
+        )
 
     # ---- planning (scheduler side, while it waits) ------------------------------------
     def lookup_started(self, lookup: PendingLookup) -> None:
@@ -164,6 +220,8 @@ class RequestTransfer:
     def looked_up(self, chunk_tiers: list[str]) -> None:
         """The tier of each chunk of its hit prefix (refreshed from the CPU tier per ask)."""
         self.chunk_tiers = chunk_tiers
+        if self.handoff is not None and len(chunk_tiers) < self.handoff.num_chunks:
+            self._handoff_went_wrong("missing")
 
     def planned(
         self,
@@ -191,6 +249,8 @@ class RequestTransfer:
         """The worker side reported its fetch's progress; one that ended while it waits
         unadmitted makes it FETCHED."""
         self.fetch = self.fetch.advanced(progress)
+        if self.fetch.done and self.fetch.num_ready_chunks < len(self.fetch.tier_names):
+            self._handoff_went_wrong("timeout" if progress.cut else "fetch")
         if self.fetch.done and self.phase is TransferPhase.FETCHING:
             self.phase = TransferPhase.FETCHED
 
@@ -319,6 +379,8 @@ class RequestTransfer:
         ``tier_to_num_tokens`` says which tier each came from; None: its recorded origins
         (its fetch) say it."""
         figures = self.figures
+        if num_loaded < num_promised:
+            self._handoff_went_wrong("load")
         figures.num_loaded_tokens += num_loaded
         figures.num_external_hit_tokens -= num_promised - num_loaded
         figures.num_loaded_bytes += num_bytes
@@ -335,6 +397,7 @@ class RequestTransfer:
     def ended(self) -> bool:
         """It finished or was aborted: SENDING while saves still read its blocks (returns
         True), else FINISHED."""
+        self._check_handoff()
         sending = self.num_pending_saves > 0
         self.phase = TransferPhase.SENDING if sending else TransferPhase.FINISHED
         return sending

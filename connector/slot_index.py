@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,13 @@ class SlotIndex:
         self._lock = threading.Lock()
         #: hits, misses, puts, evictions, rejected (the tier's stats)
         self.counters = Counters()
+        #: told ``("stored" | "removed", keys)`` after a key becomes readable or goes (the
+        #: engine's KV events); called outside the lock, on the thread that made the change
+        self.on_change: Callable[[str, list[str]], None] | None = None
+
+    def _changed(self, kind: str, keys: list[str]) -> None:
+        if keys and self.on_change is not None:
+            self.on_change(kind, keys)
 
     # ---- questions -------------------------------------------------------------
     def contains(self, keys: Sequence[str]) -> int:
@@ -181,9 +188,12 @@ class SlotIndex:
                 for victim_key in victim_keys:
                     self._free_slot_ids.append(self._index.remove(victim_key).record[0])
                 self.counters.add("evictions", len(victim_keys))
+            else:
+                victim_keys = []
             reservation = SlotReservation(key, self._free_slot_ids.pop(), tuple(shape))
             self._key_to_reservation[key] = reservation
-            return reservation
+        self._changed("removed", victim_keys)
+        return reservation
 
     def publish(
         self, reservation: SlotReservation, *, num_pins: int = 0, kind: PinKind = PinKind.WRITE_THROUGH
@@ -198,6 +208,7 @@ class SlotIndex:
             self._index.add(reservation.key, 1, (reservation.slot_id, reservation.shape))
             self._add_pins(reservation.key, kind, num_pins)
         self.counters.add("puts")
+        self._changed("stored", [reservation.key])
 
     def cancel(self, reservation: SlotReservation) -> None:
         """Give back a reservation that will not be filled; one that is no longer
@@ -214,7 +225,8 @@ class SlotIndex:
             if entry is None or entry.num_pins > 0:
                 return False
             self._free_slot_ids.append(self._index.remove(key).record[0])
-            return True
+        self._changed("removed", [key])
+        return True
 
     def gauges(self) -> dict[str, Any]:
         """How full the index is: keys, slots used (reserved ones included) and pinned keys."""

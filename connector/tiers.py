@@ -18,6 +18,7 @@ tier and logged once when the tier starts failing and once when it recovers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -163,6 +164,23 @@ class TierManager:
         for tier in self.lower:
             if hasattr(tier, "write_gate"):
                 tier.write_gate = self.write_gate
+        #: the engine's KV event recorder, ``(kind, medium, keys)`` (None: no events)
+        self._record_kv_event: Callable[[str, str, list[str]], None] | None = None
+
+    def attach_kv_events(self, record: Callable[[str, str, list[str]], None]) -> None:
+        """Tell ``record(kind, medium, keys)`` what the tiers hold from now on (the engine's
+        KV events, docs/architecture.md): first what each tier that lists its keys holds
+        now, then every chunk the CPU and disk tiers store or drop, and every write-through
+        a shared tier took (its evictions are its own: a router learns them as misses).
+        Called once, at start-up, before any request."""
+        self._record_kv_event = record
+        if self.cpu is not None:
+            record("stored", self.cpu.name, self.cpu.keys())
+            self.cpu.index.on_change = functools.partial(_record_for, record, self.cpu.name)
+        for tier in self.lower:
+            if hasattr(tier, "on_change"):
+                record("stored", tier.name, tier.keys())
+                tier.on_change = functools.partial(_record_for, record, tier.name)
 
     @classmethod
     def from_config(
@@ -369,6 +387,8 @@ class TierManager:
                     tier.put_many(items)
                     self.health[id(tier)].succeeded("put")
                     self._count(f"written_{tier.name}", len(items))
+                    if self._record_kv_event is not None and not hasattr(tier, "on_change"):
+                        self._record_kv_event("stored", tier.name, [key for key, _ in items])
                 except Exception as exc:
                     self.health[id(tier)].failed("put", exc)
                     self._count(f"dropped_writes_{tier.name}", len(items))
@@ -388,6 +408,10 @@ class TierManager:
     def flush(self) -> None:
         """Block until every queued lower-tier write was attempted (tests, shutdown)."""
         self._write_queue.join()
+
+    def num_pending_writes(self) -> int:
+        """Lower-tier writes queued or running (a producer's hand-over waits for its own). Any thread."""
+        return self._write_queue.unfinished_tasks
 
     # ---- pins ----------------------------------------------------------------
     def pin(self, keys: Sequence[str]) -> None:
@@ -520,3 +544,9 @@ class TierManager:
             writer.join()
         for tier in self.tiers:
             tier.close()
+
+
+def _record_for(
+    record: Callable[[str, str, list[str]], None], medium: str, kind: str, keys: list[str]
+) -> None:
+    record(kind, medium, keys)

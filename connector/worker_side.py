@@ -367,6 +367,9 @@ class OffloadWorker(KVConnectorWorker):
         """Block until every save issued so far has read its blocks and is published."""
         self.cache_engine.publish_finished_stores(wait=True)
 
+    def attach_kv_events(self, record) -> None:
+        self.cache_engine.tiers.attach_kv_events(record)
+
     def flush(self) -> None:
         self.finish_saves()
         self.cache_engine.tiers.flush()

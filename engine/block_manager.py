@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -57,6 +57,10 @@ class BlockManager:
         self.block_id_to_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block_id: dict[bytes, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        #: told ``(kind, block hashes as hex)`` when cached blocks are registered
+        #: (``stored``), overwritten (``removed``) or all forgotten (``cleared``): the
+        #: engine's KV events. None: nobody listens.
+        self.on_change: Callable[[str, list[str]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +135,7 @@ class BlockManager:
             # Only at admission: later calls must not count blocks still being filled as
             # cached, or cache_computed_blocks would never register them.
             request.num_cached_blocks = len(request.block_ids)
+        removed_hashes = []
         for _ in range(num_needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
             old_hash = self.block_id_to_hash[block_id]
@@ -138,9 +143,12 @@ class BlockManager:
                 # The block is overwritten now: its cached content is gone.
                 if self.hash_to_block_id.get(old_hash) == block_id:
                     del self.hash_to_block_id[old_hash]
+                    removed_hashes.append(old_hash.hex())
                 self.block_id_to_hash[block_id] = None
             self.ref_counts[block_id] = 1
             request.block_ids.append(block_id)
+        if removed_hashes and self.on_change is not None:
+            self.on_change("removed", removed_hashes)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -149,6 +157,7 @@ class BlockManager:
             return
         self.hash_blocks(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        stored_hashes = []
         for i in range(request.num_cached_blocks, num_full):
             block_hash = request.block_hashes[i]
             block_id = request.block_ids[i]
@@ -156,7 +165,10 @@ class BlockManager:
             if block_hash not in self.hash_to_block_id and self.block_id_to_hash[block_id] is None:
                 self.hash_to_block_id[block_hash] = block_id
                 self.block_id_to_hash[block_id] = block_hash
+                stored_hashes.append(block_hash.hex())
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+        if stored_hashes and self.on_change is not None:
+            self.on_change("stored", stored_hashes)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash, so later requests find no GPU prefix hit.
@@ -166,6 +178,8 @@ class BlockManager:
             return False
         self.hash_to_block_id.clear()
         self.block_id_to_hash = [None] * self.num_blocks
+        if self.on_change is not None:
+            self.on_change("cleared", [])
         return True
 
     def free(self, request: Request) -> None:

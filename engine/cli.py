@@ -49,6 +49,11 @@ LAZY_SUBCOMMANDS: dict[str, LazySubcommand] = {
     "generate": LazySubcommand(
         "engine.generate_cli:generate", "Generate text for each --prompt with the model in folder MODEL."
     ),
+    "proxy": LazySubcommand(
+        "engine.server.proxy.cli:proxy",
+        "Serve one OpenAI-compatible endpoint in front of producer (--prefill) and consumer "
+        "(--decode) engines: each request is prefilled by a producer, then decoded by a consumer.",
+    ),
     "serve": LazySubcommand(
         "engine.server.cli:serve",
         "Serve the model in folder MODEL over an OpenAI-compatible HTTP API "

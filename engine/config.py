@@ -56,6 +56,8 @@ def dtype_from_name(name: str) -> torch.dtype | None:
 
 
 SPECULATIVE_METHODS = ("ngram",)
+#: roles of disaggregated prefill/decode (`EngineArgs.kv_role`)
+KV_ROLES = ("both", "producer", "consumer")
 #: the shortest decode gap one can ask for: a step's own fixed costs (launches, sampling,
 #: the host's bookkeeping) take about a millisecond already
 MIN_DECODE_GAP_MS = 1.0
@@ -105,6 +107,12 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     kv_offload: OffloadConfig | None = None
+    #: disaggregated prefill/decode (vLLM's kv_producer / kv_consumer / kv_both): a
+    #: "producer" computes prompts and makes their KV durable in the shared tier before a
+    #: request's answer; a "consumer" loads what a producer handed over (a request's
+    #: ``kv_transfer_params``) instead of computing it; "both" (the default) is either.
+    #: producer and consumer need ``kv_offload`` with a ``remote_url`` (the tier they share)
+    kv_role: str = "both"
     speculative: str | None = None
     num_speculative_tokens: int = 0
     #: n-gram sizes the `ngram` proposer matches, longest first
@@ -146,11 +154,31 @@ class EngineArgs:
     #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
     #: too; costs some throughput (docs/deterministic.md)
     deterministic: bool = False
+    #: publish what the engine's caches hold (GPU prefix cache, CPU and disk tiers, writes
+    #: to a shared tier) as KV events on this ZeroMQ PUB endpoint (kv_events; a router
+    #: follows them), e.g. ``tcp://*:5557``; None: no events
+    kv_events_endpoint: str | None = None
+    #: the ROUTER endpoint that answers replay and snapshot requests (needed with events)
+    kv_events_replay_endpoint: str | None = None
+    #: the engine's name in its KV events (default: host name and process id)
+    engine_id: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        if (self.kv_events_endpoint is None) != (self.kv_events_replay_endpoint is None):
+            raise ValueError(
+                "kv_events_endpoint and kv_events_replay_endpoint go together: give both "
+                f"(got {self.kv_events_endpoint!r} and {self.kv_events_replay_endpoint!r})"
+            )
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both" and (self.kv_offload is None or self.kv_offload.remote_url is None):
+            raise ValueError(
+                f"kv_role {self.kv_role!r} needs a tier shared by producers and consumers: kv_offload "
+                "with a remote_url (serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT)"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from connector.base import KVTransferParams
 from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.cache_salt import check_cache_salt
@@ -142,6 +143,12 @@ class EngineCore:
                     step_times=self.step_times,
                 )
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        #: the KV event stream (kv_events), when `kv_events_endpoint` is set
+        self.kv_events = None
+        if args.kv_events_endpoint is not None:
+            from engine.kv_event_stream import start_kv_events
+
+            self.kv_events = start_kv_events(args, self.block_manager, worker_connector)
         self.scheduler = Scheduler(
             self.block_manager,
             args.max_num_seqs,
@@ -278,10 +285,13 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | KVTransferParams | None = None,
     ) -> Request:
         """Validate and queue one request. Raises ValueError (nothing is queued) for
         a duplicate id, an empty or too long prompt, token ids outside the vocab or a
-        bad ``cache_salt`` (a request shares cached KV only with requests of its salt)."""
+        bad ``cache_salt`` (a request shares cached KV only with requests of its salt).
+        ``kv_transfer_params``: a producer's hand-over of this prompt's KV (its response's
+        object, or parsed); only an engine with a connector that is no producer takes it."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request_id.startswith(PROBE_REQUEST_ID_PREFIX):
@@ -314,6 +324,14 @@ class EngineCore:
                 f"request {request_id!r} may need {num_max_tokens} tokens of KV cache but the whole cache "
                 f"holds {capacity}; raise num_gpu_blocks or lower max_tokens"
             )
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = KVTransferParams.from_dict(kv_transfer_params)
+        if kv_transfer_params is not None and (
+            self.scheduler.connector is None or self.args.kv_role == "producer"
+        ):
+            raise ValueError(
+                "kv_transfer_params is for an engine with KV offload to the shared tier that is no producer"
+            )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -325,6 +343,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             generator=generator,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -408,8 +427,10 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the pipeline's stage processes (pipeline_parallel_size > 1; each closes
-        its connector first). Idempotent; also happens when the engine is collected or
-        the process exits. Nothing to do for a one-process engine."""
+        its connector first) and the KV event stream. Idempotent; also happens when the
+        engine is collected or the process exits."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.pipeline is not None:
             self.pipeline.shutdown()
 

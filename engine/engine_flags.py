@@ -76,6 +76,16 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "Tensor-parallel ranks: one process each, every layer's heads and MLP split over them "
         "(must divide the attention heads).",
     ),
+    "kv_events_endpoint": (
+        str,
+        "Publish what the caches hold (GPU prefix cache, offload tiers) as KV events on this "
+        "ZeroMQ PUB endpoint, e.g. tcp://*:5557 (a router follows them; docs/serving.md).",
+    ),
+    "kv_events_replay_endpoint": (
+        str,
+        "ZeroMQ ROUTER endpoint answering KV event replays, e.g. tcp://*:5558.",
+    ),
+    "engine_id": (str, "The engine's name in its KV events (default: host name and process id)."),
 }
 
 

@@ -80,6 +80,21 @@ class EngineMetrics:
             buckets=_GBPS_BUCKETS,
             registry=registry,
         )
+        self.pd_fallbacks = Counter(
+            "kvstash_pd_fallbacks",
+            "Consumer requests that recomputed part of the prompt a producer handed over, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        from connector.base import FALLBACK_REASONS  # torch: only where a server runs
+
+        for reason in FALLBACK_REASONS:
+            self.pd_fallbacks.labels(reason=reason)
+        self.pd_handed_over_tokens = Counter(
+            "kvstash_pd_handed_over_tokens",
+            "Producer: prompt tokens whose KV was durable in the shared tier when the response returned.",
+            registry=registry,
+        )
         self.ttft = Histogram(
             "kvstash_time_to_first_token_seconds",
             "Seconds from arrival to the first output token.",
@@ -121,6 +136,8 @@ class EngineMetrics:
         self.loaded_bytes.inc(transfer.num_loaded_bytes)
         self.saved_tokens.inc(transfer.num_saved_tokens)
         self.load_seconds.inc(transfer.load_seconds)
+        if transfer.pd_fallback:
+            self.pd_fallbacks.labels(reason=transfer.pd_fallback).inc()
         if transfer.num_loaded_bytes > 0 and transfer.load_seconds > 0:
             self.load_throughput.observe(transfer.num_loaded_bytes / transfer.load_seconds / 1e9)
 

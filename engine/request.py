@@ -14,6 +14,8 @@ from engine.spec_decode.backoff import DraftBackoff
 if TYPE_CHECKING:
     import torch
 
+    from connector.base import KVTransferParams
+
 
 def index_of_token_outside_vocab(token_ids: Sequence[object], vocab_size: int) -> int | None:
     """The index of the first element of ``token_ids`` that is not an int in
@@ -107,6 +109,9 @@ class Request:
     #: async scheduling: tokens that steps in flight will sample and that the host does not
     #: have yet (the engine's batch queue sets it while it plans ahead; 0 otherwise)
     num_output_placeholders: int = 0
+    #: a consumer's request: what the producer that computed its prompt made durable in
+    #: the shared tier (the connector loads it instead of computing it; None: nothing)
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -144,6 +144,9 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
         #: background writes wait here between system calls while the engine holds it
         #: (set by the connector's tier manager; None: writes never wait)
         self.write_gate: WriteGate | None = None
+        #: told ``("stored" | "removed", keys)`` after a chunk file becomes readable or goes
+        #: (the engine's KV events); called outside the locks
+        self.on_change: Callable[[str, list[str]], None] | None = None
         self._counters = Counters()
         # per-thread aligned buffers: a file's head, a payload's last partial block, an lz4 payload
         self._head_scratch = disk_io.AlignedScratch()
@@ -338,6 +341,7 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
         # Victims go before this file is written, so the chunk files stay within the cap.
         for victim_key, victim_path in victims:
             self._remove_unindexed(victim_key, victim_path)
+        self._changed("removed", [victim_key for victim_key, _ in victims])
         head = self._head_scratch.get(payload_offset)[:payload_offset]
         head[:] = bytes(payload_offset)
         RECORD.pack_into(head, 0, RECORD_MAGIC, RECORD_VERSION, len(key_bytes), chunk_offset, payload_offset)
@@ -365,6 +369,7 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
                     self._counters.add("errors")
                     with self._lock:
                         self._index.remove(key)
+                    self._changed("removed", [key])
                     raise BackendError(f"disk tier: cannot rename into {path}: {exc}") from exc
                 with self._lock:
                     entry.record.ready = True
@@ -375,7 +380,9 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
                     index_due = self._num_changes >= INDEX_EVERY_CHANGES
         if not current:
             self._remove_file(tmp_path)  # deleted or replaced while being written: the newer call wins
-        elif index_due:
+            return
+        self._changed("stored", [key])
+        if index_due:
             self._write_index_file()
 
     def _wait_for_gate(self) -> None:
@@ -430,6 +437,10 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
                 self._counters.add("errors")
                 raise BackendError(f"disk tier: cannot fsync folder {self.root}: {exc}") from exc
 
+    def _changed(self, kind: str, keys: list[str]) -> None:
+        if keys and self.on_change is not None:
+            self.on_change(kind, keys)
+
     def delete(self, key: str) -> bool:
         path = os.path.join(self.root, key_to_filename(key))
         with self._path_lock(path):
@@ -439,6 +450,7 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
                     return False
                 self._num_changes += 1
             self._remove_file(entry.record.path)
+        self._changed("removed", [key])
         return True
 
     def _drop_entry(self, key: str, entry: LRUEntry) -> None:
@@ -450,6 +462,7 @@ class DiskBackend(DiskReads, IndexedTierMixin, StorageBackend):
                 self._index.remove(key)
                 self._num_changes += 1
             self._remove_file(entry.record.path)
+        self._changed("removed", [key])
 
     def _remove_unindexed(self, key: str, path: str) -> None:
         """Unlink an evicted ``key``'s file unless a newer put of ``key`` has been indexed since

@@ -69,10 +69,13 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     num_tokenizer_threads: int = DEFAULT_NUM_TOKENIZER_THREADS,
+    kv_role: str = "both",
 ) -> FastAPI:
     """One app serving `async_engine` under the model name `served_model_name`. With
     `api_key`, every `/v1` route and `/metrics` need `Authorization: Bearer <api_key>`;
-    bodies over `max_request_bytes` get 413."""
+    bodies over `max_request_bytes` get 413. A `kv_role` "producer" answers a
+    non-streaming request once its prompt's KV is durable in the shared tier, with
+    `kv_transfer_params` saying what is (docs/serving.md, "Disaggregated prefill/decode")."""
     if num_tokenizer_threads < 1:
         raise ValueError(f"num_tokenizer_threads must be >= 1, got {num_tokenizer_threads}")
     tokenizer = async_engine.tokenizer
@@ -204,7 +207,9 @@ def create_app(
     ) -> Response:
         request_id = builder.response_id
         try:
-            outputs = await async_engine.add_request(request_id, prompt_token_ids, params, body.cache_salt)
+            outputs = await async_engine.add_request(
+                request_id, prompt_token_ids, params, body.cache_salt, body.kv_transfer_params
+            )
         except ValueError as error:
             raise bad_request(str(error)) from error
         except EngineDeadError as error:
@@ -217,7 +222,15 @@ def create_app(
                 stream_events(stream, builder, text, include_usage, off_loop), media_type="text/event-stream"
             )
         final = await last_output(stream, http_request, async_engine, request_id)
-        return JSONResponse(builder.full(final, final.text))
+        response = builder.full(final, final.text)
+        if kv_role == "producer" and final.finish_reason in ("stop", "length"):
+            handed_over = await async_engine.durable_transfer_params(
+                request_id, prompt_token_ids, body.cache_salt
+            )
+            response["kv_transfer_params"] = handed_over
+            if handed_over is not None:
+                async_engine.metrics.pd_handed_over_tokens.inc(handed_over["num_tokens"])
+        return JSONResponse(response)
 
     return app
 

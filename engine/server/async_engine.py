@@ -61,6 +61,7 @@ class _Submission:
     admitted: asyncio.Future  # set to None once queued in the engine, or to the ValueError
     outputs: asyncio.Queue  # RequestOutput items (the last one finished), or an exception on failure
     cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -162,10 +163,11 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> asyncio.Queue:
         """Queue one request for the engine thread and wait until it is admitted.
         Returns the queue its outputs arrive on; raises ValueError when rejected
-        (``cache_salt``: see ``EngineCore.add_request``)."""
+        (``cache_salt``, ``kv_transfer_params``: see ``EngineCore.add_request``)."""
         loop = asyncio.get_running_loop()
         submission = _Submission(
             request_id,
@@ -175,6 +177,7 @@ class AsyncEngine:
             loop.create_future(),
             asyncio.Queue(),
             cache_salt,
+            kv_transfer_params,
         )
         with self._lock:
             if self._thread is None or self._closed:
@@ -188,6 +191,20 @@ class AsyncEngine:
         if error is not None:
             raise error
         return submission.outputs
+
+    async def durable_transfer_params(
+        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None
+    ) -> dict | None:
+        """A producer's hand-over of a finished request: its response's
+        ``kv_transfer_params``, once its KV is durable in the shared tier (waited for on a
+        thread of its own, never the engine's). None without a shared tier."""
+        connector = self.engine.scheduler.connector
+        if connector is None:
+            return None
+        params = await asyncio.to_thread(
+            connector.durable_transfer_params, request_id, prompt_token_ids, cache_salt
+        )
+        return None if params is None else params.to_dict()
 
     def abort(self, request_id: str) -> None:
         """End a request from any thread (e.g. its client went away); unknown ids are ignored."""
@@ -296,6 +313,7 @@ class AsyncEngine:
                 submission.prompt_token_ids,
                 submission.params,
                 cache_salt=submission.cache_salt,
+                kv_transfer_params=submission.kv_transfer_params,
             )
         except ValueError as error:
             _resolve(submission, error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from engine.config import KV_ROLES
 from engine.engine_flags import engine_args_from_options, engine_options
 from engine.offload_cli import offload_config_from_options, offload_options
 from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
@@ -47,6 +48,15 @@ SERVE_MAX_DECODE_GAP_MS = 50.0
     show_default=True,
     help="Larger request bodies get 413 before they are read.",
 )
+@click.option(
+    "--kv-role",
+    type=click.Choice(KV_ROLES),
+    default="both",
+    show_default=True,
+    help="Disaggregated prefill/decode: a producer computes prompts and answers once their KV is "
+    "in the shared tier (kv_transfer_params); a consumer loads it from there instead of computing "
+    "it. Both need --kv-offload --kv-offload-remote URL (the tier they share); put `kvstash proxy` in front.",
+)
 @engine_options(max_decode_gap_ms=SERVE_MAX_DECODE_GAP_MS)
 @offload_options
 def serve(
@@ -56,6 +66,7 @@ def serve(
     served_model_name: str | None,
     api_key: str | None,
     max_request_bytes: int,
+    kv_role: str,
     **options,
 ) -> None:
     """Serve the model in folder MODEL over an OpenAI-compatible HTTP API
@@ -78,13 +89,15 @@ def serve(
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key (KVSTASH_API_KEY) is empty; leave it unset to serve without a key")
         kv_offload = offload_config_from_options(options)
-        engine_args = EngineArgs(kv_offload=kv_offload, **engine_args_from_options(options))
+        engine_args = EngineArgs(kv_offload=kv_offload, kv_role=kv_role, **engine_args_from_options(options))
+        engine_args.validate()  # the role's needs are told before the model loads
         engine = EngineCore(model, engine_args)
         app = create_app(
             AsyncEngine(engine),
             served_model_name or model,
             api_key=api_key,
             max_request_bytes=max_request_bytes,
+            kv_role=kv_role,
         )
     except ValueError as error:
         sock.close()

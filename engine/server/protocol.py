@@ -41,6 +41,10 @@ class SamplingFields(BaseModel):
     #: not in the OpenAI API (vLLM's name): requests share cached KV (GPU prefix cache and
     #: offload tiers) only with requests of the same salt; absent = shared with every unsalted one
     cache_salt: str | None = None
+    #: not in the OpenAI API (vLLM's name): disaggregated prefill/decode. A consumer is given
+    #: the object a producer's response carried (its prompt's KV is durable in the shared
+    #: tier, ``connector.base.KVTransferParams``); checked when the engine admits the request
+    kv_transfer_params: dict | None = None
 
     @field_validator("cache_salt")
     @classmethod

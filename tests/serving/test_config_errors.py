@@ -141,3 +141,44 @@ def test_bench_refuses_a_bad_config_file_before_making_or_loading_a_model(tmp_pa
     assert_refused_before_loading(result, "remote_url 'grpc://127.0.0.1'", "no port")
     assert "preset" not in result.stdout  # printed once the preset (and its model) is resolved
     assert not (tmp_path / "out").exists()
+
+
+def test_engine_args_check_the_role_offline_too():
+    from connector.config import OffloadConfig
+    from engine.config import EngineArgs
+
+    for role, offload in [
+        ("producer", None),
+        ("consumer", OffloadConfig(cpu_bytes=1 << 20)),
+        ("decode", None),
+    ]:
+        with pytest.raises(ValueError, match="kv_role"):
+            EngineArgs(kv_role=role, kv_offload=offload).validate()
+    EngineArgs(kv_role="producer", kv_offload=OffloadConfig(remote_url="redis://127.0.0.1:6379")).validate()
+    EngineArgs(kv_role="both").validate()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--kv-role", "producer"], ["kv_role 'producer' needs a tier shared", "--kv-offload-remote"]),
+        (["--kv-role", "consumer", "--kv-offload"], ["kv_role 'consumer' needs a tier shared"]),
+        (["--kv-role", "prefill"], ["--kv-role", "'prefill' is not one of"]),
+    ],
+)
+def test_a_role_without_a_shared_tier_is_refused_before_the_model_loads(tiny_model_dir, flags, expected):
+    result = run_cli("serve", str(tiny_model_dir("llama")), "--port", "0", "--host", "127.0.0.1", *flags)
+    assert_refused_before_loading(result, *expected)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--prefill", "http://127.0.0.1:1"], ["Missing option '--decode'"]),
+        (["--decode", "127.0.0.1:8000"], ["--decode", "'127.0.0.1:8000' is no http(s)://HOST:PORT URL"]),
+        (["--decode", "http://h:port"], ["--decode", "the port is no number"]),
+    ],
+)
+def test_the_proxy_refuses_bad_engine_urls(flags, expected):
+    result = run_cli("proxy", "--port", "0", "--host", "127.0.0.1", *flags)
+    assert_refused_before_loading(result, *expected)

@@ -126,10 +126,13 @@ def create_worker_connector(
     head_dim: int,
     device: torch.device,
     layer_range: tuple[int, int, int] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> KVConnectorWorker:
-    """The worker side alone, over tiers of its own: a pipeline stage after the first,
-    whose scheduler side is the first stage's (in another process). It runs from the
-    metadata alone: no lookups, planner or prober of its own (one per engine is enough)."""
+    """The worker side alone, over tiers of its own: a pipeline stage after the first or
+    a tensor-parallel rank after the first, whose scheduler side is the engine process's.
+    It runs from the metadata alone: no lookups, planner or prober of its own (one per
+    engine is enough)."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -138,6 +141,8 @@ def create_worker_connector(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         device=device,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         layer_range=layer_range,
     )
     tiers = cache_engine.tiers
@@ -157,13 +162,16 @@ def create_kv_connector(
     device: torch.device,
     step_times: StepTimes,
     layer_range: tuple[int, int, int] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine (the first pipeline
     stage), over one cache engine: the scheduler side reads and pins the CPU tier's
     index only (``SlotIndex``), the lookups read the lower tiers; everything else goes
     between them as plain data (the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
-    pipeline stage passes its ``layer_range`` (see :func:`create_cache_engine`)."""
+    pipeline stage passes its ``layer_range``, a tensor-parallel rank its ``tp_rank`` and
+    ``tp_size`` and its own ``num_kv_heads`` (see :func:`create_cache_engine`)."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -172,6 +180,8 @@ def create_kv_connector(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         device=device,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         layer_range=layer_range,
     )
     tiers = cache_engine.tiers

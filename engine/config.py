@@ -145,6 +145,10 @@ class EngineArgs:
     #: pipeline stages: the layers split into this many contiguous ranges, one process
     #: each (engine.pipeline); 1 runs the whole model in the engine's process
     pipeline_parallel_size: int = 1
+    #: tensor-parallel ranks: every layer's attention heads, MLP columns and vocabulary
+    #: split over this many processes (engine.tensor_parallel); it must divide the
+    #: model's attention heads (checked against the model at start-up)
+    tensor_parallel_size: int = 1
 
     #: batch-invariant kernels (engine.deterministic): a request's tokens do not depend on
     #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
@@ -185,6 +189,7 @@ class EngineArgs:
             "max_num_batched_tokens",
             "cpu_kv_cache_bytes",
             "pipeline_parallel_size",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -227,6 +232,14 @@ class EngineArgs:
             raise ValueError("cpu_offload_gb is not supported with pipeline_parallel_size > 1")
         if self.pipeline_parallel_size > 1 and self.deterministic:
             raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
+        if self.tensor_parallel_size > 1:
+            unsupported = {
+                "cpu_offload_gb": bool(self.cpu_offload_gb),
+                "deterministic": self.deterministic,
+            }
+            for name, is_set in unsupported.items():
+                if is_set:
+                    raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 (yet)")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(
                 f"ngram sizes need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n} and {self.ngram_max_n}"

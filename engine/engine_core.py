@@ -63,14 +63,21 @@ class EngineCore:
         limit_host_threads(self.device)
         self.dtype = args.resolve_dtype(self.device, config.checkpoint_dtype)
         self.max_model_len = min(args.max_model_len or config.max_model_len, config.max_model_len)
-        #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline); this
-        #: process then runs stage 0 and `model` is None
+        #: the stage processes when `pipeline_parallel_size` > 1 (engine.pipeline), or the
+        #: rank processes when `tensor_parallel_size` > 1 (engine.tensor_parallel); this
+        #: process then runs stage 0 (rank 0) and `model` is None
         self.pipeline = None
         # every setting was checked above (EngineArgs.validate, OffloadConfig at construction)
         logger.info("loading the model from %s", self.model_dir or "an in-memory config")
-        if args.pipeline_parallel_size > 1:
+        if args.pipeline_parallel_size > 1 or args.tensor_parallel_size > 1:
             from engine.pipeline import PipelineExecutor
 
+            builder = None  # one process per stage; with tensor parallelism, N per stage
+            if args.tensor_parallel_size > 1:
+                from engine.tensor_parallel import TensorParallelStageBuilder, check_tensor_parallel_size
+
+                check_tensor_parallel_size(config, args.tensor_parallel_size)
+                builder = TensorParallelStageBuilder(args.tensor_parallel_size)
             self.model = None
             self.pipeline = PipelineExecutor(
                 config,
@@ -79,6 +86,7 @@ class EngineCore:
                 device=self.device,
                 dtype=self.dtype,
                 dummy_weights=args.load_format == "dummy",
+                builder=builder,
             )
         else:
             self.model = load_model(

@@ -71,6 +71,11 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "KV source, in bf16 too (slower; docs/deterministic.md).",
     ),
     "pipeline_parallel_size": (int, "Pipeline stages: one process per contiguous range of layers."),
+    "tensor_parallel_size": (
+        int,
+        "Tensor-parallel ranks: one process each, every layer's heads and MLP split over them "
+        "(must divide the attention heads).",
+    ),
     "kv_events_endpoint": (
         str,
         "Publish what the caches hold (GPU prefix cache, offload tiers) as KV events on this "

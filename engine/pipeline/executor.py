@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.pipeline.comm import StageLink, create_process_group, open_store
+from engine.pipeline.comm import open_store
 from engine.pipeline.layer_split import (
     StageLayout,
     process_group_backend,
@@ -41,9 +41,9 @@ from engine.pipeline.layer_split import (
     stage_device,
 )
 from engine.pipeline.messages import StageReply, merge_load_failures, to_stage_plan
-from engine.pipeline.stage_model import load_stage_model
+from engine.pipeline.stage_builder import PipelineStageBuilder
 from engine.pipeline.stage_runner import StageRunner
-from engine.pipeline.worker import FLUSH, STOP, StageAllocation, StageSpec, create_stage_connectors, run_stage
+from engine.pipeline.worker import FLUSH, STOP, StageAllocation, StageSpec, run_stage
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
 
@@ -102,10 +102,18 @@ class PipelineExecutor:
         device: torch.device,
         dtype: torch.dtype,
         dummy_weights: bool,
+        builder: Any = None,
     ) -> None:
+        """`builder` (None: `PipelineStageBuilder`) builds each process's parts; one with a
+        `tensor_parallel_size` N > 1 runs N processes per stage, one per rank."""
+        builder = builder if builder is not None else PipelineStageBuilder()
+        self.builder = builder
         self.model_config = model_config
         self.layouts: list[StageLayout] = split_layers(model_config.num_layers, num_stages)
-        self.devices = [stage_device(device, k, num_stages) for k in range(num_stages)]
+        #: processes per stage (tensor-parallel ranks); process p runs stage p // N, rank p % N
+        self.tp_size = builder.tensor_parallel_size
+        self.num_processes = num_stages * self.tp_size
+        self.devices = [stage_device(device, p, self.num_processes) for p in range(self.num_processes)]
         self.backend = process_group_backend(self.devices)
         self.device = self.devices[0]
         self.dtype = dtype
@@ -120,25 +128,34 @@ class PipelineExecutor:
         self._model_dir = model_dir
         self._dummy = dummy_weights
         context = multiprocessing.get_context("spawn")
-        self._store = open_store(STORE_HOST, 0, 0, num_stages, TRANSFER_TIMEOUT_S)
+        self._store = open_store(STORE_HOST, 0, 0, self.num_processes, TRANSFER_TIMEOUT_S)
         self._processes: list[Any] = []
         self._conns: list[Any] = []
-        for layout in self.layouts[1:]:
-            spec = StageSpec(
-                layout=layout,
+        self._specs = [
+            StageSpec(
+                layout=self.layouts[p // self.tp_size],
                 model_config=model_config,
                 model_dir=None if model_dir is None else str(model_dir),
                 dummy_weights=dummy_weights,
-                device=str(self.devices[layout.stage]),
+                device=str(self.devices[p]),
                 dtype=dtype,
                 backend=self.backend,
                 store_host=STORE_HOST,
                 store_port=self._store.port,
                 timeout_s=TRANSFER_TIMEOUT_S,
+                tp_rank=p % self.tp_size,
+                tp_size=self.tp_size,
+                builder=builder,
             )
+            for p in range(self.num_processes)
+        ]
+        for p, spec in enumerate(self._specs[1:], start=1):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=run_stage, args=(spec, theirs), name=f"kvstash-pp-stage{layout.stage}", daemon=True
+                target=run_stage,
+                args=(spec, theirs),
+                name=f"kvstash-{self._name(p).replace(' ', '-')}",
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -149,26 +166,23 @@ class PipelineExecutor:
         # joining the group blocks without watching the stages: first see each one start
         # (a stage that fails to import, e.g. a main module without the __main__ guard
         # that spawn needs, is reported here at once)
-        for stage in range(1, num_stages):
+        for p in range(1, self.num_processes):
             try:
-                self._expect(stage, "started", START_TIMEOUT_S)
+                self._expect(p, "started", START_TIMEOUT_S)
             except PipelineDeadError as error:
                 raise PipelineDeadError(
                     f"{error} while starting (its traceback is above); a program that starts an "
                     "engine of several stages must run it under `if __name__ == '__main__':`, "
                     "since each stage process re-imports the main module (multiprocessing spawn)"
                 ) from None
-        self._group = create_process_group(
-            self.backend, self._store, STORE_HOST, 0, num_stages, TRANSFER_TIMEOUT_S
-        )
-        self.model = load_stage_model(
-            model_config, model_dir, self.layouts[0], self.device, dtype, dummy=dummy_weights
-        )
-        for stage in range(1, num_stages):
-            self._expect(stage, "loaded", START_TIMEOUT_S)
+        self._groups = builder.join(self._specs[0], self._store)
+        self.model = builder.load_model(self._specs[0], self._groups)
+        for p in range(1, self.num_processes):
+            self._expect(p, "loaded", START_TIMEOUT_S)
         logger.info(
-            "pipeline of %d stages (%s): layers %s on %s",
+            "pipeline of %d stages × %d tensor-parallel ranks (%s): layers %s on %s",
             num_stages,
+            self.tp_size,
             self.backend,
             ", ".join(f"[{s.first_layer}, {s.end_layer})" for s in self.layouts),
             ", ".join(str(d) for d in self.devices),
@@ -176,15 +190,21 @@ class PipelineExecutor:
 
     @property
     def stage_pids(self) -> list[int]:
-        """Process ids of the stages after the first (tests kill one)."""
+        """Process ids of the processes after the first (tests kill one)."""
         return [process.pid for process in self._processes]
+
+    def _name(self, p: int) -> str:
+        """Process p in messages: its stage, and its rank with tensor parallelism."""
+        if self.tp_size == 1:
+            return f"pipeline stage {p}"
+        if len(self.layouts) == 1:
+            return f"tensor-parallel rank {p}"
+        return f"pipeline stage {p // self.tp_size} rank {p % self.tp_size}"
 
     def create_connectors(self, kv_offload, model_id: str, block_size: int):
         """Stage 0's connector pair: the scheduler side is the engine's (lookups on stage
         0's tiers; a chunk another stage lacks is a load failure there, see StageRunner)."""
-        return create_stage_connectors(
-            kv_offload, self.layouts[0], self.model_config, self.dtype, block_size, self.device, model_id
-        )
+        return self.builder.create_connectors(self._specs[0], kv_offload, block_size, model_id)
 
     def start_runners(
         self, num_blocks: int, block_size: int, connector, kv_offload, model_id: str | None
@@ -194,21 +214,12 @@ class PipelineExecutor:
         allocation = StageAllocation(num_blocks, block_size, kv_offload, model_id)
         for conn in self._conns:
             conn.send(allocation)
-        link = StageLink(self._group, 0, self.backend, self.device, self.model_config.hidden_size, self.dtype)
         self.connector = connector
-        self.runner = StageRunner(
-            self.model,
-            self.model_config,
-            self.layouts[0],
-            link,
-            num_blocks,
-            block_size,
-            self.device,
-            self.dtype,
-            connector,
+        self.runner = self.builder.build_runner(
+            self._specs[0], self._groups, self.model, num_blocks, block_size, connector
         )
-        for stage in range(1, len(self.layouts)):
-            self._expect(stage, "ready", START_TIMEOUT_S)
+        for p in range(1, self.num_processes):
+            self._expect(p, "ready", START_TIMEOUT_S)
         return self
 
     # ---- per step ------------------------------------------------------------------
@@ -236,11 +247,11 @@ class PipelineExecutor:
         self._step_id += 1
         step_id = self._step_id
         stage_plan = to_stage_plan(plan, step_id)
-        for stage, conn in enumerate(self._conns, start=1):
+        for p, conn in enumerate(self._conns, start=1):
             try:
                 conn.send(stage_plan)
             except (BrokenPipeError, ConnectionResetError, EOFError) as error:
-                self._die(f"pipeline stage {stage} cannot be reached ({type(error).__name__})")
+                self._die(f"{self._name(p)} cannot be reached ({type(error).__name__})")
         try:
             return StepInFlight(self, step_id, self.runner.execute_stage(plan, step_id), None)
         except Exception as error:  # noqa: BLE001 - the other stages still answer this step
@@ -258,77 +269,81 @@ class PipelineExecutor:
         if step.step_id <= self._replied_step_id:
             raise RuntimeError(f"step {step.step_id} was given up: a later step was collected first")
         for dropped_step_id in range(self._replied_step_id + 1, step.step_id):
-            for stage in range(1, len(self.layouts)):
-                self._reply(stage, dropped_step_id)
-        replies: list[StageReply] = [
-            self._reply(stage, step.step_id) for stage in range(1, len(self.layouts))
-        ]
+            for p in range(1, self.num_processes):
+                self._reply(p, dropped_step_id)
+        replies: list[StageReply] = [self._reply(p, step.step_id) for p in range(1, self.num_processes)]
         self._replied_step_id = step.step_id
         step.collected = True
-        if step.error is not None:
+        # an error that only says another process failed (a tensor-parallel peer) gives way
+        # to that process's own
+        if step.error is not None and not getattr(step.error, "failed_elsewhere", False):
             raise step.error
         failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
-            stage = replies.index(failed) + 1
-            step.error = PipelineStageError(
-                f"pipeline stage {stage} failed step {step.step_id}: {failed.error}"
+            error = PipelineStageError(
+                f"{self._name(replies.index(failed) + 1)} failed step {step.step_id}: {failed.error}"
             )
+            error.__cause__, step.error = step.error, error
+            raise step.error
+        if step.error is not None:
             raise step.error
         output = step.output
-        last = replies[-1]
-        output.request_id_to_token = last.request_id_to_token
-        output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids
+        sampler = (len(self.layouts) - 1) * self.tp_size  # the last stage's rank 0
+        if sampler > 0:  # else this process sampled: its output has the tokens
+            last = replies[sampler - 1]
+            output.request_id_to_token = last.request_id_to_token
+            output.request_id_to_accepted_draft_ids = last.request_id_to_accepted_draft_ids
         output.load_failures = merge_load_failures(output.load_failures, *(r.load_failures for r in replies))
         return output
 
     def flush_connectors(self) -> None:
         """Wait until every later stage's queued lower-tier writes were attempted."""
         self._check_alive()
-        for stage, conn in enumerate(self._conns, start=1):
+        for p, conn in enumerate(self._conns, start=1):
             conn.send(FLUSH)
-            self._expect(stage, "flushed", None)
+            self._expect(p, "flushed", None)
 
     def shutdown(self) -> None:
         """Stop every stage process (each closes its connector first). Idempotent."""
         self._finalizer()
 
     # ---- waiting on stages ---------------------------------------------------------
-    def _reply(self, stage: int, step_id: int) -> StageReply:
-        reply = self._receive(stage, None)
+    def _reply(self, p: int, step_id: int) -> StageReply:
+        reply = self._receive(p, None)
         if not isinstance(reply, StageReply) or reply.step_id != step_id:
-            self._die(f"pipeline stage {stage} answered out of step: {reply!r:.200}")
+            self._die(f"{self._name(p)} answered out of step: {reply!r:.200}")
         return reply
 
-    def _expect(self, stage: int, kind: str, timeout_s: float | None) -> Any:
-        message = self._receive(stage, timeout_s)
+    def _expect(self, p: int, kind: str, timeout_s: float | None) -> Any:
+        message = self._receive(p, timeout_s)
         if isinstance(message, tuple) and message[0] == "error":
-            self._die(f"pipeline stage {stage} failed to start:\n{message[1]}")
+            self._die(f"{self._name(p)} failed to start:\n{message[1]}")
         if not (isinstance(message, tuple) and message[0] == kind):
-            self._die(f"pipeline stage {stage} sent {message!r:.200} instead of {kind!r}")
+            self._die(f"{self._name(p)} sent {message!r:.200} instead of {kind!r}")
         return message[1]
 
-    def _receive(self, stage: int, timeout_s: float | None) -> Any:
-        """The next message of `stage`, watching every stage's liveness meanwhile."""
-        conn = self._conns[stage - 1]
+    def _receive(self, p: int, timeout_s: float | None) -> Any:
+        """The next message of process `p`, watching every process's liveness meanwhile."""
+        conn = self._conns[p - 1]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
                 if conn.poll(POLL_S):
                     return conn.recv()
             except (EOFError, ConnectionResetError, OSError):
-                process = self._processes[stage - 1]
+                process = self._processes[p - 1]
                 process.join(1.0)  # a dead stage's pipe closes first: say why it died
                 if process.exitcode is None:
-                    self._die(f"pipeline stage {stage} closed its connection")
+                    self._die(f"{self._name(p)} closed its connection")
                 self._check_alive()
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                self._die(f"pipeline stage {stage} did not answer within {timeout_s:.0f} s")
+                self._die(f"{self._name(p)} did not answer within {timeout_s:.0f} s")
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise PipelineDeadError(self.dead_reason)
-        for stage, process in enumerate(self._processes, start=1):
+        for p, process in enumerate(self._processes, start=1):
             if not process.is_alive():
                 code = process.exitcode
                 how = (
@@ -336,7 +351,7 @@ class PipelineExecutor:
                     if code is not None and code < 0
                     else f"exited with code {code}"
                 )
-                self._die(f"pipeline stage {stage} (pid {process.pid}) {how}")
+                self._die(f"{self._name(p)} (pid {process.pid}) {how}")
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:

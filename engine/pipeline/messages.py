@@ -43,7 +43,9 @@ class StageRequest:
     sampling_params: SamplingParams
     #: set by the last stage from its own per-request generators (seeded sampling)
     generator: torch.Generator | None = None
-    #: tokens sampled by steps still in flight (async scheduling, not with pipeline stages)
+    #: tokens sampled by steps still in flight (async scheduling: 0 with pipeline stages,
+    #: whose micro-batches hold disjoint requests; a tensor-parallel rank needs it to find
+    #: the rows that sample)
     num_output_placeholders: int = 0
 
     @property
@@ -102,6 +104,7 @@ def to_stage_plan(plan: SchedulerOutput, step_id: int) -> StagePlan:
                 num_cached_blocks=r.num_cached_blocks,
                 block_ids=list(r.block_ids),
                 sampling_params=r.sampling_params,
+                num_output_placeholders=r.num_output_placeholders,
             )
             for r in plan.requests
         ],

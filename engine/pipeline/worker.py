@@ -1,7 +1,8 @@
 """The process of one pipeline stage after the first (`torch.multiprocessing`, spawn).
 
-Life: answer "started" (imports done), join the engine's process group, load the stage's weights and answer
-"loaded"; take the KV pool size and offload settings, build the KV tensor, the
+Life: answer "started" (imports done), join the engine's process groups, load the stage's
+weights and answer "loaded" (what a process builds, `StageSpec.builder` says:
+engine.pipeline.stage_builder); take the KV pool size and offload settings, build the KV tensor, the
 connector and the runner and answer "ready"; then, per step, run the plan the first
 process sends and answer with a `StageReply`. It ends when told to stop, when the
 first process's end of the pipe closes, or when the first process dies (a
@@ -17,16 +18,15 @@ import os
 import threading
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import ModelConfig
-from engine.pipeline.comm import StageLink, create_process_group, open_store
-from engine.pipeline.layer_split import StageLayout, stage_offload_config
+from engine.pipeline.comm import open_store
+from engine.pipeline.layer_split import StageLayout
 from engine.pipeline.messages import StagePlan, StageReply
-from engine.pipeline.stage_model import load_stage_model
+from engine.pipeline.stage_builder import PipelineStageBuilder
 from engine.pipeline.stage_runner import StageRunner
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ FLUSH = "flush"
 
 @dataclass
 class StageSpec:
-    """Everything a stage process needs to start (pickled once, at spawn)."""
+    """Everything a stage process needs to start (pickled once, at spawn). With tensor
+    parallelism a stage has `tp_size` processes, this one its rank `tp_rank`."""
 
     layout: StageLayout
     model_config: ModelConfig
@@ -51,6 +52,23 @@ class StageSpec:
     store_host: str
     store_port: int
     timeout_s: float
+    tp_rank: int = 0
+    tp_size: int = 1
+    #: builds the process's groups, model, connectors and runner (PipelineStageBuilder
+    #: when None)
+    builder: Any = None
+
+    @property
+    def process_index(self) -> int:
+        """0 for the engine's process; stage-major, then rank."""
+        return self.layout.stage * self.tp_size + self.tp_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.layout.num_stages * self.tp_size
+
+    def stage_builder(self):
+        return self.builder if self.builder is not None else PipelineStageBuilder()
 
 
 @dataclass
@@ -66,43 +84,27 @@ class StageAllocation:
 def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a stage process."""
     _exit_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pp-stage{spec.layout.stage} %(message)s")
+    name = f"pp-stage{spec.layout.stage}" + (f"-tp{spec.tp_rank}" if spec.tp_size > 1 else "")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s")
     runner = None
+    builder = spec.stage_builder()
     try:
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         conn.send(("started", None))  # imports done: the first process may join the group now
         store = open_store(
-            spec.store_host, spec.store_port, spec.layout.stage, spec.layout.num_stages, spec.timeout_s
+            spec.store_host, spec.store_port, spec.process_index, spec.num_processes, spec.timeout_s
         )
-        group = create_process_group(
-            spec.backend, store, spec.store_host, spec.layout.stage, spec.layout.num_stages, spec.timeout_s
-        )
-        model_dir = None if spec.model_dir is None else Path(spec.model_dir)
-        model = load_stage_model(
-            spec.model_config, model_dir, spec.layout, device, spec.dtype, dummy=spec.dummy_weights
-        )
+        groups = builder.join(spec, store)
+        model = builder.load_model(spec, groups)
         conn.send(("loaded", None))
         allocation: StageAllocation = conn.recv()
         connector = None
         if allocation.kv_offload is not None:
-            connector = create_stage_connector(
-                allocation.kv_offload, spec.layout, spec.model_config, spec.dtype, device, allocation.model_id
-            )
-        link = StageLink(
-            group, spec.layout.stage, spec.backend, device, spec.model_config.hidden_size, spec.dtype
-        )
-        runner = StageRunner(
-            model,
-            spec.model_config,
-            spec.layout,
-            link,
-            allocation.num_blocks,
-            allocation.block_size,
-            device,
-            spec.dtype,
-            connector,
+            connector = builder.create_worker_connector(spec, allocation.kv_offload, allocation.model_id)
+        runner = builder.build_runner(
+            spec, groups, model, allocation.num_blocks, allocation.block_size, connector
         )
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - the first process reports it
@@ -153,60 +155,6 @@ def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connectio
             logger.warning("pipeline stage %d: step %d failed: %s", runner.layout.stage, plan.step_id, error)
             reply = StageReply(plan.step_id, error=f"{type(error).__name__}: {error}")
         conn.send(reply)
-
-
-def create_stage_connectors(
-    kv_offload,
-    layout: StageLayout,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    block_size: int,
-    device: torch.device,
-    model_id: str,
-):
-    """The first stage's connector pair over its layers (its namespace names its layer
-    range, its tiers are its share: `stage_offload_config`); its scheduler side is the
-    engine's."""
-    from connector import create_kv_connector
-    from engine.step_time import StepTimeModel
-
-    return create_kv_connector(
-        stage_offload_config(kv_offload, layout),
-        model_id=model_id,
-        dtype=dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=block_size,
-        device=device,
-        step_times=StepTimeModel(),
-        layer_range=layout.layer_range,
-    )
-
-
-def create_stage_connector(
-    kv_offload,
-    layout: StageLayout,
-    model_config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    model_id: str,
-):
-    """A later stage's worker-side connector over its layers and its share of the tiers;
-    its scheduler side is the first stage's (in another process): it runs from the
-    metadata alone, with no lookups, planner or tier prober of its own."""
-    from connector import create_worker_connector
-
-    return create_worker_connector(
-        stage_offload_config(kv_offload, layout),
-        model_id=model_id,
-        dtype=dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        device=device,
-        layer_range=layout.layer_range,
-    )
 
 
 def _exit_with_parent() -> None:

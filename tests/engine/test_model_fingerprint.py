@@ -27,7 +27,11 @@ def test_fingerprint_follows_the_weights(tmp_path):
 
 def test_checkpoint_replaced_in_place_gets_no_stale_hits(tmp_path):
     model_dir = tmp_path / "model"
-    offload = OffloadConfig(cpu_bytes=0, disk_path=str(tmp_path / "kv"), disk_bytes=1 << 28, chunk_size=64)
+    # load_policy "always": this test is about namespaces, not the planner (whose disk prior
+    # may prefer recomputing the tiny model's 199 tokens on a busy machine: 1 run in 3)
+    offload = OffloadConfig(
+        cpu_bytes=0, disk_path=str(tmp_path / "kv"), disk_bytes=1 << 28, chunk_size=64, load_policy="always"
+    )
     prompt = random_prompt(200, seed=3)
 
     def generate_once() -> object:

@@ -23,6 +23,7 @@ from engine.cli import main
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 CACHE_PORT_OVERRIDE = REPO_ROOT / "docker-compose.cache-port.yml"
 PD_OVERRIDE = REPO_ROOT / "docker-compose.pd.yml"
+ROUTER_OVERRIDE = REPO_ROOT / "docker-compose.router.yml"
 SECRETS = {"KVSTASH_AUTH_TOKEN": "cache-token-for-the-test", "KVSTASH_API_KEY": "api-key-for-the-test"}
 HAS_COMPOSE = shutil.which("docker-compose") is not None
 
@@ -201,3 +202,33 @@ def test_the_pd_override_runs_a_producer_a_consumer_and_the_proxy() -> None:
     assert [port for _, port in published_ports(services["proxy"])] == [params["port"]] != [base_port]
     for name in ("prefill", "decode"):
         assert services["proxy"]["depends_on"][name]["condition"] == "service_healthy"
+
+
+def test_the_router_override_runs_two_replicas_with_events_and_the_router() -> None:
+    services = load_compose(ROUTER_OVERRIDE)["services"]
+    replica_names = ["replica-1", "replica-2"]
+    assert {*replica_names, "router"} <= set(services)
+    router_argv = as_argv(services["router"]["command"])
+    assert router_argv[:2] == ["kvstash", "router"]
+    router_command = main.get_command(click.Context(main), "router")
+    # resilient: the tokenizer folder exists only in the container
+    params = router_command.make_context("router", router_argv[2:], resilient_parsing=True).params
+    expected_urls, expected_events = [], []
+    for name in replica_names:
+        replica = _serve_params(services[name])
+        assert replica["kv_offload"] is True and replica["kv_offload_remote"].startswith(
+            "grpc://cache-server:"
+        )
+        assert replica["engine_id"] == name
+        pub_port = replica["kv_events_endpoint"].rsplit(":", 1)[1]
+        replay_port = replica["kv_events_replay_endpoint"].rsplit(":", 1)[1]
+        expected_urls.append(f"http://{name}:{replica['port']}")
+        expected_events.append(f"tcp://{name}:{pub_port},tcp://{name}:{replay_port}")
+        assert published_ports(services[name]) == []
+    assert list(params["replica_urls"]) == expected_urls
+    # the raw flag values, one per replica and in the same order
+    events = [router_argv[i + 1] for i, arg in enumerate(router_argv) if arg == "--replica-events"]
+    assert events == expected_events
+    assert [port for _, port in published_ports(services["router"])] == [params["port"]]
+    for name in replica_names:
+        assert services["router"]["depends_on"][name]["condition"] == "service_healthy"

@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from connector.config import REMOTE_TIER_NAMES
 from connector.token_db import TokenDatabase
 from engine.block_manager import hash_block, root_hash
 from kv_events.follower import EngineKV
 from kv_events.messages import CPU, DISK, GPU
 
-#: the shared tiers' media (kv_events: a write-through to them)
-SHARED_MEDIA = ("redis", "grpc")
+#: the shared tiers' media (kv_events: a write-through to them), in a fixed order
+SHARED_MEDIA = tuple(sorted(REMOTE_TIER_NAMES))
 #: tiers in the order a hit there is cheaper, as counted in `PrefixMatch`
 TIERS = ("gpu", "cpu", "disk", "shared")
 

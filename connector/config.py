@@ -28,6 +28,13 @@ LOAD_POLICIES = ("planned", "always")
 #: and the tier a disaggregated hand-over goes through (connector.handoff)
 REMOTE_TIER_NAMES = frozenset({"redis", "grpc"})
 
+
+def reads_in_flight_for(tier_name: str, *, local: int, remote: int) -> int:
+    """Background reads in flight for a lower tier: ``remote`` for Redis and the cache
+    server (their link wants more), ``local`` for the disk."""
+    return remote if tier_name in REMOTE_TIER_NAMES else local
+
+
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
 ENV_PREFIX = "KVSTASH_KV_OFFLOAD_"
 #: longest ``key_prefix``, in characters (the cache server's keys are at most 1 KiB)

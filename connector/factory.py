@@ -12,7 +12,7 @@ import torch
 from connector.base import KVConnectorScheduler, KVConnectorWorker
 from connector.breaker import CircuitBreaker
 from connector.cache_engine import CacheEngine
-from connector.config import REMOTE_TIER_NAMES, OffloadConfig
+from connector.config import OffloadConfig, reads_in_flight_for
 from connector.fetcher import ChunkFetcher
 from connector.handoff import HandoffScheduler
 from connector.lookup import TierLookups
@@ -78,11 +78,6 @@ def _breakers_for(tiers: TierManager, config: OffloadConfig) -> dict[str, Circui
     return name_to_breaker
 
 
-def _reads_in_flight(config: OffloadConfig, tier_name: str) -> int:
-    """Background reads in flight for a lower tier: a remote's link wants more than a disk."""
-    return config.remote_reads_in_flight if tier_name in REMOTE_TIER_NAMES else config.reads_in_flight
-
-
 def _fetches(config: OffloadConfig, tiers: TierManager) -> bool:
     """Whether lower-tier chunks are fetched into the CPU tier in the background (else a
     step reads them: no CPU tier, or synchronous loads)."""
@@ -103,7 +98,12 @@ def _worker_over(
             tiers.cpu,
             {tier.name: tier for tier in tiers.lower},
             name_to_breaker,
-            tier_to_reads_in_flight={tier.name: _reads_in_flight(config, tier.name) for tier in tiers.lower},
+            tier_to_reads_in_flight={
+                tier.name: reads_in_flight_for(
+                    tier.name, local=config.reads_in_flight, remote=config.remote_reads_in_flight
+                )
+                for tier in tiers.lower
+            },
             dtype=dtype,
             layout=tiers.cpu.layout,
         )
@@ -172,7 +172,8 @@ def create_kv_connector(
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range``, a tensor-parallel rank its ``tp_rank`` and
     ``tp_size`` and its own ``num_kv_heads`` (see :func:`create_cache_engine`)."""
-    cache_engine = create_cache_engine(
+    # the worker side over the engine's tiers (its fetcher included), as a later stage builds it
+    worker = create_worker_connector(
         config,
         model_id=model_id,
         dtype=dtype,
@@ -180,10 +181,11 @@ def create_kv_connector(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         device=device,
+        layer_range=layer_range,
         tp_rank=tp_rank,
         tp_size=tp_size,
-        layer_range=layer_range,
     )
+    cache_engine = worker.cache_engine
     tiers = cache_engine.tiers
     lookups = planner = prober = None
     if tiers.cpu is not None and (config.async_loads or not tiers.lower):
@@ -201,7 +203,7 @@ def create_kv_connector(
         )
     name_to_breaker = None
     if _fetches(config, tiers):
-        name_to_breaker = _breakers_for(tiers, config)
+        name_to_breaker = tiers.breakers  # the fetcher's: a tier failing there is skipped here too
         lookups = TierLookups(
             tiers, name_to_breaker, wait_s=config.lookup_wait_s, timeout_s=config.lookup_timeout_s
         )
@@ -240,5 +242,4 @@ def create_kv_connector(
     )
     if prober is not None:
         prober.busy = scheduler.is_fetching_from  # a tier fetches read is measured by them
-    worker = _worker_over(cache_engine, config, name_to_breaker, dtype)
     return scheduler, worker

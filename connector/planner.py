@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from connector.config import REMOTE_TIER_NAMES
+from connector.config import reads_in_flight_for
 from connector.tier_rates import TierRates
 
 #: how long a fetch may take with ``load_policy: always`` (a hung read must still end)
@@ -231,7 +231,7 @@ class LoadPlanner:
 
     def reads_in_flight_for(self, tier_name: str) -> int:
         """How many reads of ``tier_name`` a fetch has in flight (remote tiers: more)."""
-        return self.remote_reads_in_flight if tier_name in REMOTE_TIER_NAMES else self.reads_in_flight
+        return reads_in_flight_for(tier_name, local=self.reads_in_flight, remote=self.remote_reads_in_flight)
 
     # ---- the plan ----------------------------------------------------------------
     def plan(

@@ -98,14 +98,7 @@ class PipelineStageBuilder:
         self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector
     ) -> StageRunner:
         device = torch.device(spec.device)
-        link = StageLink(
-            groups.pipeline,
-            spec.layout.stage,
-            spec.backend,
-            device,
-            spec.model_config.hidden_size,
-            spec.dtype,
-        )
+        link = stage_link(spec, groups, device)
         return StageRunner(
             model,
             spec.model_config,
@@ -117,3 +110,10 @@ class PipelineStageBuilder:
             spec.dtype,
             connector,
         )
+
+
+def stage_link(spec, groups: StageGroups, device: torch.device) -> StageLink:
+    """The process's link to the stages before and after it (its rank's pipeline group)."""
+    return StageLink(
+        groups.pipeline, spec.layout.stage, spec.backend, device, spec.model_config.hidden_size, spec.dtype
+    )

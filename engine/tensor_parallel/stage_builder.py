@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.pipeline.comm import StageLink, create_process_group
+from engine.pipeline.comm import create_process_group
 from engine.pipeline.layer_split import stage_offload_config
-from engine.pipeline.stage_builder import StageGroups
+from engine.pipeline.stage_builder import StageGroups, stage_link
 from engine.tensor_parallel.comm import TensorParallelGroup
 from engine.tensor_parallel.layout import rank_layout, rank_model_config, rank_offload_config
 from engine.tensor_parallel.rank_runner import TensorParallelStageRunner
@@ -84,14 +84,7 @@ class TensorParallelStageBuilder:
 
     def build_runner(self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector):
         device = torch.device(spec.device)
-        link = StageLink(
-            groups.pipeline,
-            spec.layout.stage,
-            spec.backend,
-            device,
-            spec.model_config.hidden_size,
-            spec.dtype,
-        )
+        link = stage_link(spec, groups, device)
         layout = rank_layout(spec.model_config, spec.tp_rank, spec.tp_size)
         return TensorParallelStageRunner(
             model,

@@ -275,6 +275,12 @@ def _planner_and_breaker_metrics(engine: EngineCore):
                 prefill_rate.add_metric([label], value)
         yield tier_rate
         yield prefill_rate
+        yield GaugeMetricFamily(
+            "kvstash_kv_bytes_per_token",
+            "Bytes of one token's KV in a chunk (all layers, keys and values): a tier's bytes per second "
+            "over this is its tokens per second (a router's tier costs).",
+            planner.bytes_per_token,
+        )
     breakers = getattr(getattr(connector, "cache_engine", None), "tiers", None)
     breakers = getattr(breakers, "breakers", {}) if breakers is not None else {}
     if breakers:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.server.router.choice import MAX_IMBALANCE, Candidate, choose
+from engine.server.router.costs import costs_from_metrics
 from engine.server.router.index import ReplicaIndex
 from engine.server.router.matching import PrefixMatch, PromptHashes, SharedTiers, match_prefix
 from engine.server.upstream.pool import Engine
@@ -191,7 +192,18 @@ def cluster(serving_model_dir) -> Iterator[Cluster]:
         urls += ["--replica", f"http://127.0.0.1:{port}"]
         events += ["--replica-events", ",".join(endpoints)]
     tokenizer = ("--tokenizer", str(serving_model_dir))
-    router = FrontProcess("router", *urls, *events, *tokenizer, "--api-key", KEY, "--retry-after-s", "60")
+    router = FrontProcess(
+        "router",
+        *urls,
+        *events,
+        *tokenizer,
+        "--api-key",
+        KEY,
+        "--retry-after-s",
+        "60",
+        "--costs-interval-s",
+        "0.5",
+    )
     try:
         with ThreadPoolExecutor(3) as starting:
             list(starting.map(lambda process: process.start(), [*replicas, router]))
@@ -325,6 +337,34 @@ def test_the_router_asks_for_its_key_and_answers_models_and_health(cluster):
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"  # the replica's answer
     assert "(untokenized): prompt ? tokens" in route_line(cluster, "no-prompt")
+
+
+def test_the_router_prices_tiers_with_each_replica_s_measured_rates(cluster):
+    """A replica that loaded from its CPU tier measured that tier's rate: the router reads it
+    from the replica's /metrics and prices a CPU-tier token with it, the other tiers (and a
+    replica that measured nothing) at the default ratios."""
+    replica = cluster.replicas[0]
+    prompt = tokens(7, 300)
+    answer(replica.url, "/v1/completions", completion(prompt), AUTH)
+    for seed in range(8, 13):  # push the prompt out of the replica's 256-block GPU prefix cache
+        answer(replica.url, "/v1/completions", completion(tokens(seed, 1000)), AUTH)
+    answer(replica.url, "/v1/completions", completion(prompt), AUTH)
+    costs = costs_from_metrics(metrics(replica.url))
+    assert costs is not None and "cpu" in costs.tier_to_bytes_per_s, "the replica loaded from its CPU tier"
+    expected = costs.tier_cost(8192)
+    deadline = time.monotonic() + 15
+    while True:
+        text = metrics(cluster.router.url)
+        measured = metric_value(
+            text, "kvstash_router_tier_cost", url=replica.url, tier="cpu", source="measured"
+        )
+        if measured > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert measured == pytest.approx(expected["cpu"], rel=1e-3) and 0 < measured <= 1
+    assert (
+        metric_value(text, "kvstash_router_tier_cost", url=replica.url, tier="disk", source="default") == 0.3
+    )
 
 
 def test_a_killed_replica_costs_no_request(cluster, server):

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.server.guards import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.responses import error_body
 from engine.server.router.choice import Candidate, Decision, choose
+from engine.server.router.costs import DEFAULT_INTERVAL_S, DEFAULT_TIER_COST, CostPoller
 from engine.server.router.index import ReplicaIndex
 from engine.server.router.matching import PrefixMatch, PromptHashes, SharedTiers, match_prefix
 from engine.server.router.metrics import RouterMetrics
@@ -50,11 +51,13 @@ def create_router_app(
     engine_api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+    costs_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> FastAPI:
     """The router over the replicas at ``replica_urls`` (at least one), the i-th followed
     through ``replica_events[i]`` ((PUB endpoint, replay endpoint); none at all: routing by
     load alone). ``tokenizer`` is the served model's. Clients need ``api_key`` when one is
-    set; ``engine_api_key`` is sent to the replicas."""
+    set; ``engine_api_key`` is sent to the replicas. Each replica's ``/metrics`` is read
+    every ``costs_interval_s`` for its measured tier costs (`costs`)."""
     if not replica_urls:
         raise ValueError("the router needs at least one replica (--replica URL)")
     if replica_events and len(replica_events) != len(replica_urls):
@@ -67,9 +70,10 @@ def create_router_app(
         id(engine): ReplicaIndex(engine.url, *endpoints)
         for engine, endpoints in zip(pool.engines, replica_events, strict=False)
     }
-    metrics = RouterMetrics(pool, list(indexes.values()))
     request_numbers = itertools.count(1)
     forwarder: Forwarder | None = None
+    poller: CostPoller | None = None
+    metrics = RouterMetrics(pool, list(indexes.values()), lambda: poller)
     tokenizer_pool = started_thread_pool(NUM_TOKENIZER_THREADS, "kvstash-router-tokenizer")
 
     def drop_index(engine: Engine) -> None:
@@ -79,13 +83,20 @@ def create_router_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal forwarder
+        nonlocal forwarder, poller
         for index in indexes.values():
             index.start()
         try:
             async with engine_client() as client:
                 forwarder = Forwarder(client, metrics.engine_failures, engine_api_key, on_failed=drop_index)
-                yield
+                poller = CostPoller(pool.engines, client, forwarder.headers({}), interval_s=costs_interval_s)
+                polling = asyncio.create_task(poller.run())
+                try:
+                    yield
+                finally:
+                    polling.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await polling
         finally:
             for index in indexes.values():
                 index.close()
@@ -98,6 +109,10 @@ def create_router_app(
         max_request_bytes=max_request_bytes,
         render_metrics=metrics.render,
     )
+
+    def tier_cost(engine: Engine, num_prompt_tokens: int) -> Mapping[str, float]:
+        costs = None if poller is None else poller.costs(engine)
+        return DEFAULT_TIER_COST if costs is None else costs.tier_cost(num_prompt_tokens)
 
     def views(live: list[Engine]) -> list[tuple[EngineKV | None, dict[str, str]]]:
         """What each live replica's index says now: (its state or None, its key heads)."""
@@ -135,7 +150,11 @@ def create_router_app(
         tokens, matches = await asyncio.get_running_loop().run_in_executor(
             tokenizer_pool, functools.partial(prompt_matches, tokenizer, route, body, views(live))
         )
-        decision = choose([Candidate(e, m) for e, m in zip(live, matches, strict=True)], len(tokens or ()))
+        num_prompt_tokens = len(tokens or ())
+        decision = choose(
+            [Candidate(e, m, tier_cost(e, num_prompt_tokens)) for e, m in zip(live, matches, strict=True)],
+            num_prompt_tokens,
+        )
         if tokens is None:
             decision = Decision(decision.order, "untokenized", decision.matches, decision.prompt_tokens)
         name = incoming.get("x-request-id") or f"router-{next(request_numbers)}"

@@ -9,9 +9,8 @@ A replica's cost for the request, in prompt tokens' worth of compute:
 ``queued_tokens`` are the prompt tokens its requests in flight compute (as this router
 estimated them when it sent them), ``in_flight`` their number (each decoding request slows
 every step a little), and the new prompt costs 1 per token it recomputes and
-``TIER_COST[tier]`` per token it loads from a tier. The costs are fixed ratios (a load
-from the CPU tier is an order of magnitude cheaper than recomputing, from disk or a shared
-tier a few times cheaper), not measured rates: they rank replicas, they predict no time.
+``tier_cost[tier]`` per token it loads from a tier: the ratio of the replica's measured
+load and prefill rates (`costs`), or a default ratio where it measured none.
 
 Bounded imbalance: a replica may take the request only while it would then have at most
 ``MAX_IMBALANCE`` times the mean in-flight count (this request counted) plus one; the
@@ -20,14 +19,13 @@ replica with the fewest in flight always may, so there is always a choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+from engine.server.router.costs import DEFAULT_TIER_COST
 from engine.server.router.matching import PrefixMatch
 from engine.server.upstream.pool import Engine
 
-#: a token's cost when loaded from each tier, where recomputing it costs 1
-TIER_COST = {"gpu": 0.0, "cpu": 0.1, "disk": 0.3, "shared": 0.5}
 #: what one request in flight adds to a replica's cost (its share of every step)
 REQUEST_COST_TOKENS = 64.0
 #: no replica takes more than this times the mean in-flight count, plus one
@@ -38,6 +36,8 @@ MAX_IMBALANCE = 1.5
 class Candidate:
     engine: Engine
     match: PrefixMatch
+    #: a token's cost when loaded from each tier on this replica (recomputing it costs 1)
+    tier_cost: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TIER_COST)
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,12 @@ class Decision:
         return self.prompt_tokens[id(engine)]
 
 
-def new_tokens(num_prompt_tokens: int, match: PrefixMatch) -> float:
+def new_tokens(
+    num_prompt_tokens: int, match: PrefixMatch, tier_cost: Mapping[str, float] = DEFAULT_TIER_COST
+) -> float:
     """The prompt's cost on a replica holding ``match``: 1 per recomputed token,
-    ``TIER_COST`` per loaded one."""
-    saved = sum(count * (1.0 - TIER_COST[tier]) for tier, count in match.by_tier().items())
+    ``tier_cost[tier]`` per loaded one."""
+    saved = sum(count * (1.0 - tier_cost[tier]) for tier, count in match.by_tier().items())
     return max(0.0, num_prompt_tokens - saved)
 
 
@@ -72,7 +74,7 @@ def choose(candidates: Sequence[Candidate], num_prompt_tokens: int) -> Decision:
         raise ValueError("choose needs at least one candidate replica")
     total_in_flight = sum(c.engine.num_in_flight for c in candidates)
     bound = MAX_IMBALANCE * (total_in_flight + 1) / len(candidates) + 1
-    tokens = {id(c.engine): new_tokens(num_prompt_tokens, c.match) for c in candidates}
+    tokens = {id(c.engine): new_tokens(num_prompt_tokens, c.match, c.tier_cost) for c in candidates}
 
     def cost(c: Candidate) -> float:
         return c.engine.queued_tokens + REQUEST_COST_TOKENS * c.engine.num_in_flight + tokens[id(c.engine)]

@@ -59,6 +59,14 @@ def _check_events(
     help="The served model's folder (its tokenizer and chat template: prompts are hashed as the replicas "
     "hash them).",
 )
+@click.option(
+    "--costs-interval-s",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds between two reads of each replica's /metrics, whose measured prefill and tier rates "
+    "price a token loaded from each tier against one recomputed.",
+)
 @front_options
 def router(
     replica_urls: tuple[str, ...],
@@ -70,6 +78,7 @@ def router(
     engine_api_key: str | None,
     max_request_bytes: int,
     retry_after_s: float,
+    costs_interval_s: float,
 ) -> None:
     """Serve one OpenAI-compatible endpoint in front of kvstash serve replicas (--replica), sending each
     request to the replica that holds most of its prompt's KV for the least queue."""
@@ -101,5 +110,6 @@ def router(
         engine_api_key=engine_api_key,
         max_request_bytes=max_request_bytes,
         retry_after_s=retry_after_s,
+        costs_interval_s=costs_interval_s,
     )
     serve_on(sock, app, log_level="info", timeout_graceful_shutdown=10)

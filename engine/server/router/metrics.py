@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.server.router.costs import DEFAULT_TIER_COST
 from engine.server.upstream.metrics import PoolCollector
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from engine.server.router.costs import CostPoller
     from engine.server.router.index import ReplicaIndex
     from engine.server.upstream.pool import EnginePool
 
 
 class RouterMetrics:
-    def __init__(self, pool: EnginePool, indexes: list[ReplicaIndex]) -> None:
+    def __init__(
+        self, pool: EnginePool, indexes: list[ReplicaIndex], poller: Callable[[], CostPoller | None]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter(
@@ -55,6 +60,7 @@ class RouterMetrics:
         )
         registry.register(PoolCollector("kvstash_router", [pool]))
         registry.register(_IndexCollector(indexes))
+        registry.register(_CostCollector(pool, poller))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -85,3 +91,29 @@ class _IndexCollector(Collector):
                     keys.add_metric([index.url, medium], len(held))
         yield synced
         yield keys
+
+
+class _CostCollector(Collector):
+    """Each replica's tier costs as `choice` uses them for a prompt of ``PROMPT_TOKENS``."""
+
+    PROMPT_TOKENS = 8192
+
+    def __init__(self, pool: EnginePool, poller: Callable[[], CostPoller | None]) -> None:
+        self.pool = pool
+        self.poller = poller
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cost = GaugeMetricFamily(
+            "kvstash_router_tier_cost",
+            f"A token's cost when a replica loads it from a tier, where recomputing it costs 1, for a "
+            f"{self.PROMPT_TOKENS}-token prompt; source: measured (the replica's /metrics rates) or default.",
+            labels=["url", "tier", "source"],
+        )
+        poller = self.poller()
+        for engine in self.pool.engines:
+            costs = None if poller is None else poller.costs(engine)
+            values = DEFAULT_TIER_COST if costs is None else costs.tier_cost(self.PROMPT_TOKENS)
+            for tier, value in values.items():
+                measured = costs is not None and tier in costs.tier_to_bytes_per_s
+                cost.add_metric([engine.url, tier, "measured" if measured else "default"], value)
+        yield cost

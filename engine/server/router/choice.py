@@ -4,7 +4,7 @@ imbalance allows.
 
 A replica's cost for the request, in prompt tokens' worth of compute:
 
-    queued_tokens + REQUEST_COST_TOKENS * in_flight + sum over the prompt of TIER_COST
+    queued_tokens + REQUEST_COST_TOKENS * in_flight + sum over the prompt of tier_cost
 
 ``queued_tokens`` are the prompt tokens its requests in flight compute (as this router
 estimated them when it sent them), ``in_flight`` their number (each decoding request slows

@@ -256,6 +256,14 @@ def measure_tier(
             result["ext_tokens"][length] = min(ext_tokens)
     if tier == "none":
         result["decode_step_s"] = decode_step_seconds(llm, config.vocab_size)
+    planner = None if tier == "none" else llm.engine.scheduler.connector.planner
+    if planner is not None:
+        # what the planner believed at the end: why it loaded or recomputed what it did
+        result["planner_bytes_per_s"] = {
+            f"{name}:{connections}": rate
+            for (name, connections), rate in sorted(planner.rates.snapshot().items())
+        }
+        result["planner_prefill_tokens_per_s"] = planner.snapshot()
     del llm
     free_memory(torch.device(engine_args["device"]))
     return result
@@ -443,6 +451,19 @@ def main() -> None:
     print(f"pinned host->device: {h2d and round(h2d, 1)} GB/s, decode step: {decode_s * 1e3:.2f} ms")
     if "disk" in results:
         print(f"disk hits after dropping the OS page cache: {results['disk']['page_cache_dropped']}")
+    tier_to_planner = {
+        tier: {
+            "bytes_per_s": results[tier].get("planner_bytes_per_s"),
+            "prefill": results[tier].get("planner_prefill_tokens_per_s"),
+        }
+        for tier in tiers
+    }
+    for tier, planner in tier_to_planner.items():
+        if planner["bytes_per_s"] is not None:
+            rates = ", ".join(
+                f"{key} {value / 1e9:.2f} GB/s" for key, value in planner["bytes_per_s"].items()
+            )
+            print(f"planner's rates after the {tier} runs: {rates}")
     report = {
         "benchmark": "ttft",
         "device": device_name,
@@ -455,6 +476,7 @@ def main() -> None:
         "decode_step_ms": decode_s * 1e3,
         "disk_page_cache_dropped": results.get("disk", {}).get("page_cache_dropped"),
         "rows": rows,
+        "planner": tier_to_planner,
         "torch": torch.__version__,
     }
     if args.out:

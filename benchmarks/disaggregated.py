@@ -39,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ from benchmarks.support.serving_args import (  # noqa: E402
     resolve_common,
     say,
 )
-from benchmarks.support.serving_stack import SHARED_TIERS, ServingStack, kv_pool_flags  # noqa: E402
+from benchmarks.support.serving_stack import SHARED_TIERS, ServingStack, free_ports, kv_pool_flags  # noqa: E402
 from benchmarks.support.stream_load import (  # noqa: E402
     RequestRecord,
     client,
@@ -74,8 +75,8 @@ DEFAULTS = {
     "bench": dict(users=4, decode_tokens=64, decode_prompt=64, long_min=1024, long_max=2048, long_rate=1.0,
                   long_max_tokens=8, duration=10.0, slo_ttft_ms=3000.0, slo_itl_ms=300.0, cpu_gb=0.5,
                   cache_server_mib=1024.0),
-    "8b": dict(users=32, decode_tokens=256, decode_prompt=128, long_min=8192, long_max=16384, long_rate=1.0,
-               long_max_tokens=16, duration=30.0, slo_ttft_ms=2000.0, slo_itl_ms=100.0, cpu_gb=8.0,
+    "8b": dict(users=32, decode_tokens=256, decode_prompt=128, long_min=8192, long_max=16384, long_rate=0.5,
+               long_max_tokens=16, duration=20.0, slo_ttft_ms=2000.0, slo_itl_ms=100.0, cpu_gb=8.0,
                cache_server_mib=16384.0),
 }  # fmt: skip
 
@@ -238,8 +239,16 @@ def run_pd(args, model, workload, log_dir: Path, out: dict) -> None:
             ["--kv-role", role, *tier, *engine_flags(args, i)]
             for i, role in enumerate(("producer", "consumer"))
         ]
-        producer, consumer = stack.start_engines(["producer", "consumer"], flags, args.one_by_one)
-        proxy = stack.start_front("proxy", ["--prefill", producer, "--decode", consumer])
+        # the proxy starts with the engines (it takes an engine that does not answer yet out
+        # and tries it again later: the warm-up below waits until both answer through it)
+        ports = free_ports(2)
+        producer, consumer = (f"http://127.0.0.1:{port}" for port in ports)
+        with ThreadPoolExecutor(2) as starting:
+            proxy_started = starting.submit(
+                stack.start_front, "proxy", ["--prefill", producer, "--decode", consumer]
+            )
+            stack.start_engines(["producer", "consumer"], flags, args.one_by_one, ports=ports)
+            proxy = proxy_started.result()
         say("warm-up")
         asyncio.run(warm_up([proxy], workload))
         say("  pd")

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,12 @@ from benchmarks.support.serving_args import (  # noqa: E402
     resolve_common,
     say,
 )
-from benchmarks.support.serving_stack import ServingStack, kv_event_endpoints, kv_pool_flags  # noqa: E402
+from benchmarks.support.serving_stack import (  # noqa: E402
+    ServingStack,
+    free_ports,
+    kv_event_endpoints,
+    kv_pool_flags,
+)
 from benchmarks.support.stream_load import (  # noqa: E402
     RequestRecord,
     client,
@@ -223,13 +229,22 @@ def run(args: argparse.Namespace, model, conversations: Conversations, log_dir: 
     records: dict[str, list[RequestRecord]] = {}
     summaries: dict[str, dict] = {}
     with ServingStack(model, log_dir, args.engine_env) as stack:
-        say(f"starting {args.replicas} replicas")
-        urls = stack.start_engines(names, flag_lists)
-        router_url = None
-        if "kv-aware" in args.policies:
-            say("starting kvstash router")
-            replicas = [flag for url in urls for flag in ("--replica", url)]
-            router_url = stack.start_front("router", [*replicas, *events, "--tokenizer", str(model.path)])
+        # the router starts with the replicas: it asks for their events until they answer
+        ports = free_ports(args.replicas)
+        replicas = [flag for port in ports for flag in ("--replica", f"http://127.0.0.1:{port}")]
+        router_flags = [*replicas, *events, "--tokenizer", str(model.path)]
+        say(
+            f"starting {args.replicas} replicas"
+            + (" and kvstash router" if "kv-aware" in args.policies else "")
+        )
+        with ThreadPoolExecutor(2) as starting:
+            router = (
+                starting.submit(stack.start_front, "router", router_flags)
+                if "kv-aware" in args.policies
+                else None
+            )
+            urls = stack.start_engines(names, flag_lists, ports=ports)
+            router_url = router.result() if router is not None else None
         say("warm-up")
         asyncio.run(warm_up(urls, conversations))
         for policy_index, policy in enumerate(POLICIES):

@@ -17,13 +17,14 @@ memory free when it starts, so engines given shares start one after another, eng
 from __future__ import annotations
 
 import math
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.support.model_folders import ModelFolder
-from benchmarks.support.redis_process import RedisServerProcess, free_port
+from benchmarks.support.redis_process import RedisServerProcess
 from benchmarks.support.soak_children import START_TIMEOUT_S, Child, start_cache_server
 
 _RUNNING = r"Uvicorn running on http://127\.0\.0\.1:(\d+)"
@@ -80,16 +81,22 @@ class ServingStack:
         raise ValueError(f"unknown shared tier {kind!r}: choose one of {', '.join(SHARED_TIERS)}")
 
     def start_engines(
-        self, names: list[str], flag_lists: list[list[str]], one_by_one: bool = False
+        self,
+        names: list[str],
+        flag_lists: list[list[str]],
+        one_by_one: bool = False,
+        ports: list[int] | None = None,
     ) -> list[str]:
-        """Start ``kvstash serve`` per name with its flags (after the model's own); returns
-        their base URLs once every one answers ``/health``."""
-        if len(names) != len(flag_lists):
-            raise ValueError(f"{len(names)} engine names for {len(flag_lists)} flag lists")
+        """Start ``kvstash serve`` per name with its flags (after the model's own) on
+        ``ports`` (default: free ones the engines pick); returns their base URLs once every
+        one answers ``/health``. Known ports let a proxy or router start at the same time."""
+        if len(names) != len(flag_lists) or (ports is not None and len(ports) != len(names)):
+            raise ValueError(f"{len(names)} engine names for {len(flag_lists)} flag lists and ports {ports}")
         children = []
-        for name, flags in zip(names, flag_lists, strict=True):
+        for n, (name, flags) in enumerate(zip(names, flag_lists, strict=True)):
+            port = "0" if ports is None else str(ports[n])
             command = [sys.executable, "-m", "engine.cli", "serve", str(self.model.path)]
-            command += ["--host", "127.0.0.1", "--port", "0", "--served-model-name", SERVED_MODEL_NAME]
+            command += ["--host", "127.0.0.1", "--port", port, "--served-model-name", SERVED_MODEL_NAME]
             command += [*self.model.serve_flags, *flags]
             children.append(
                 Child(command, self._log(name), _RUNNING, f"kvstash serve ({name})", self.engine_env)
@@ -144,10 +151,19 @@ class ServingStack:
         return codes
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago (bound at once, then closed)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def kv_event_endpoints() -> tuple[str, str]:
     """Two loopback ZeroMQ endpoints (PUB, REPLAY) on distinct ports free a moment ago."""
-    pub = free_port()
-    replay = free_port()
-    while replay == pub:
-        replay = free_port()
+    pub, replay = free_ports(2)
     return f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"

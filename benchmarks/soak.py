@@ -76,6 +76,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.support.model_folders import kv_bytes_per_token, make_8b_folder  # noqa: E402
 from benchmarks.support.soak_children import Child, start_cache_server, start_serve  # noqa: E402
 from benchmarks.support.soak_load import Load, greedy_outputs  # noqa: E402
 from benchmarks.support.soak_report import plot, print_table  # noqa: E402
@@ -254,30 +255,6 @@ def git_commit() -> str | None:
 
 
 # ---- model and arguments -------------------------------------------------------------------------
-def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * dtype_bytes
-
-
-def make_8b_folder(directory: Path) -> Path:
-    """A folder `kvstash serve --load-format dummy` can serve: the Llama-3.1-8B config and
-    a tokenizer whose vocabulary covers every id of it (the tiny model's, padded with
-    plain added tokens), so that generated text decodes token for token."""
-    from bench.presets import llama31_8b_config
-    from bench.tiny_model import TINY_VOCAB_SIZE, _build_tokenizer
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(TINY_VOCAB_SIZE)
-    config = llama31_8b_config()
-    tokenizer.add_tokens([f"<t{i}>" for i in range(len(tokenizer), config.vocab_size)])
-    vocab = tokenizer.get_vocab()
-    config.bos_token_id, config.eos_token_id = vocab["<|bos|>"], vocab["<|eos|>"]
-    config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter

@@ -34,10 +34,19 @@ def child_env() -> dict[str, str]:
 
 class Child:
     """A child process whose output goes to ``log_path``; ``port`` is read from its
-    output with ``port_pattern``. ``stop()`` sends SIGTERM and returns the exit code."""
+    output with ``port_pattern``; ``extra_env`` is added to its environment. ``stop()``
+    sends SIGTERM and returns the exit code."""
 
-    def __init__(self, command: list[str], log_path: Path, port_pattern: str, what: str) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        log_path: Path,
+        port_pattern: str,
+        what: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.command, self.log_path, self.what = command, log_path, what
+        self.extra_env = dict(extra_env or {})
         self._pattern = re.compile(port_pattern)
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
@@ -46,7 +55,11 @@ class Child:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+                self.command,
+                cwd=REPO_ROOT,
+                env=child_env() | self.extra_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

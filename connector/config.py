@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 # REMOTE_SCHEMES: the schemes accepted for ``remote_url`` (re-exported)
-from connector.cpu_tier_size import AUTO, HostMemory, auto_cpu_bytes, check_replicas_per_host, read_host_memory
+from connector.cpu_tier_size import (
+    AUTO,
+    HostMemory,
+    auto_cpu_bytes,
+    check_replicas_per_host,
+    read_host_memory,
+)
 from storage_backends.urls import REMOTE_SCHEMES, check_remote_url  # noqa: F401
 
 logger = logging.getLogger(__name__)

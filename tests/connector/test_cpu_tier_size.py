@@ -88,7 +88,10 @@ def test_explicit_sizes_keep_working_and_auto_can_be_named_anywhere():
     assert offload_config_from_options(flags(kv_offload_cpu_gb=2.5), {}, host_memory=host).cpu_bytes == int(
         2.5 * GIB
     )
-    assert offload_config_from_options(flags(kv_offload_cpu_gb="auto"), {}, host_memory=host).cpu_bytes == 27 * GIB
+    assert (
+        offload_config_from_options(flags(kv_offload_cpu_gb="auto"), {}, host_memory=host).cpu_bytes
+        == 27 * GIB
+    )
     environ = {"KVSTASH_KV_OFFLOAD_CPU_GB": "auto", "KVSTASH_KV_OFFLOAD_REPLICAS_PER_HOST": "3"}
     assert offload_config_from_options(flags(), environ, host_memory=host).cpu_bytes == 9 * GIB
     fields = parse_fields({"cpu_gb": "AUTO", "disk_path": "/tmp/kv"}, source="test")
@@ -100,7 +103,10 @@ def test_explicit_sizes_keep_working_and_auto_can_be_named_anywhere():
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"KVSTASH_KV_OFFLOAD_CPU_GB": "lots"}, "KVSTASH_KV_OFFLOAD_CPU_GB 'lots': cpu_gb must be a number of GiB"),
+        (
+            {"KVSTASH_KV_OFFLOAD_CPU_GB": "lots"},
+            "KVSTASH_KV_OFFLOAD_CPU_GB 'lots': cpu_gb must be a number of GiB",
+        ),
         ({"KVSTASH_KV_OFFLOAD_REPLICAS_PER_HOST": "0"}, "REPLICAS_PER_HOST '0': replicas_per_host must be"),
     ],
 )

@@ -129,7 +129,14 @@ def read_header(path: Path, head: bytes, file_size: int) -> list[_Entry]:
 class _FileReader:
     """Reads one file front to back (one thread), hashing when asked."""
 
-    def __init__(self, path: Path, *, hashed: bool, staging: list[torch.Tensor] | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        hashed: bool,
+        staging: list[torch.Tensor] | None,
+        device: torch.device | None = None,
+    ) -> None:
         self.path = path
         self.stats = WeightReadStats(num_files=1)
         self._digest = xxhash.xxh3_128() if hashed else None
@@ -137,7 +144,13 @@ class _FileReader:
         self._position = 0
         self._staging = staging  # two pinned pieces (CUDA targets), else None
         self._scratch: torch.Tensor | None = None
-        self._stream = torch.cuda.Stream() if staging is not None else None
+        self._stream = None
+        if staging is not None and device is not None:
+            # the target device's own stream (a new thread's current device is cuda:0, a
+            # pipeline stage's parameters may live elsewhere), ordered after whatever the
+            # device's current stream still has queued (e.g. the parameters' allocation)
+            self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
         self._events = [None, None]
         self._next_buffer = 0
 
@@ -198,7 +211,7 @@ class _FileReader:
             for start in range(0, num_bytes, PIECE_BYTES):
                 self._read_into(target[start : start + PIECE_BYTES])
             return
-        if same_layout and self._staging is not None:
+        if same_layout and self._stream is not None and param.device == self._stream.device:
             target_bytes = param.detach().view(-1).view(torch.uint8)
             for start in range(0, num_bytes, PIECE_BYTES):
                 length = min(PIECE_BYTES, num_bytes - start)
@@ -242,8 +255,9 @@ def _read_file(
     *,
     hashed: bool,
     staging: list[torch.Tensor] | None,
+    device: torch.device | None,
 ) -> tuple[WeightReadStats, set[str]]:
-    reader = _FileReader(path, hashed=hashed, staging=staging)
+    reader = _FileReader(path, hashed=hashed, staging=staging, device=device)
     try:
         file_size = os.fstat(reader._file.fileno()).st_size
         loaded_names = set()
@@ -280,7 +294,10 @@ def read_checkpoint(
         raise ValueError(f"max_threads must be an integer >= 1, got {max_threads!r}")
     start = time.perf_counter()
     num_threads = min(max_threads, len(files)) or 1
-    cuda_targets = any(param.device.type == "cuda" for param in name_to_param.values())
+    cuda_devices = {param.device for param in name_to_param.values() if param.device.type == "cuda"}
+    # one CUDA device takes the pinned, asynchronous path (several: each tensor by copy_)
+    cuda_device = next(iter(cuda_devices)) if len(cuda_devices) == 1 else None
+    cuda_targets = cuda_device is not None
     staging_lock = threading.Lock()
     free_staging: list[list[torch.Tensor]] = []
 
@@ -295,7 +312,9 @@ def read_checkpoint(
     def read_one(path: Path) -> tuple[WeightReadStats, set[str]]:
         staging = take_staging()
         try:
-            return _read_file(path, name_to_param, hashed=path in hash_paths, staging=staging)
+            return _read_file(
+                path, name_to_param, hashed=path in hash_paths, staging=staging, device=cuda_device
+            )
         finally:
             if staging is not None:
                 with staging_lock:

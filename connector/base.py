@@ -407,6 +407,11 @@ class KVConnectorWorker(abc.ABC):
         """Tell ``record(kind, medium, keys)`` what the tiers hold and every change after
         (the engine's KV events); called once at start-up by the engine core."""
 
+    def start_background_allocation(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """The engine is ready (weights loaded, graphs captured): memory that the tiers
+        allocate after start-up (the CPU tier's slab pieces) may be allocated from now on,
+        beside the serving. Called once by the engine core."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Block until every save issued so far is stored and every write queued for lower
         tiers was attempted (tests, benchmarks, shutdown); the step loop never calls it."""

@@ -9,6 +9,7 @@ environment variables. Validation happens once, at construction, and raises
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -17,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 # REMOTE_SCHEMES: the schemes accepted for ``remote_url`` (re-exported)
+from connector.cpu_tier_size import (
+    AUTO,
+    HostMemory,
+    auto_cpu_bytes,
+    check_replicas_per_host,
+    read_host_memory,
+)
 from storage_backends.urls import REMOTE_SCHEMES, check_remote_url  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
@@ -189,8 +199,9 @@ class OffloadConfig:
     # ---- construction from text sources --------------------------------------
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> OffloadConfig:
-        """Build from field names (plus ``cpu_gb``/``disk_gb`` in GiB); values may be
-        strings (as in env vars) and are converted to each field's type."""
+        """Build from field names (plus ``cpu_gb``/``disk_gb`` in GiB, ``cpu_gb: auto`` with
+        ``replicas_per_host``); values may be strings (as in env vars) and are converted to
+        each field's type."""
         return config_from_fields(parse_fields(values, source=source), source=source)
 
     @classmethod
@@ -224,12 +235,33 @@ def check_key_prefix(key_prefix: object) -> None:
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(OffloadConfig)}
 
 
-def config_from_fields(fields: Mapping[str, Any], *, source: str) -> OffloadConfig:
+def config_from_fields(
+    fields: Mapping[str, Any],
+    *,
+    source: str,
+    host_memory: HostMemory | None = None,
+    engine_host_bytes: int = 0,
+) -> OffloadConfig:
     """``OffloadConfig(**fields)`` for settings read from text sources (merged by the caller).
 
     A disk size given without a disk folder would silently give no disk tier, so it is an
     error here (the dataclass itself cannot tell a given size from its default).
+    ``cpu_bytes`` ``"auto"`` is sized from ``host_memory`` (default: this host's, read
+    now) by :func:`connector.cpu_tier_size.auto_cpu_bytes`, divided by the fields'
+    ``replicas_per_host`` and less ``engine_host_bytes`` and the save buffers; the choice
+    and its reason are logged.
     """
+    fields = dict(fields)
+    replicas_per_host = fields.pop("replicas_per_host", 1)
+    if fields.get("cpu_bytes") == AUTO:
+        save_buffer_bytes = fields.get("save_buffer_bytes", OffloadConfig.save_buffer_bytes)
+        auto = auto_cpu_bytes(
+            host_memory if host_memory is not None else read_host_memory(),
+            replicas_per_host=replicas_per_host,
+            engine_host_bytes=engine_host_bytes + max(0, save_buffer_bytes),
+        )
+        logger.info("kv offload: CPU tier of %d GiB; %s", auto.cpu_bytes // GIB, auto.reason)
+        fields["cpu_bytes"] = auto.cpu_bytes
     if "disk_bytes" in fields and fields.get("disk_path") is None:
         raise ValueError(
             f"{source}: a disk tier size (disk_gb / disk_bytes, --kv-offload-disk-gb) is set but no "
@@ -290,19 +322,25 @@ def parse_fields(
     """Normalize a mapping of user-facing names to ``OffloadConfig`` keyword arguments, each
     checked on its own, so that an error names where its value came from.
 
-    ``cpu_gb``/``disk_gb`` (GiB, may be fractional) become ``cpu_bytes``/``disk_bytes``.
+    ``cpu_gb``/``disk_gb`` (GiB, may be fractional) become ``cpu_bytes``/``disk_bytes``;
+    ``cpu_gb: auto`` stays ``"auto"`` (sized by :func:`config_from_fields`), and
+    ``replicas_per_host`` (an integer >= 1, read only by that sizing) passes through.
     Unknown names or bad values raise ``ValueError`` as ``"{source}: {spelled(name)} {value!r}:
     {reason}"``, quoting the value as given; ``spelled`` is how the user wrote a name (e.g.
     ``KVSTASH_KV_OFFLOAD_CHUNK_SIZE``; default: the name itself).
     """
     spell = spelled or (lambda name: name)
-    unknown = sorted(set(values) - set(_FIELD_TYPES) - set(_GIB_ALIASES))
+    unknown = sorted(set(values) - set(_FIELD_TYPES) - set(_GIB_ALIASES) - {"replicas_per_host"})
     if unknown:
         raise ValueError(f"{source}: unknown offload setting(s) {', '.join(spell(name) for name in unknown)}")
     fields: dict[str, Any] = {}
     for name, value in values.items():
         try:
-            if name in _GIB_ALIASES:
+            if name == "replicas_per_host":
+                field, converted = name, check_replicas_per_host(value)
+            elif name in ("cpu_gb", "cpu_bytes") and isinstance(value, str) and value.strip().lower() == AUTO:
+                field, converted = "cpu_bytes", AUTO  # sized from the host by config_from_fields
+            elif name in _GIB_ALIASES:
                 try:
                     gib = float(value)
                 except (TypeError, ValueError):
@@ -312,7 +350,8 @@ def parse_fields(
                 field, converted = _GIB_ALIASES[name], int(gib * GIB)
             else:
                 field, converted = name, _convert(name, value)
-            _check_alone(field, converted)
+            if converted != AUTO and field != "replicas_per_host":
+                _check_alone(field, converted)
         except ValueError as error:
             raise ValueError(f"{source}: {spell(name)} {value!r}: {error}") from None
         fields[field] = converted

@@ -15,12 +15,23 @@ every read and releases it after the transfer. Writes go through
 :meth:`publish` of that same reservation. Which slot holds which chunk, the pins and
 the reservations are the tier's :class:`~connector.slot_index.SlotIndex` (``index``),
 which holds no memory; this class adds the slab. Thread-safe.
+
+The slab is made of pieces of about ``PIECE_BYTES``. Pinning host memory is slow (a 60 GB
+tier took an engine from 39 s to 72 s to ready on an H100, issue 33), so with
+``grow_in_background`` only the first piece is allocated by the constructor, and
+:meth:`start_growing` (the engine calls it once it is ready) allocates the others on a
+thread of its own, each piece's slots joining the index as it arrives. Until then the
+tier is smaller: a store that finds no free slot is not kept in the CPU tier (it still
+goes to the lower tiers through the save buffers), as when pinned chunks fill it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +43,13 @@ from storage_backends.chunk import KVChunk, decode_chunk, encode_chunk
 
 #: alignment of the slab (the disk tier's O_DIRECT needs block-aligned memory)
 _PAGE_BYTES = 4096
+#: bytes per piece of the slab (whole slots; at least one slot)
+PIECE_BYTES = 1 << 30
+
+logger = logging.getLogger(__name__)
+
+#: allocates one piece: (num_slots, slot_numel, dtype, pin_memory) -> [num_slots, slot_numel]
+PieceAllocator = Callable[[int, int, torch.dtype, bool], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -62,7 +80,13 @@ class PinnedChunkPool(StorageBackend):
         pin_memory: bool,
         layout: str,
         staging: bool = False,
+        grow_in_background: bool = False,
+        allocate_piece: PieceAllocator | None = None,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
+        """``grow_in_background``: allocate the first piece now and the rest after
+        :meth:`start_growing`; ``allocate_piece`` (default: pinned or page-aligned plain
+        memory) is how a piece is made (tests pass a slow one)."""
         if len(chunk_shape) != 5 or chunk_shape[1] != 2:
             raise ValueError(
                 f"chunk_shape must be [num_layers, 2, chunk_size, heads, head_dim], got {chunk_shape}"
@@ -81,21 +105,93 @@ class PinnedChunkPool(StorageBackend):
         self.chunk_shape = tuple(chunk_shape)
         self.layout = layout
         self.pinned = pin_memory
+        self.dtype = dtype
+        self.slots_per_piece = max(1, min(self.num_slots, piece_bytes // self.slot_bytes))
+        self._allocate_piece = allocate_piece or _page_aligned_slab
+        start = time.perf_counter()
+        #: the slab's pieces, in slot order; piece i holds slots [i * slots_per_piece, ...)
+        self._pieces = [self._new_piece(0)]
         #: which slot holds which chunk, pins and reservations (no memory of its own)
-        self.index = SlotIndex(self.num_slots)
-        self._slab = _page_aligned_slab(self.num_slots, self.slot_numel, dtype, pin_memory=pin_memory)
+        self.index = SlotIndex(self.num_slots, self._pieces[0].shape[0])
+        while not grow_in_background and self.index.num_ready_slots < self.num_slots:
+            self._add_piece()
+        #: seconds the whole slab took to allocate (None while it grows)
+        self.allocation_s: float | None = (time.perf_counter() - start) if not grow_in_background else None
+        self._allocation_start = start
+        self._grower: threading.Thread | None = None
+        self._stop_growing = threading.Event()
+        self._grown = threading.Event()
+        if self.index.num_ready_slots == self.num_slots:
+            self.allocation_s = time.perf_counter() - start
+            self._grown.set()
         # slot id -> its full-chunk view, made on the slot's first use and kept: a read of
         # whole chunks then makes no tensor (each torch call gives up the GIL and waits to
         # take it back, per chunk, on the step's path while the disk tier's I/O threads run)
         self._slot_id_to_view: dict[int, torch.Tensor] = {}
 
+    # ---- the slab's pieces ------------------------------------------------------
+    def _new_piece(self, first_slot: int) -> torch.Tensor:
+        num_slots = min(self.slots_per_piece, self.num_slots - first_slot)
+        piece = self._allocate_piece(num_slots, self.slot_numel, self.dtype, self.pinned)
+        if tuple(piece.shape) != (num_slots, self.slot_numel) or piece.dtype != self.dtype:
+            raise ValueError(f"a slab piece must be [{num_slots}, {self.slot_numel}] of {self.dtype}")
+        return piece
+
+    def _add_piece(self) -> None:
+        piece = self._new_piece(self.index.num_ready_slots)
+        self._pieces.append(piece)  # before its slots are free: a reader finds its memory
+        self.index.add_ready_slots(piece.shape[0])
+
+    def start_growing(self) -> None:
+        """Allocate the slab's other pieces on a thread of its own (idempotent). Called once
+        by the engine when it is ready (not while it captures CUDA graphs: pinning is a
+        driver call that a capture may forbid on other threads)."""
+        if self._grown.is_set() or self._grower is not None:
+            return
+        self._grower = threading.Thread(target=self._grow, name="cpu-tier-slab", daemon=True)
+        self._grower.start()
+
+    def _grow(self) -> None:
+        try:
+            while self.index.num_ready_slots < self.num_slots and not self._stop_growing.is_set():
+                self._add_piece()
+        except (RuntimeError, MemoryError) as error:  # the host ran out: keep what there is
+            logger.warning(
+                "cpu tier: stopped growing at %.1f of %.1f GiB: %s",
+                self.index.num_ready_slots * self.slot_bytes / (1 << 30),
+                self.num_slots * self.slot_bytes / (1 << 30),
+                error,
+            )
+        self.allocation_s = time.perf_counter() - self._allocation_start
+        logger.info(
+            "cpu tier: %.1f GiB in %d pieces%s ready %.1f s after it was created",
+            self.index.num_ready_slots * self.slot_bytes / (1 << 30),
+            len(self._pieces),
+            " (pinned)" if self.pinned else "",
+            self.allocation_s,
+        )
+        self._grown.set()
+
+    def wait_grown(self, timeout_s: float | None = None) -> bool:
+        """Wait until the slab stopped growing (all of it, or what the host gave); True if so."""
+        return self._grown.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop growing the slab (a piece being allocated finishes first)."""
+        self._stop_growing.set()
+        if self._grower is not None:
+            self._grower.join()
+        super().close()
+
     def view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The slab's memory of slot ``slot_id`` as a chunk of ``shape`` (no copy)."""
         if shape != self.chunk_shape:
-            return self._slab[slot_id, : math.prod(shape)].view(shape)
+            piece_index, row = divmod(slot_id, self.slots_per_piece)
+            return self._pieces[piece_index][row, : math.prod(shape)].view(shape)
         view = self._slot_id_to_view.get(slot_id)
         if view is None:  # two threads may both make it: equal views, either one kept
-            view = self._slot_id_to_view[slot_id] = self._slab[slot_id].view(shape)
+            piece_index, row = divmod(slot_id, self.slots_per_piece)
+            view = self._slot_id_to_view[slot_id] = self._pieces[piece_index][row].view(shape)
         return view
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
@@ -141,6 +237,7 @@ class PinnedChunkPool(StorageBackend):
             "bytes_used": gauges["num_used_slots"] * self.slot_bytes,
             "capacity_bytes": self.num_slots * self.slot_bytes,
             "num_slots": self.num_slots,
+            "ready_bytes": self.index.num_ready_slots * self.slot_bytes,
             "slot_bytes": self.slot_bytes,
             "num_pinned": gauges["num_pinned"],
             "pinned_memory": self.pinned,
@@ -214,9 +311,7 @@ class PinnedChunkPool(StorageBackend):
         return self.index.delete(key)
 
 
-def _page_aligned_slab(
-    num_slots: int, slot_numel: int, dtype: torch.dtype, *, pin_memory: bool
-) -> torch.Tensor:
+def _page_aligned_slab(num_slots: int, slot_numel: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
     """``[num_slots, slot_numel]`` of ``dtype`` starting on a page boundary. Pinned memory is
     page-aligned already; plain memory is allocated one page larger and offset, so that the
     disk tier writes and reads slots with O_DIRECT (it falls back to buffered I/O, a

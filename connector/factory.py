@@ -36,11 +36,14 @@ def create_cache_engine(
     tp_rank: int = 0,
     tp_size: int = 1,
     layer_range: tuple[int, int, int] | None = None,
+    grow_cpu_tier: bool = False,
 ) -> CacheEngine:
     """A :class:`CacheEngine` over the tiers ``config`` names, for KV of this shape.
     Its tiers are closed (queued writes finished) when it is garbage-collected or at exit.
     ``layer_range``: a pipeline stage's ``(first_layer, end_layer, num_model_layers)``
-    (part of the namespace; ``num_layers`` is then the stage's)."""
+    (part of the namespace; ``num_layers`` is then the stage's). ``grow_cpu_tier``: the
+    CPU tier's slab grows in the background once the worker's
+    ``start_background_allocation`` is called (the engine does when it is ready)."""
     if not isinstance(config, OffloadConfig):
         raise ValueError(f"config must be an OffloadConfig, got {type(config).__name__}")
     namespace = namespace_fingerprint(
@@ -59,7 +62,9 @@ def create_cache_engine(
     )
     chunk_shape = (num_layers, 2, config.chunk_size, num_kv_heads, head_dim)
     pin_memory = torch.device(device).type == "cuda"
-    tiers = TierManager.from_config(config, chunk_shape, dtype, pin_memory=pin_memory)
+    tiers = TierManager.from_config(
+        config, chunk_shape, dtype, pin_memory=pin_memory, grow_cpu_tier=grow_cpu_tier
+    )
     engine = CacheEngine(
         token_db, tiers, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
@@ -128,6 +133,7 @@ def create_worker_connector(
     layer_range: tuple[int, int, int] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    grow_cpu_tier: bool = False,
 ) -> KVConnectorWorker:
     """The worker side alone, over tiers of its own: a pipeline stage after the first or
     a tensor-parallel rank after the first, whose scheduler side is the engine process's.
@@ -144,6 +150,7 @@ def create_worker_connector(
         tp_rank=tp_rank,
         tp_size=tp_size,
         layer_range=layer_range,
+        grow_cpu_tier=grow_cpu_tier,
     )
     tiers = cache_engine.tiers
     name_to_breaker = _breakers_for(tiers, config) if _fetches(config, tiers) else None
@@ -164,6 +171,7 @@ def create_kv_connector(
     layer_range: tuple[int, int, int] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    grow_cpu_tier: bool = False,
 ) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
     """The scheduler-side and worker-side connector of one engine (the first pipeline
     stage), over one cache engine: the scheduler side reads and pins the CPU tier's
@@ -171,7 +179,8 @@ def create_kv_connector(
     between them as plain data (the metadata and the worker's reports).
     ``step_times`` is the engine's step-time model (its planner reads it: :class:`StepTimes`). A
     pipeline stage passes its ``layer_range``, a tensor-parallel rank its ``tp_rank`` and
-    ``tp_size`` and its own ``num_kv_heads`` (see :func:`create_cache_engine`)."""
+    ``tp_size`` and its own ``num_kv_heads``, and ``grow_cpu_tier`` (see
+    :func:`create_cache_engine`)."""
     # the worker side over the engine's tiers (its fetcher included), as a later stage builds it
     worker = create_worker_connector(
         config,
@@ -184,6 +193,7 @@ def create_kv_connector(
         layer_range=layer_range,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        grow_cpu_tier=grow_cpu_tier,
     )
     cache_engine = worker.cache_engine
     tiers = cache_engine.tiers

@@ -52,12 +52,19 @@ class SlotReservation:
 class SlotIndex:
     """Byte-free LRU index of ``num_slots`` equal slots, with pins per kind."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_ready_slots: int | None = None) -> None:
+        """``num_ready_slots`` (default all): how many of the first slots have memory now;
+        :meth:`add_ready_slots` makes the others usable as their memory arrives."""
         if num_slots <= 0:
             raise ValueError(f"a slot index needs at least one slot, got {num_slots}")
+        num_ready_slots = num_slots if num_ready_slots is None else num_ready_slots
+        if not 0 < num_ready_slots <= num_slots:
+            raise ValueError(f"num_ready_slots must be in [1, {num_slots}], got {num_ready_slots}")
         self.num_slots = num_slots
-        self._free_slot_ids = list(range(num_slots - 1, -1, -1))
-        self._index = LRUIndex(num_slots)  # size unit: slots; record: (slot_id, shape)
+        #: slots with memory behind them (the CPU tier's slab may still be growing)
+        self.num_ready_slots = num_ready_slots
+        self._free_slot_ids = list(range(num_ready_slots - 1, -1, -1))
+        self._index = LRUIndex(num_ready_slots)  # size unit: slots; record: (slot_id, shape)
         self._key_to_reservation: dict[str, SlotReservation] = {}
         self._key_to_pin_kinds: dict[str, Counter[PinKind]] = {}
         self._lock = threading.Lock()
@@ -184,7 +191,10 @@ class SlotIndex:
                 victim_keys = self._index.victims_for(1 + len(self._key_to_reservation))
                 if victim_keys is None:
                     self.counters.add("rejected")
-                    raise CapacityError(f"cpu tier: all {self.num_slots} slots are pinned or being written")
+                    raise CapacityError(
+                        f"cpu tier: all {self.num_ready_slots} slots ready (of {self.num_slots}) are pinned "
+                        "or being written"
+                    )
                 for victim_key in victim_keys:
                     self._free_slot_ids.append(self._index.remove(victim_key).record[0])
                 self.counters.add("evictions", len(victim_keys))
@@ -228,11 +238,23 @@ class SlotIndex:
         self._changed("removed", [key])
         return True
 
+    def add_ready_slots(self, num_slots: int) -> None:
+        """The next ``num_slots`` slots got their memory (the CPU tier's slab grew): they
+        are free from now on. Called by the tier's growing thread."""
+        with self._lock:
+            first = self.num_ready_slots
+            if num_slots <= 0 or first + num_slots > self.num_slots:
+                raise ValueError(f"cannot add {num_slots} ready slots to {first} of {self.num_slots}")
+            self.num_ready_slots += num_slots
+            self._index.capacity += num_slots
+            # behind the slots free now (reserve pops from the end)
+            self._free_slot_ids[:0] = range(first + num_slots - 1, first - 1, -1)
+
     def gauges(self) -> dict[str, Any]:
         """How full the index is: keys, slots used (reserved ones included) and pinned keys."""
         with self._lock:
             return {
                 "num_keys": len(self._index),
-                "num_used_slots": self.num_slots - len(self._free_slot_ids),
+                "num_used_slots": self.num_ready_slots - len(self._free_slot_ids),
                 "num_pinned": self._index.num_pinned(),
             }

@@ -190,8 +190,11 @@ class TierManager:
         dtype: torch.dtype,
         *,
         pin_memory: bool,
+        grow_cpu_tier: bool = False,
     ) -> TierManager:
-        """Build the configured tiers; ``pin_memory`` when the KV cache is on CUDA."""
+        """Build the configured tiers; ``pin_memory`` when the KV cache is on CUDA.
+        ``grow_cpu_tier``: the CPU tier allocates its first slab piece now and the rest
+        after :meth:`start_background_allocation` (connector.cpu_tier)."""
         lower: list[StorageBackend] = []
         cpu = None
         try:
@@ -199,7 +202,12 @@ class TierManager:
                 lower.append(create_backend(url))
             if config.cpu_bytes > 0:
                 cpu = PinnedChunkPool(
-                    config.cpu_bytes, chunk_shape, dtype, pin_memory=pin_memory, layout=KV_LAYOUT
+                    config.cpu_bytes,
+                    chunk_shape,
+                    dtype,
+                    pin_memory=pin_memory,
+                    layout=KV_LAYOUT,
+                    grow_in_background=grow_cpu_tier,
                 )
             elif lower and config.async_loads and config.staging_bytes > 0:
                 # No CPU tier: fetched chunks still land off the step, in a staging area of their own.
@@ -223,6 +231,11 @@ class TierManager:
             pin_timeout_s=config.pin_timeout_s,
             save_buffer_bytes=config.save_buffer_bytes,
         )
+
+    def start_background_allocation(self) -> None:
+        """Let the CPU tier grow its slab on a thread of its own (when it was built to)."""
+        if self.cpu is not None:
+            self.cpu.start_growing()
 
     # ---- reads ---------------------------------------------------------------
     def contains_prefix(self, keys: Sequence[str]) -> int:

@@ -371,6 +371,9 @@ class OffloadWorker(KVConnectorWorker):
     def attach_kv_events(self, record) -> None:
         self.cache_engine.tiers.attach_kv_events(record)
 
+    def start_background_allocation(self) -> None:
+        self.cache_engine.tiers.start_background_allocation()
+
     def flush(self) -> None:
         self.finish_saves()
         self.cache_engine.tiers.flush()

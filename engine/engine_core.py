@@ -23,12 +23,14 @@ from engine.config import EngineArgs, ModelConfig, SamplingParams
 from engine.detokenize import detokenize_and_check_stop
 from engine.engine_stats import EngineStats
 from engine.host_threads import limit_host_threads
-from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.kv_cache_size import num_kv_blocks
+from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.prefill_cap import PrefillCap
 from engine.request import Request, RequestOutput, index_of_token_outside_vocab
 from engine.scheduler import Scheduler
 from engine.spec_decode import NgramProposer
+from engine.startup_phases import StartupPhases
 from engine.step_recovery import PROBE_REQUEST_ID_PREFIX, StepRecovery, StepSnapshot
 from engine.step_recovery import EngineStepError as EngineStepError  # raised by step(); importable here
 from engine.step_time import StepTimeModel
@@ -41,7 +43,15 @@ class EngineCore:
     """`model` is a local Hugging Face folder, or an in-memory transformers config
     with `load_format="dummy"` (random weights, no tokenizer)."""
 
-    def __init__(self, model: str | Path | Any, engine_args: EngineArgs | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path | Any,
+        engine_args: EngineArgs | None = None,
+        startup: StartupPhases | None = None,
+    ) -> None:
+        """``startup``: where the phases of this start are timed (``kvstash serve`` passes
+        one holding its own); kept as ``self.startup``."""
+        self.startup = startup if startup is not None else StartupPhases()
         args = engine_args or EngineArgs()
         args.validate()
         proposer = None
@@ -69,6 +79,12 @@ class EngineCore:
         self.pipeline = None
         # every setting was checked above (EngineArgs.validate, OffloadConfig at construction)
         logger.info("loading the model from %s", self.model_dir or "an in-memory config")
+        weight_hashes = None
+        if args.kv_offload is not None and args.model_id is None and self.model_dir is not None:
+            from engine.models.fingerprint import WeightHashCache
+
+            weight_hashes = WeightHashCache()  # filled while the weights are read: no second pass
+        mark = self.startup.now()
         if args.pipeline_parallel_size > 1 or args.tensor_parallel_size > 1:
             from engine.pipeline import PipelineExecutor
 
@@ -96,7 +112,10 @@ class EngineCore:
                 self.dtype,
                 dummy=args.load_format == "dummy",
                 cpu_offload_gb=args.cpu_offload_gb,
+                weight_hashes=weight_hashes,
             )
+            self.startup.weight_read_stats = self.model.weight_read_stats
+        self.startup.add_since("weights", mark)
         if self.model is not None and self.device.type == "cuda" and self.dtype != torch.float32:
             # float32 stays with torch's glue: the mode whose tokens must equal Hugging Face's
             # exactly; with enforce_eager too (the kernels are eager launches, not graphs)
@@ -105,7 +124,8 @@ class EngineCore:
             from engine.deterministic import make_batch_invariant
 
             make_batch_invariant(self.model)
-        num_blocks = self._num_kv_blocks()
+        with self.startup.phase("kv_cache"):
+            num_blocks = num_kv_blocks(args, config, self.device, self.dtype, self.max_model_len)
         self.block_size = args.block_size
         self.tokenizer = self._load_tokenizer()
 
@@ -120,12 +140,14 @@ class EngineCore:
             from connector import create_kv_connector
             from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
 
-            if args.model_id is not None:
-                model_id = "operator-" + args.model_id  # never equal to a weight hash
-            elif self.model_dir is not None:
-                model_id = model_fingerprint(self.model_dir)
-            else:
-                model_id = dummy_model_fingerprint(model)
+            with self.startup.phase("fingerprint"):
+                if args.model_id is not None:
+                    model_id = "operator-" + args.model_id  # never equal to a weight hash
+                elif self.model_dir is not None:
+                    model_id = model_fingerprint(self.model_dir, weight_hashes)
+                else:
+                    model_id = dummy_model_fingerprint(model)
+            mark = self.startup.now()
             if self.pipeline is not None:
                 scheduler_connector, worker_connector = self.pipeline.create_connectors(
                     args.kv_offload, model_id, args.block_size
@@ -141,7 +163,10 @@ class EngineCore:
                     block_size=args.block_size,
                     device=self.device,
                     step_times=self.step_times,
+                    grow_cpu_tier=self.device.type == "cuda",  # pinning is slow: after ready
                 )
+                self.startup.cpu_tier = worker_connector.cache_engine.tiers.cpu
+            self.startup.add_since("tiers", mark)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         #: the KV event stream (kv_events), when `kv_events_endpoint` is set
         self.kv_events = None
@@ -162,6 +187,7 @@ class EngineCore:
                 step_times=self.step_times,
             ),
         )
+        mark = self.startup.now()
         if self.pipeline is not None:
             self.runner = self.pipeline.start_runners(
                 num_blocks, args.block_size, worker_connector, args.kv_offload, model_id
@@ -181,10 +207,12 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 deterministic=args.deterministic,
             )
+        self.startup.add_since("kv_cache", mark)
         mixed_graphs = getattr(self.runner, "mixed_graphs", None)
         if mixed_graphs is not None:
             # steps of up to this many tokens replay a graph: the step-time model's eager term
             self.step_times.graph_token_limit = mixed_graphs.buckets[-1]
+        mark = self.startup.now()
         if args.warmup and self.device.type == "cuda" and self.pipeline is None:
             if args.deterministic:  # its GEMM tile follows the rows: compile every band's tile
                 from engine.deterministic import warm_up_linear_tiles
@@ -203,6 +231,7 @@ class EngineCore:
                     chunk_size=args.kv_offload.chunk_size if args.kv_offload is not None else 0,
                 ),
             )
+        self.startup.add_since("warmup", mark)
         #: async scheduling's steps in flight (None: every step is synchronous)
         self._batch_queue: BatchQueue | None = None
         if args.async_scheduling:
@@ -222,14 +251,18 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         logger.info(
-            "engine ready: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s %s on %s, %d KV blocks of %d tokens, max_model_len %d; start-up %s",
             config.family,
             self.dtype,
             self.device,
             num_blocks,
             args.block_size,
             self.max_model_len,
+            self.startup.describe(),
         )
+        if worker_connector is not None:
+            # after the graphs were captured: pinning on another thread may break a capture
+            worker_connector.start_background_allocation()
 
     def _graphs_allowed(self) -> bool:
         """CUDA graphs are captured on CUDA unless `enforce_eager` or a length-dependent
@@ -251,24 +284,6 @@ class EngineCore:
         if not self._graphs_allowed():
             return 0
         return min(self.args.max_graph_tokens, self.args.max_num_batched_tokens)
-
-    def _num_kv_blocks(self) -> int:
-        args = self.args
-        if args.num_gpu_blocks is not None:
-            return args.num_gpu_blocks
-        per_block = kv_bytes_per_block(self.model_config, args.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # room for activations of one step of max_num_batched_tokens tokens
-            activation_bytes = args.max_num_batched_tokens * self.model_config.hidden_size * 64
-            budget = int(total * args.gpu_memory_utilization) - (total - free) - activation_bytes
-        else:
-            budget = args.cpu_kv_cache_bytes
-        useful = args.max_num_seqs * -(-self.max_model_len // args.block_size)
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache ({budget} bytes, {per_block} bytes per block)")
-        return int(num_blocks)
 
     def _load_tokenizer(self):
         if self.model_dir is None:

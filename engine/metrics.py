@@ -221,6 +221,15 @@ class _EngineStateCollector(Collector):
             tier_errors.add_metric([tier], count)
         yield tier_errors
         yield from _planner_and_breaker_metrics(engine)
+        startup = GaugeMetricFamily(
+            "kvstash_startup_phase_seconds",
+            "Seconds each phase of the engine's start took (engine.startup_phases; "
+            "cpu_tier_background: the CPU tier's slab, grown after ready).",
+            labels=["phase"],
+        )
+        for phase, seconds in engine.startup.snapshot().items():
+            startup.add_metric([phase], seconds)
+        yield startup
 
 
 def _planner_and_breaker_metrics(engine: EngineCore):

@@ -25,6 +25,7 @@ from connector.config import (
     parse_fields,
     read_yaml,
 )
+from connector.cpu_tier_size import AUTO, HostMemory
 from storage_backends.urls import check_remote_url
 
 #: option name -> OffloadConfig setting (values in the settings' user-facing units)
@@ -36,11 +37,29 @@ _OPTION_TO_SETTING = {
     "kv_offload_chunk_size": "chunk_size",
     "kv_offload_codec": "codec",
     "kv_offload_key_prefix": "key_prefix",
+    "kv_offload_replicas_per_host": "replicas_per_host",
 }
 #: OffloadConfig setting -> the flag that sets it (how errors name a flag's value)
 _SETTING_TO_FLAG = {setting: "--" + name.replace("_", "-") for name, setting in _OPTION_TO_SETTING.items()}
 _SWITCH_ENV = "KVSTASH_KV_OFFLOAD"
 _CONFIG_ENV = "KVSTASH_KV_OFFLOAD_CONFIG"
+
+
+class CpuGiB(click.ParamType):
+    """The CPU tier's size: a number of GiB >= 0, or ``auto`` (sized from the host's memory)."""
+
+    name = "GIB|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str | float:
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            gib = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r}: not a number of GiB nor 'auto'", param, ctx)
+        if not 0 <= gib < float("inf"):
+            self.fail(f"{value!r}: a size in GiB must be >= 0", param, ctx)
+        return gib
 
 
 class RemoteURL(click.ParamType):
@@ -93,12 +112,20 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-offload-cpu-gb",
-        type=click.FloatRange(min=0),
+        type=CpuGiB(),
         default=None,
         help=(
-            f"CPU-memory tier size in GiB; 0 = no CPU tier (lower-tier hits are then fetched into a "
-            f"{OffloadConfig.staging_bytes >> 20} MiB staging area) [default: {OffloadConfig.cpu_bytes / GIB:g}]."
+            f"CPU-memory tier size in GiB, or 'auto': half of the host's memory less a 10 GiB reserve, "
+            f"divided by --kv-offload-replicas-per-host, capped by the memory available; 0 = no CPU tier "
+            f"(lower-tier hits are then fetched into a {OffloadConfig.staging_bytes >> 20} MiB staging area) "
+            "[default: auto]."
         ),
+    ),
+    click.option(
+        "--kv-offload-replicas-per-host",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Engines on this host that size their CPU tier with 'auto': each takes an equal share [default: 1].",
     ),
     click.option(
         "--kv-offload-disk-path",
@@ -152,7 +179,10 @@ def offload_options(command: Callable) -> Callable:
 
 
 def offload_config_from_options(
-    options: dict[str, Any], environ: Mapping[str, str] | None = None
+    options: dict[str, Any],
+    environ: Mapping[str, str] | None = None,
+    *,
+    host_memory: HostMemory | None = None,
 ) -> OffloadConfig | None:
     """Pop the offload options from a command's parsed ``options`` and build the config.
 
@@ -162,6 +192,10 @@ def offload_config_from_options(
     (``--kv-offload-chunk-size 0: ...``), the variable (``KVSTASH_KV_OFFLOAD_REMOTE_URL
     'grpc://h': no port ...``) or the file (``offload config file 'x.yaml': remote_url ...``).
     The commands call it before loading a model, and turn the error into a usage error.
+
+    A CPU tier size given nowhere is ``auto``: sized from ``host_memory`` (default: this
+    host's, read now; tests pass their own), less the weights that ``--cpu-offload-gb``
+    keeps in host memory (read from ``options``, left there for the engine's flags).
     """
     environ = os.environ if environ is None else environ
     switch = options.pop("kv_offload", False)
@@ -182,4 +216,8 @@ def offload_config_from_options(
     settings.update(
         parse_fields(flag_settings, source="command line", spelled=lambda name: _SETTING_TO_FLAG[name])
     )
-    return config_from_fields(settings, source="offload settings")
+    settings.setdefault("cpu_bytes", AUTO)
+    weights_in_host_bytes = int(float(options.get("cpu_offload_gb") or 0) * GIB)
+    return config_from_fields(
+        settings, source="offload settings", host_memory=host_memory, engine_host_bytes=weights_in_host_bytes
+    )

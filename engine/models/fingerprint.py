@@ -98,13 +98,25 @@ class WeightHashCache:
         status = resolved.stat()
         return f"{resolved}|{status.st_size}|{status.st_mtime_ns}|{status.st_ino}"
 
+    def cached_digest(self, path: Path) -> tuple[str, str | None]:
+        """``(identity, digest)`` of ``path`` now: the digest from the cache, or None when
+        its identity (path, size, mtime, inode) has none."""
+        identity = self._identity(path)
+        return identity, self._identity_to_digest.get(identity)
+
     def digest(self, path: Path) -> str:
         """The digest of ``path``'s bytes: from the cache when its identity is unchanged, else hashed."""
-        identity = self._identity(path)
-        cached = self._identity_to_digest.get(identity)
+        identity, cached = self.cached_digest(path)
         if cached is not None:
             return cached
         digest = self._hash_file(path)
+        self.record(path, identity, digest)
+        return digest
+
+    def record(self, path: Path, identity: str, digest: str) -> None:
+        """Keep ``digest``, hashed by the caller from ``path`` whose identity was ``identity``
+        before it was read (the weight loader hashes while it reads). Counted in
+        ``num_files_hashed``; ``save`` writes it."""
         self.num_files_hashed += 1
         # A file that changed while it was read gets no entry (its identity moved on).
         if self._identity(path) == identity:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import click
 
 from engine.config import KV_ROLES
@@ -79,10 +82,17 @@ def serve(
     except OSError as error:
         raise click.ClickException(str(error)) from None
 
+    import psutil
+
     from engine.config import EngineArgs
     from engine.engine_core import EngineCore
     from engine.server.app import create_app
     from engine.server.async_engine import AsyncEngine
+    from engine.startup_phases import StartupPhases
+
+    startup = StartupPhases()
+    # process start to here: the interpreter, torch and the CLI (psutil reads the process's start)
+    startup.add("imports", max(0.0, time.time() - psutil.Process().create_time()))
 
     try:
         # every flag is checked before the model loads
@@ -91,7 +101,8 @@ def serve(
         kv_offload = offload_config_from_options(options)
         engine_args = EngineArgs(kv_offload=kv_offload, kv_role=kv_role, **engine_args_from_options(options))
         engine_args.validate()  # the role's needs are told before the model loads
-        engine = EngineCore(model, engine_args)
+        engine = EngineCore(model, engine_args, startup=startup)
+        ready_mark = startup.now()
         app = create_app(
             AsyncEngine(engine),
             served_model_name or model,
@@ -102,5 +113,10 @@ def serve(
     except ValueError as error:
         sock.close()
         raise click.UsageError(str(error)) from error
+
     # Logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).
-    serve_on(sock, app, log_level="info", timeout_graceful_shutdown=10)
+    def on_started() -> None:
+        startup.add_since("server", ready_mark)
+        logging.getLogger("uvicorn.error").info("kvstash serve: ready; start-up %s", startup.describe())
+
+    serve_on(sock, app, on_started=on_started, log_level="info", timeout_graceful_shutdown=10)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -44,9 +45,12 @@ class _ServerOnSocket(uvicorn.Server):
     """uvicorn serving a socket it did not bind; logs uvicorn's usual "Uvicorn running on"
     line once it accepts requests (uvicorn itself is silent when given sockets)."""
 
-    def __init__(self, config: uvicorn.Config, sock: socket.socket) -> None:
+    def __init__(
+        self, config: uvicorn.Config, sock: socket.socket, on_started: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self._sock = sock
+        self._on_started = on_started
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -56,9 +60,12 @@ class _ServerOnSocket(uvicorn.Server):
             logger.info(
                 "Uvicorn running on %s://%s (Press CTRL+C to quit)", scheme, format_address(host, port)
             )
+            if self._on_started is not None:
+                self._on_started()
 
 
-def serve_on(sock: socket.socket, app, **config_kwargs) -> None:
-    """Serve `app` on the listening `sock` until SIGINT/SIGTERM (blocking); closes `sock`."""
+def serve_on(sock: socket.socket, app, on_started: Callable[[], None] | None = None, **config_kwargs) -> None:
+    """Serve `app` on the listening `sock` until SIGINT/SIGTERM (blocking); closes `sock`.
+    `on_started` is called once the server accepts requests."""
     config = uvicorn.Config(app, **config_kwargs)
-    _ServerOnSocket(config, sock).run(sockets=[sock])
+    _ServerOnSocket(config, sock, on_started).run(sockets=[sock])

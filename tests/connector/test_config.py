@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from connector import OffloadConfig
 from connector.config import GIB
+from connector.cpu_tier_size import HostMemory
 from engine.offload_cli import offload_config_from_options
 
 
@@ -197,7 +198,11 @@ def test_key_prefix_flag_wins_over_the_environment():
 
 def test_offload_is_off_unless_asked_for():
     assert offload_config_from_options(no_flags(), {}) is None
-    assert offload_config_from_options(no_flags(kv_offload=True), {}) == OffloadConfig()
+    host = HostMemory(total_bytes=64 * GIB, available_bytes=60 * GIB)
+    # no size given: the CPU tier is sized from the host (connector.cpu_tier_size)
+    assert offload_config_from_options(no_flags(kv_offload=True), {}, host_memory=host) == OffloadConfig(
+        cpu_bytes=27 * GIB
+    )
     assert offload_config_from_options(no_flags(kv_offload_cpu_gb=0.25), {}).cpu_bytes == GIB // 4
 
 

@@ -32,6 +32,7 @@ class Hello(NamedTuple):
     process_index: int | None
     world_size: int
     nnodes: int
+    tensor_parallel_size: int
 
 
 class NodeError(RuntimeError):
@@ -56,7 +57,7 @@ class ControlListener:
             ) from None
 
     def accept_all(
-        self, world_size: int, nnodes: int, remote_indices: range, deadline: float
+        self, world_size: int, nnodes: int, tp_size: int, remote_indices: range, deadline: float
     ) -> tuple[
         dict[int, multiprocessing.connection.Connection], dict[int, multiprocessing.connection.Connection]
     ]:
@@ -85,7 +86,7 @@ class ControlListener:
             sock.settimeout(None)
             conn = multiprocessing.connection.Connection(sock.detach())
             hello = _read_hello(conn, min(left, 10.0))
-            problem = _layout_problem(hello, world_size, nnodes, remote_indices)
+            problem = _layout_problem(hello, (world_size, nnodes, tp_size), remote_indices)
             if problem is None:
                 target = node_conns if hello.process_index is None else process_conns
                 key = hello.node_rank if hello.process_index is None else hello.process_index
@@ -148,18 +149,21 @@ def _read_hello(conn: multiprocessing.connection.Connection, timeout_s: float) -
             message = conn.recv()
             if isinstance(message, Hello) and message.magic == MAGIC:
                 return message
-    except (EOFError, OSError, Exception):  # noqa: BLE001 - a stray client sent anything
+    except Exception:  # noqa: BLE001 - a stray client sent anything
         return None
     return None
 
 
-def _layout_problem(hello: Hello | None, world_size: int, nnodes: int, remote_indices: range) -> str | None:
+def _layout_problem(hello: Hello | None, layout: tuple[int, int, int], remote_indices: range) -> str | None:
+    """Why `hello` does not fit node 0's (processes, nodes, tensor-parallel size), or None."""
     if hello is None:
         return "a client at the control port did not introduce itself as a kvstash node"
-    if (hello.world_size, hello.nnodes) != (world_size, nnodes):
+    world_size, nnodes, tp_size = layout
+    if (hello.world_size, hello.nnodes, hello.tensor_parallel_size) != layout:
         return (
-            f"node {hello.node_rank} runs {hello.world_size} processes over {hello.nnodes} nodes, node 0 "
-            f"{world_size} over {nnodes}: give every node the same --nnodes and parallel sizes"
+            f"node {hello.node_rank} runs {hello.world_size} processes ({hello.tensor_parallel_size} per stage) "
+            f"over {hello.nnodes} nodes, node 0 {world_size} ({tp_size} per stage) over {nnodes}: give every "
+            "node the same --nnodes and parallel sizes"
         )
     if not 1 <= hello.node_rank < nnodes:
         return f"node rank {hello.node_rank} is not one of 1..{nnodes - 1}"

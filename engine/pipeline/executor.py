@@ -250,7 +250,9 @@ class PipelineExecutor:
         its spec (its node fills in its model folder, device and address)."""
         remote = range(self._first_remote, self.num_processes)
         deadline = time.monotonic() + timeout_s
-        node_conns, process_conns = listener.accept_all(self.num_processes, nnodes, remote, deadline)
+        node_conns, process_conns = listener.accept_all(
+            self.num_processes, nnodes, self.tp_size, remote, deadline
+        )
         self._node_conns.update(node_conns)
         for p in remote:
             process_conns[p].send(self._specs[p])

@@ -43,7 +43,7 @@ def run_node(model_dir: Path | None, args: Any) -> None:
     address = parse_dist_init_addr(args.dist_init_addr)
     world_size = args.tensor_parallel_size * args.pipeline_parallel_size
     indices = node_process_range(world_size, args.nnodes, args.node_rank)
-    hello = Hello(MAGIC, args.node_rank, None, world_size, args.nnodes)
+    hello = Hello(MAGIC, args.node_rank, None, world_size, args.nnodes, args.tensor_parallel_size)
     conn, _ = connect(address.host, address.control_port, hello, args.dist_init_timeout)
     logger.info(
         "node %d: connected to node 0 at %s; starting processes %s",
@@ -62,7 +62,7 @@ def run_node(model_dir: Path | None, args: Any) -> None:
                 args=(
                     address.host,
                     address.control_port,
-                    Hello(MAGIC, args.node_rank, p, world_size, args.nnodes),
+                    Hello(MAGIC, args.node_rank, p, world_size, args.nnodes, args.tensor_parallel_size),
                     args.dist_init_timeout,
                     None if model_dir is None else str(model_dir),
                     str(local_device),

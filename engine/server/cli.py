@@ -86,6 +86,7 @@ def serve(
 
     from engine.config import EngineArgs
     from engine.engine_core import EngineCore
+    from engine.pipeline.control import NodeError
     from engine.server.app import create_app
     from engine.server.async_engine import AsyncEngine
 
@@ -107,6 +108,9 @@ def serve(
     except ValueError as error:
         sock.close()
         raise click.UsageError(str(error)) from error
+    except NodeError as error:  # --nnodes > 1: another node did not come in time
+        sock.close()
+        raise click.ClickException(str(error)) from None
     # Logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).
     serve_on(sock, app, log_level="info", timeout_graceful_shutdown=10)
 

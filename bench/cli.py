@@ -152,6 +152,9 @@ def bench(
         offload = explicit_offload or default_offload_config(
             settings.workload, kv_bytes_per_token(settings.model_source, settings.engine_args)
         )
+        if settings.engine_args.get("node_rank", 0) > 0:
+            _run_node_ranks(settings, offload)
+            return
         _print_banner(settings)
         out.mkdir(parents=True, exist_ok=True)
         with _request_log(out / "bench.log"):
@@ -172,6 +175,21 @@ def bench(
     click.echo(f"wrote {json_path}, {plot_path} and the per-request log {out / 'bench.log'}")
     if result.outputs_must_match and not result.outputs_identical:
         raise click.ClickException("output tokens differ between offload off and on (see bench.json)")
+
+
+def _run_node_ranks(settings: BenchSettings, offload) -> None:
+    """`bench --node-rank R` (R ≥ 1): this host's ranks of node 0's two engines, offload
+    off then on (each `LLM` returns once node 0's engine of that run shut down); node 0
+    measures and reports."""
+    from engine.llm import LLM
+    from engine.pipeline.control import NodeError
+
+    for label, kv_offload in (("offload off", None), ("offload on", offload)):
+        click.echo(f"node {settings.engine_args['node_rank']}: the ranks of node 0's {label} engine")
+        try:
+            LLM(settings.model_source, kv_offload=kv_offload, **settings.engine_args)
+        except NodeError as error:
+            raise click.ClickException(str(error)) from None
 
 
 def _print_banner(settings: BenchSettings) -> None:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.nodes import check_nodes
+
 if TYPE_CHECKING:
     import torch
 
@@ -149,6 +151,17 @@ class EngineArgs:
     #: split over this many processes (engine.tensor_parallel); it must divide the
     #: model's attention heads (checked against the model at start-up)
     tensor_parallel_size: int = 1
+    #: hosts the tensor_parallel_size x pipeline_parallel_size processes are split over,
+    #: evenly (engine.pipeline.nodes); node 0 serves, the others run their ranks only
+    nnodes: int = 1
+    #: this host's place among the `nnodes` (0: the engine that schedules and serves)
+    node_rank: int = 0
+    #: HOST:PORT of node 0 that every node reaches: torch.distributed's rendezvous store
+    #: listens on PORT, node 0's control channel to the other nodes' ranks on PORT + 1
+    dist_init_addr: str | None = None
+    #: seconds a node waits for the others at start-up (node 0 for the other nodes' ranks,
+    #: another node for node 0) before it fails with an error
+    dist_init_timeout: float = 300.0
 
     #: batch-invariant kernels (engine.deterministic): a request's tokens do not depend on
     #: the batch, the chunking, the step kind or where its prefix's KV came from, in bf16
@@ -232,6 +245,13 @@ class EngineArgs:
             raise ValueError("cpu_offload_gb is not supported with pipeline_parallel_size > 1")
         if self.pipeline_parallel_size > 1 and self.deterministic:
             raise ValueError("deterministic is not supported with pipeline_parallel_size > 1")
+        check_nodes(
+            self.nnodes,
+            self.node_rank,
+            self.dist_init_addr,
+            self.tensor_parallel_size * self.pipeline_parallel_size,
+            self.dist_init_timeout,
+        )
         if self.tensor_parallel_size > 1:
             unsupported = {
                 "cpu_offload_gb": bool(self.cpu_offload_gb),

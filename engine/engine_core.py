@@ -54,6 +54,11 @@ class EngineCore:
         self.startup = startup if startup is not None else StartupPhases()
         args = engine_args or EngineArgs()
         args.validate()
+        if args.node_rank > 0:
+            raise ValueError(
+                f"node_rank {args.node_rank} runs its share of the ranks only, no engine: start it "
+                "with LLM(...), `kvstash serve` or `kvstash generate` (engine.pipeline.node)"
+            )
         proposer = None
         if args.speculative == "ngram":
             proposer = NgramProposer(args.num_speculative_tokens, args.ngram_min_n, args.ngram_max_n)
@@ -103,6 +108,9 @@ class EngineCore:
                 dtype=self.dtype,
                 dummy_weights=args.load_format == "dummy",
                 builder=builder,
+                nnodes=args.nnodes,
+                dist_init_addr=args.dist_init_addr,
+                dist_init_timeout_s=args.dist_init_timeout,
             )
         else:
             self.model = load_model(

@@ -76,6 +76,18 @@ _FIELD_OPTIONS: dict[str, tuple[Any, str]] = {
         "Tensor-parallel ranks: one process each, every layer's heads and MLP split over them "
         "(must divide the attention heads).",
     ),
+    "nnodes": (
+        int,
+        "Hosts the tensor x pipeline parallel processes are split over, evenly; node 0 serves, "
+        "the others run their ranks only.",
+    ),
+    "node_rank": (int, "This host's place among --nnodes (0: the host that schedules and serves)."),
+    "dist_init_addr": (
+        str,
+        "HOST:PORT of node 0, the same on every node (needed with --nnodes > 1): the "
+        "torch.distributed rendezvous listens on PORT, node 0's control channel on PORT + 1.",
+    ),
+    "dist_init_timeout": (float, "Seconds a node waits for the other nodes at start-up."),
     "kv_events_endpoint": (
         str,
         "Publish what the caches hold (GPU prefix cache, offload tiers) as KV events on this "

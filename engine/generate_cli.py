@@ -10,7 +10,9 @@ from engine.offload_cli import offload_config_from_options, offload_options
 
 @click.command("generate")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable).")
+@click.option(
+    "--prompt", "prompts", multiple=True, help="Prompt text (repeatable; none with --node-rank > 0)."
+)
 @click.option("--max-tokens", type=int, default=32, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -23,6 +25,7 @@ from engine.offload_cli import offload_config_from_options, offload_options
 def generate(model: str, prompts: tuple[str, ...], **options) -> None:
     """Generate text for each --prompt with the model in folder MODEL."""
     from engine import LLM, SamplingParams
+    from engine.pipeline.control import NodeError
 
     try:
         params = SamplingParams(
@@ -35,9 +38,16 @@ def generate(model: str, prompts: tuple[str, ...], **options) -> None:
             ignore_eos=options.pop("ignore_eos"),
         )
         kv_offload = offload_config_from_options(options)
-        llm = LLM(model, kv_offload=kv_offload, **engine_args_from_options(options))
+        engine_args = engine_args_from_options(options)
+        if engine_args["node_rank"] == 0 and not prompts:
+            raise ValueError("give at least one --prompt")
+        llm = LLM(model, kv_offload=kv_offload, **engine_args)
+        if llm.engine is None:
+            return  # another node's ranks ran until node 0's engine shut down
         outputs = llm.generate(list(prompts), params)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
+    except NodeError as error:
+        raise click.ClickException(str(error)) from None
     for output in outputs:
         click.echo(output.text)

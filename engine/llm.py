@@ -21,14 +21,27 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 class LLM:
     """Owns one `EngineCore`. `model` is a local Hugging Face folder (or an
     in-memory transformers config with `load_format="dummy"`); keyword arguments
-    are `EngineArgs` fields."""
+    are `EngineArgs` fields.
+
+    With `nnodes` > 1 and `node_rank` ≥ 1 this host runs its share of node 0's engine's
+    processes only: the constructor blocks until node 0's engine shuts down (it raises
+    when node 0 never came, stopped on an error or went away; engine.pipeline.node), and
+    the object has no engine (`engine` None; `generate` raises)."""
 
     def __init__(self, model: str | Path | Any, **engine_args: Any) -> None:
         unknown = set(engine_args) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = EngineCore(model, EngineArgs(**engine_args))
+        args = EngineArgs(**engine_args)
         self._request_counter = itertools.count()
+        if args.node_rank > 0:
+            from engine.pipeline.node import run_node
+
+            args.validate()
+            self.engine = None
+            run_node(Path(model) if isinstance(model, str | Path) else None, args)
+            return
+        self.engine = EngineCore(model, args)
 
     @property
     def stats(self) -> EngineStats:
@@ -88,6 +101,8 @@ class LLM:
         queuing anything when a prompt or its params are invalid. A request that makes an
         engine step raise (alone: the engine retries the others) ends with finish_reason
         "error"; the other requests complete as usual."""
+        if self.engine is None:
+            raise RuntimeError("this LLM ran another node's ranks (node_rank > 0): node 0 generates")
         if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:

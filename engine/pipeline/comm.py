@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from engine.pipeline.failure import wait_collective
+
 STATUS_OK = 0
 STATUS_ERROR = 1
 _HEADER_FIELDS = 3  # step id, status, number of tokens
@@ -102,13 +104,13 @@ class StageLink:
         """Wait for the sends in flight (they end once the next stage received them)."""
         pending, self._pending = self._pending, []
         for work in pending:
-            work.wait()
+            wait_collective(work)
 
     def receive(self, step_id: int, request_ids: list[str]) -> StageInput:
         """Block until the previous stage's output of `step_id` is here. RuntimeError when
         the header is of another step (the stages lost step with each other)."""
         header = torch.empty(_HEADER_FIELDS + len(request_ids), dtype=torch.int64, device=self.wire_device)
-        self.group.recv([header], self.rank - 1, 0).wait()
+        wait_collective(self.group.recv([header], self.rank - 1, 0))
         values = header.tolist()
         received_step, status, num_tokens = values[:_HEADER_FIELDS]
         if received_step != step_id:
@@ -124,5 +126,5 @@ class StageLink:
         payload = torch.empty(
             num_tokens, self.hidden_size * element_size, dtype=torch.uint8, device=self.wire_device
         )
-        self.group.recv([payload], self.rank - 1, 0).wait()
+        wait_collective(self.group.recv([payload], self.rank - 1, 0))
         return StageInput(True, payload.view(self.dtype).to(self.device), load_failures)

@@ -16,7 +16,17 @@ replies read and dropped by the next `collect`.
 
 A stage that dies (killed, crashed) is noticed while waiting for any reply: every
 other stage is then stopped, the step raises `PipelineDeadError`, and every later
-step too (the engine ends its requests with an error).
+step too (the engine ends its requests with an error). So is a step that raised with
+the process group out of step (inside a tensor-parallel forward pass: the failing
+process records its error in the store and exits, its peers' collectives break and
+they exit too; engine.pipeline.failure): the error names the first failure.
+
+With `nnodes` > 1 the processes span hosts (engine.nodes): this process starts only
+node 0's share; the other nodes' launches (engine.pipeline.node) start theirs, which
+connect to this process's control channel (engine.pipeline.control) at
+`dist_init_addr` PORT + 1 and get their spec, plans and stop over it as node 0's own
+get them over pipes; a node's launch watches its processes and tells this one when
+one dies. The store and the process groups rendezvous at `dist_init_addr` itself.
 """
 
 from __future__ import annotations
@@ -33,7 +43,16 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.nodes import node_process_range, parse_dist_init_addr
 from engine.pipeline.comm import open_store
+from engine.pipeline.control import ControlListener
+from engine.pipeline.failure import (
+    breaks_group,
+    first_failure,
+    is_collective_failure,
+    process_name,
+    record_failure,
+)
 from engine.pipeline.layer_split import (
     StageLayout,
     process_group_backend,
@@ -57,6 +76,9 @@ START_TIMEOUT_S = 600.0
 TRANSFER_TIMEOUT_S = 600.0
 #: how often the wait for a stage's answer checks that every stage still lives
 POLL_S = 0.05
+#: after a broken collective, how long to look for its cause (a process gone, a failure
+#: recorded) before naming this process's own error
+CAUSE_GRACE_S = 5.0
 #: a stage told to stop gets this long to exit before it is terminated, then killed
 STOP_GRACE_S = 3.0
 
@@ -103,9 +125,14 @@ class PipelineExecutor:
         dtype: torch.dtype,
         dummy_weights: bool,
         builder: Any = None,
+        nnodes: int = 1,
+        dist_init_addr: str | None = None,
+        dist_init_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         """`builder` (None: `PipelineStageBuilder`) builds each process's parts; one with a
-        `tensor_parallel_size` N > 1 runs N processes per stage, one per rank."""
+        `tensor_parallel_size` N > 1 runs N processes per stage, one per rank. `nnodes` > 1
+        (checked by `EngineArgs.validate`): node 0's share of the processes here, the
+        others' connect from their hosts within `dist_init_timeout_s`."""
         builder = builder if builder is not None else PipelineStageBuilder()
         self.builder = builder
         self.model_config = model_config
@@ -113,7 +140,9 @@ class PipelineExecutor:
         #: processes per stage (tensor-parallel ranks); process p runs stage p // N, rank p % N
         self.tp_size = builder.tensor_parallel_size
         self.num_processes = num_stages * self.tp_size
-        self.devices = [stage_device(device, p, self.num_processes) for p in range(self.num_processes)]
+        local_indices = node_process_range(self.num_processes, nnodes, 0)
+        #: this node's processes' devices (another node picks its own)
+        self.devices = [stage_device(device, p, len(local_indices)) for p in local_indices]
         self.backend = process_group_backend(self.devices)
         self.device = self.devices[0]
         self.dtype = dtype
@@ -128,19 +157,30 @@ class PipelineExecutor:
         self._model_dir = model_dir
         self._dummy = dummy_weights
         context = multiprocessing.get_context("spawn")
-        self._store = open_store(STORE_HOST, 0, 0, self.num_processes, TRANSFER_TIMEOUT_S)
+        address = parse_dist_init_addr(dist_init_addr) if nnodes > 1 else None
+        store_host = address.host if address is not None else STORE_HOST
+        self._store = open_store(
+            store_host, 0 if address is None else address.port, 0, self.num_processes, TRANSFER_TIMEOUT_S
+        )
+        #: node 0's own processes after the first (index p - 1)
         self._processes: list[Any] = []
+        #: every process after the first (index p - 1): a pipe, or a TCP connection to another node
         self._conns: list[Any] = []
+        #: node rank -> the connection to that node's launch (nnodes > 1)
+        self._node_conns: dict[int, Any] = {}
+        self._first_remote = local_indices.stop
+        #: what the other nodes are told when they are stopped (None: a clean shutdown)
+        self._stop_reason: list[str | None] = [None]
         self._specs = [
             StageSpec(
                 layout=self.layouts[p // self.tp_size],
                 model_config=model_config,
                 model_dir=None if model_dir is None else str(model_dir),
                 dummy_weights=dummy_weights,
-                device=str(self.devices[p]),
+                device=str(self.devices[p]) if p < self._first_remote else "",
                 dtype=dtype,
                 backend=self.backend,
-                store_host=STORE_HOST,
+                store_host=store_host,
                 store_port=self._store.port,
                 timeout_s=TRANSFER_TIMEOUT_S,
                 tp_rank=p % self.tp_size,
@@ -149,7 +189,8 @@ class PipelineExecutor:
             )
             for p in range(self.num_processes)
         ]
-        for p, spec in enumerate(self._specs[1:], start=1):
+        listener = None if address is None else ControlListener(address.host, address.control_port)
+        for p, spec in enumerate(self._specs[1 : self._first_remote], start=1):
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=run_stage,
@@ -162,7 +203,14 @@ class PipelineExecutor:
             self._processes.append(process)
             self._conns.append(ours)
         # stop the stages however the engine ends (also when start-up fails below)
-        self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns)
+        self._finalizer = weakref.finalize(
+            self, _stop_processes, self._processes, self._conns, self._node_conns, self._stop_reason
+        )
+        if listener is not None:
+            try:
+                self._connect_nodes(listener, nnodes, dist_init_timeout_s)
+            finally:
+                listener.close()
         # joining the group blocks without watching the stages: first see each one start
         # (a stage that fails to import, e.g. a main module without the __main__ guard
         # that spawn needs, is reported here at once)
@@ -190,16 +238,26 @@ class PipelineExecutor:
 
     @property
     def stage_pids(self) -> list[int]:
-        """Process ids of the processes after the first (tests kill one)."""
+        """Process ids of this node's processes after the first (tests kill one)."""
         return [process.pid for process in self._processes]
 
     def _name(self, p: int) -> str:
         """Process p in messages: its stage, and its rank with tensor parallelism."""
-        if self.tp_size == 1:
-            return f"pipeline stage {p}"
-        if len(self.layouts) == 1:
-            return f"tensor-parallel rank {p}"
-        return f"pipeline stage {p // self.tp_size} rank {p % self.tp_size}"
+        return process_name(p, self.tp_size, len(self.layouts))
+
+    def _connect_nodes(self, listener: ControlListener, nnodes: int, timeout_s: float) -> None:
+        """Wait for every other node's launch and processes to connect; send each process
+        its spec (its node fills in its model folder, device and address)."""
+        remote = range(self._first_remote, self.num_processes)
+        deadline = time.monotonic() + timeout_s
+        node_conns, process_conns = listener.accept_all(
+            self.num_processes, nnodes, self.tp_size, remote, deadline
+        )
+        self._node_conns.update(node_conns)
+        for p in remote:
+            process_conns[p].send(self._specs[p])
+            self._conns.append(process_conns[p])
+        logger.info("%d other node(s) connected: processes %d..%d", nnodes - 1, remote.start, remote.stop - 1)
 
     def create_connectors(self, kv_offload, model_id: str, block_size: int):
         """Stage 0's connector pair: the scheduler side is the engine's (lookups on stage
@@ -268,17 +326,21 @@ class PipelineExecutor:
             return step.output
         if step.step_id <= self._replied_step_id:
             raise RuntimeError(f"step {step.step_id} was given up: a later step was collected first")
+        if step.error is not None and breaks_group(step.error):
+            self._die_with_group(step)
         for dropped_step_id in range(self._replied_step_id + 1, step.step_id):
             for p in range(1, self.num_processes):
                 self._reply(p, dropped_step_id)
         replies: list[StageReply] = [self._reply(p, step.step_id) for p in range(1, self.num_processes)]
         self._replied_step_id = step.step_id
         step.collected = True
+        failed = next((reply for reply in replies if reply.error is not None), None)
+        if failed is not None and first_failure(self._store) is not None:
+            self._die("a process failed inside its forward pass")  # (the recorded failure is named)
         # an error that only says another process failed (a tensor-parallel peer) gives way
         # to that process's own
         if step.error is not None and not getattr(step.error, "failed_elsewhere", False):
             raise step.error
-        failed = next((reply for reply in replies if reply.error is not None), None)
         if failed is not None:
             error = PipelineStageError(
                 f"{self._name(replies.index(failed) + 1)} failed step {step.step_id}: {failed.error}"
@@ -331,6 +393,9 @@ class PipelineExecutor:
                 if conn.poll(POLL_S):
                     return conn.recv()
             except (EOFError, ConnectionResetError, OSError):
+                if p >= self._first_remote:
+                    self._check_alive()  # its node's launch may have said why
+                    self._die(f"{self._name(p)} on another node closed its connection")
                 process = self._processes[p - 1]
                 process.join(1.0)  # a dead stage's pipe closes first: say why it died
                 if process.exitcode is None:
@@ -352,20 +417,55 @@ class PipelineExecutor:
                     else f"exited with code {code}"
                 )
                 self._die(f"{self._name(p)} (pid {process.pid}) {how}")
+        for node_rank, conn in self._node_conns.items():
+            try:
+                if not conn.poll(0):
+                    continue
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._die(f"node {node_rank} closed its connection (its launch or host is gone)")
+            if isinstance(message, tuple) and message[0] == "dead":
+                self._die(f"{message[1]} (node {node_rank})")
+            self._die(f"node {node_rank} sent {message!r:.200}")
+
+    def _die_with_group(self, step: StepInFlight) -> None:
+        """This process's step raised with the group out of step: the others may wait in a
+        collective for it, no replies come. Its own error is the first failure; a broken
+        collective is a consequence: the process that failed first recorded its error or
+        died (its exit, or its node's word, comes within moments), else this one's is told."""
+        error = step.error
+        text = f"{self._name(0)} failed step {step.step_id} inside its forward pass: {type(error).__name__}: {error}"
+        if not is_collective_failure(error):
+            record_failure(self._store, text)
+        else:
+            deadline = time.monotonic() + CAUSE_GRACE_S
+            while time.monotonic() < deadline and first_failure(self._store) is None:
+                self._check_alive()  # dies naming a process that is gone
+                time.sleep(POLL_S)
+        self._die(text)
 
     def _die(self, reason: str) -> None:
+        """Stop every process; this and every later step raise PipelineDeadError with the
+        first failure recorded in the store when there is one (the root cause, not the
+        broken collectives that followed), else `reason`."""
         if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("%s; stopping the other stages", reason)
+            recorded = first_failure(self._store)
+            self.dead_reason = recorded if recorded is not None else reason
+            logger.error("%s; stopping the other processes", self.dead_reason)
+            self._stop_reason[0] = self.dead_reason
             self._finalizer()
         raise PipelineDeadError(self.dead_reason)
 
 
-def _stop_processes(processes: list, conns: list) -> None:
-    """Ask every stage to stop, then terminate and kill the ones still running."""
+def _stop_processes(processes: list, conns: list, node_conns: dict, stop_reason: list) -> None:
+    """Ask every stage to stop, then terminate and kill the ones still running; tell the
+    other nodes' launches (they stop theirs the same way) why, None for a clean stop."""
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):  # gone already
             conn.send(STOP)
+    for conn in node_conns.values():
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("stop", stop_reason[0]))
     deadline = time.monotonic() + STOP_GRACE_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -376,5 +476,5 @@ def _stop_processes(processes: list, conns: list) -> None:
         if process.is_alive():
             process.kill()
             process.join(1.0)
-    for conn in conns:
+    for conn in [*conns, *node_conns.values()]:
         conn.close()

@@ -40,7 +40,7 @@ class PipelineStageBuilder:
         layout: StageLayout = spec.layout
         return StageGroups(
             create_process_group(
-                spec.backend, store, spec.store_host, layout.stage, layout.num_stages, spec.timeout_s
+                spec.backend, store, spec.bind_host, layout.stage, layout.num_stages, spec.timeout_s
             )
         )
 

@@ -17,6 +17,7 @@ from connector.base import KVConnectorWorker
 from engine.config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.pipeline.comm import StageLink
+from engine.pipeline.failure import breaks_group
 from engine.pipeline.layer_split import StageLayout
 from engine.pipeline.messages import merge_load_failures
 from engine.pipeline.stage_model import PipelineStageModel
@@ -82,8 +83,9 @@ class StageRunner(ModelRunner):
             self._bind_generators(plan)
         try:
             output = self.execute(plan)
-        except BaseException:
-            if plan.requests:
+        except BaseException as error:
+            # (a group out of step is torn down instead: its links may never answer)
+            if plan.requests and not breaks_group(error):
                 # keep the links in step: take what the previous stage sends for this step,
                 # and tell the next one that no hidden states come
                 if not self.layout.is_first and not self._received:

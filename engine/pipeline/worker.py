@@ -6,11 +6,18 @@ engine.pipeline.stage_builder); take the KV pool size and offload settings, buil
 connector and the runner and answer "ready"; then, per step, run the plan the first
 process sends and answer with a `StageReply`. It ends when told to stop, when the
 first process's end of the pipe closes, or when the first process dies (a
-watchdog thread exits the process at once: a stage never outlives its engine).
+watchdog thread exits the process at once: a stage never outlives its engine). A step
+that raised with its process group out of step (engine.pipeline.failure) is recorded
+in the store and answered, then the process exits: its peers' collectives break.
+
+The connection is a pipe for the processes the engine's process starts, a TCP
+connection (engine.pipeline.control) for those another node starts
+(engine.pipeline.node): the messages are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -24,6 +31,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.pipeline.comm import open_store
+from engine.pipeline.failure import breaks_group, is_collective_failure, process_name, record_failure
 from engine.pipeline.layer_split import StageLayout
 from engine.pipeline.messages import StagePlan, StageReply
 from engine.pipeline.stage_builder import PipelineStageBuilder
@@ -52,6 +60,9 @@ class StageSpec:
     store_host: str
     store_port: int
     timeout_s: float
+    #: the address of this process's host that its peers reach (gloo binds it); node 0's
+    #: processes share the store's host, another node's use the address that routes there
+    local_host: str = ""
     tp_rank: int = 0
     tp_size: int = 1
     #: builds the process's groups, model, connectors and runner (PipelineStageBuilder
@@ -62,6 +73,11 @@ class StageSpec:
     def process_index(self) -> int:
         """0 for the engine's process; stage-major, then rank."""
         return self.layout.stage * self.tp_size + self.tp_rank
+
+    @property
+    def bind_host(self) -> str:
+        """The address gloo binds in this process."""
+        return self.local_host or self.store_host
 
     @property
     def num_processes(self) -> int:
@@ -111,14 +127,16 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         conn.send(("error", traceback.format_exc()))
         return
     try:
-        _serve_steps(runner, conn)
+        _serve_steps(
+            runner, conn, store, process_name(spec.process_index, spec.tp_size, spec.layout.num_stages)
+        )
     finally:
         if runner.connector is not None:
             runner.connector.close()
         runner.link.drain()
 
 
-def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connection) -> None:
+def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connection, store, name: str) -> None:
     while True:
         try:
             message = conn.recv()
@@ -150,11 +168,29 @@ def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connectio
                 load_failures=output.load_failures,
             )
         except Exception as error:  # noqa: BLE001 - the step fails, the stage lives on
+            if breaks_group(error):
+                _exit_breaking_group(conn, store, name, plan.step_id, error)
             if connector is not None:
                 connector.abort_step()
             logger.warning("pipeline stage %d: step %d failed: %s", runner.layout.stage, plan.step_id, error)
             reply = StageReply(plan.step_id, error=f"{type(error).__name__}: {error}")
         conn.send(reply)
+
+
+def _exit_breaking_group(conn, store, name: str, step_id: int, error: BaseException) -> None:
+    """The step raised while the peers wait in a collective for this process: record the
+    error (unless an earlier one was, or it is a broken collective), answer the step with
+    it and exit at once (no
+    connector close, no drain: they would wait on the peers). The exit breaks the peers'
+    collectives (gloo sees the connection close)."""
+    text = f"{name} failed step {step_id} inside its forward pass: {type(error).__name__}: {error}"
+    logger.error("%s; exiting, which ends the process group", text, exc_info=error)
+    if not is_collective_failure(error):  # else a peer failed first: it recorded or died
+        record_failure(store, text)
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(StageReply(step_id, error=text))
+    logging.shutdown()
+    os._exit(1)
 
 
 def _exit_with_parent() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import click
 
@@ -76,6 +77,9 @@ def serve(
     (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     from engine.server.listen import listen_on, serve_on
 
+    if options["node_rank"] > 0:
+        _serve_node(model, kv_role, options)
+        return
     try:
         # The port first: a taken one fails now, in a line, before torch or the model load.
         sock = listen_on(host, port)
@@ -86,6 +90,7 @@ def serve(
 
     from engine.config import EngineArgs
     from engine.engine_core import EngineCore
+    from engine.pipeline.control import NodeError
     from engine.server.app import create_app
     from engine.server.async_engine import AsyncEngine
     from engine.startup_phases import StartupPhases
@@ -113,6 +118,9 @@ def serve(
     except ValueError as error:
         sock.close()
         raise click.UsageError(str(error)) from error
+    except NodeError as error:  # --nnodes > 1: another node did not come in time
+        sock.close()
+        raise click.ClickException(str(error)) from None
 
     # Logs "Uvicorn running on http://HOST:PORT" with the bound port (also for --port 0).
     def on_started() -> None:
@@ -120,3 +128,25 @@ def serve(
         logging.getLogger("uvicorn.error").info("kvstash serve: ready; start-up %s", startup.describe())
 
     serve_on(sock, app, on_started=on_started, log_level="info", timeout_graceful_shutdown=10)
+
+
+def _serve_node(model: str, kv_role: str, options: dict) -> None:
+    """`serve --node-rank R` (R ≥ 1): run this node's share of node 0's ranks, no HTTP
+    server, until node 0's engine shuts down (exit 0) or fails (exit 1, with why)."""
+    from engine.config import EngineArgs
+    from engine.pipeline.control import NodeError
+    from engine.pipeline.node import run_node
+
+    try:
+        engine_args = EngineArgs(
+            kv_offload=offload_config_from_options(options),
+            kv_role=kv_role,
+            **engine_args_from_options(options),
+        )
+        engine_args.validate()
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+    try:
+        run_node(Path(model), engine_args)
+    except NodeError as error:
+        raise click.ClickException(str(error)) from None

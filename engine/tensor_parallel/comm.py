@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from engine.pipeline.failure import wait_collective
+
 #: a request's entry in the agreement when its loads did not stop early on a rank
 _NO_FAILURE = torch.iinfo(torch.int64).max
 
@@ -48,7 +50,7 @@ class TensorParallelGroup:
         wire = self._to_wire(tensor)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.group.allreduce([wire], opts).wait()
+        wait_collective(self.group.allreduce([wire], opts))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -58,7 +60,7 @@ class TensorParallelGroup:
         wire = self._to_wire(tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([wire], opts).wait()
+        wait_collective(self.group.broadcast([wire], opts))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -71,9 +73,9 @@ class TensorParallelGroup:
         opts.rootRank = 0
         if self.rank == 0:
             outputs = [torch.empty_like(wire) for _ in range(self.size)]
-            self.group.gather([outputs], [wire], opts).wait()
+            wait_collective(self.group.gather([outputs], [wire], opts))
             return [output.to(tensor.device) for output in outputs]
-        self.group.gather([], [wire], opts).wait()
+        wait_collective(self.group.gather([], [wire], opts))
         return None
 
     def agree(self, request_ids: list[str], ok: bool, load_failures: dict[str, int]) -> StepAgreement:
@@ -86,7 +88,7 @@ class TensorParallelGroup:
         opts.reduceOp = dist.ReduceOp.MIN
         if self.backend == "nccl":
             tensor = tensor.cuda()
-        self.group.allreduce([tensor], opts).wait()
+        wait_collective(self.group.allreduce([tensor], opts))
         merged = tensor.tolist()
         failures = {
             request_id: num_valid

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine.pipeline.failure import mark_breaks_group
 from engine.pipeline.stage_runner import StageRunner
 from engine.runner_output import RunnerOutput
 from engine.scheduler import SchedulerOutput
@@ -53,16 +54,20 @@ class TensorParallelSteps:
         self, plan: SchedulerOutput, while_device_runs: Callable[[], None] | None = None
     ) -> RunnerOutput:
         """One step on this rank (`ModelRunner.execute`). A rank whose step fails before the
-        agreement still joins it (saying so), so no rank waits for it there; a failure
-        after it (inside the forward pass) leaves the others waiting in a collective until
-        the group's timeout."""
+        agreement still joins it (saying so), so no rank waits for it there, and the engine
+        may retry the step. A failure after it (inside the forward pass, or anywhere before
+        the step's last collective) leaves the others waiting in a collective: the error is
+        marked `breaks_group` (engine.pipeline.failure) and the process group is torn down
+        (the engine's process stops, another rank's process records it and exits)."""
         self._agreed = False
         try:
             return super().execute(plan, while_device_runs)
-        except BaseException:
+        except BaseException as error:
             if plan.requests and not self._agreed:
                 self._agreed = True
                 self.group.agree([r.request_id for r in plan.requests], False, {})
+            elif self._agreed and not isinstance(error, PeerRankError):
+                mark_breaks_group(error)
             raise
 
     def _graphs_for(self, plan, host):

@@ -35,7 +35,7 @@ class TensorParallelStageBuilder:
         pipeline = create_process_group(
             spec.backend,
             dist.PrefixStore(f"pipeline-rank{rank}", store),
-            spec.store_host,
+            spec.bind_host,
             layout.stage,
             layout.num_stages,
             spec.timeout_s,
@@ -43,7 +43,7 @@ class TensorParallelStageBuilder:
         stage_group = create_process_group(
             spec.backend,
             dist.PrefixStore(f"tensor-parallel-stage{layout.stage}", store),
-            spec.store_host,
+            spec.bind_host,
             rank,
             size,
             spec.timeout_s,

@@ -496,3 +496,65 @@ def test_tp2_pp2_matches_hf_with_offload_hits_and_a_chunk_missing_on_one_process
     finally:
         again.engine.shutdown()
         again.engine.runner.connector.close()
+
+
+_FAILING_FORWARD_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    from engine import LLM, SamplingParams
+    from engine.tensor_parallel import comm
+
+    # Runs in every process (spawn re-imports this main module): rank FAILING_RANK raises
+    # at its second all-reduce of the prompts' prefill, inside the forward pass, while the
+    # other rank waits in that collective.
+    FAILING_RANK = int(sys.argv[3])
+    _all_reduce = comm.TensorParallelGroup.all_reduce_
+    _num_calls = [0]
+
+    def _failing_all_reduce(self, tensor):
+        if self.rank == FAILING_RANK and tensor.shape[0] > 1:
+            _num_calls[0] += 1
+            if _num_calls[0] == 2:
+                raise RuntimeError(f"injected fault inside the forward pass on rank {self.rank}")
+        return _all_reduce(self, tensor)
+
+    comm.TensorParallelGroup.all_reduce_ = _failing_all_reduce
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate(json.loads(sys.argv[2]), params)
+        print(json.dumps([o.finish_reason for o in outputs]), flush=True)
+        print("dead", llm.engine.device_error(), flush=True)
+        llm.engine.shutdown()
+    """
+)
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_rank_failing_inside_its_forward_pass_ends_the_engine_naming_it(
+    tiny_model_dir, subprocess_env, tmp_path, failing_rank
+) -> None:
+    """The failing rank records its error and exits (or, rank 0, stops the others); the
+    peer waiting in the all-reduce fails at once instead of at the group's 600 s timeout,
+    and the engine ends its requests naming the rank and its exception. The subprocess
+    timeout bounds a hang, it times nothing."""
+    prompts = [random_prompt(20, seed=330), random_prompt(13, seed=331)]
+    script = tmp_path / "failing_forward.py"
+    script.write_text(_FAILING_FORWARD_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dir("llama")), json.dumps(prompts), str(failing_rank)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    reasons, dead = result.stdout.splitlines()[-2:]
+    assert json.loads(reasons) == ["error", "error"]
+    assert dead.startswith(f"dead tensor-parallel rank {failing_rank} failed step "), dead
+    assert dead.endswith(
+        f"inside its forward pass: RuntimeError: injected fault inside the forward pass on rank {failing_rank}"
+    ), dead

@@ -89,6 +89,12 @@ class PinnedChunkPool(StorageBackend):
         # take it back, per chunk, on the step's path while the disk tier's I/O threads run)
         self._slot_id_to_view: dict[int, torch.Tensor] = {}
 
+    @property
+    def slab(self) -> torch.Tensor:
+        """The memory of every slot, ``[num_slots, slot_numel]`` (the direct path registers it
+        with NIXL: connector.nixl_agents)."""
+        return self._slab
+
     def view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The slab's memory of slot ``slot_id`` as a chunk of ``shape`` (no copy)."""
         if shape != self.chunk_shape:

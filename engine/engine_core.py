@@ -117,7 +117,12 @@ class EngineCore:
         self._device_work_left_over = False
         scheduler_connector = worker_connector = model_id = None
         if args.kv_offload is not None:
+            import dataclasses
+
             from connector import create_kv_connector
+
+            # the connector acts on the engine's P/D role (a producer offers, a consumer takes)
+            args.kv_offload = dataclasses.replace(args.kv_offload, kv_role=args.kv_role)
             from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
 
             if args.model_id is not None:

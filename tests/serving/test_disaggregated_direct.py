@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,7 +20,9 @@ from tests.serving.test_disaggregated import AUTH, KEY, PROMPT_LEN, completion_b
 pytest.importorskip("connector.nixl_import")
 from connector.nixl_import import nixl_available  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install 'kvstash[nixl]')")
+pytestmark = pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed (pip install 'kvstash[nixl]')"
+)
 
 ROUTE = "/v1/completions"
 
@@ -33,9 +36,13 @@ class DirectStack:
 def direct(serving_model_dir) -> Iterator[DirectStack]:
     engine = ("--num-gpu-blocks", "256", "--max-num-seqs", "16", "--api-key", KEY)
     tier = ("--kv-offload", "--kv-offload-cpu-gb", "0.25", "--kv-transfer", "direct")
-    producer = ServeProcess(serving_model_dir, "--kv-role", "producer", *tier, *engine).start()
-    consumer = ServeProcess(serving_model_dir, "--kv-role", "consumer", *tier, *engine).start()
-    proxy = FrontProcess("proxy", "--prefill", producer.url, "--decode", consumer.url, "--api-key", KEY).start()
+    producer = ServeProcess(serving_model_dir, "--kv-role", "producer", *tier, *engine)
+    consumer = ServeProcess(serving_model_dir, "--kv-role", "consumer", *tier, *engine)
+    with ThreadPoolExecutor(2) as pool:  # both load the model at once
+        list(pool.map(ServeProcess.start, (producer, consumer)))
+    proxy = FrontProcess(
+        "proxy", "--prefill", producer.url, "--decode", consumer.url, "--api-key", KEY
+    ).start()
     try:
         yield DirectStack(producer, consumer, proxy)
     finally:

@@ -168,17 +168,19 @@ class EngineArgs:
         """A producer or consumer needs a way to hand KV over: the shared tier (a remote_url)
         or the direct path (NIXL and a CPU tier), as ``kv_offload.kv_transfer`` asks."""
         offload = self.kv_offload
-        how = "serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT"
-        if offload is None:
-            raise ValueError(f"kv_role {self.kv_role!r} needs kv_offload ({how}, or --kv-transfer direct)")
         from connector.nixl_import import wants_direct
 
         split = self.pipeline_parallel_size > 1 or self.tensor_parallel_size > 1
-        if offload.kv_transfer == "direct":
+        if offload is not None and offload.kv_transfer == "direct":
             wants_direct("direct", cpu_bytes=offload.cpu_bytes, split=split)  # ValueError says what lacks
-        elif offload.remote_url is None and not (
-            offload.kv_transfer == "auto" and wants_direct("auto", cpu_bytes=offload.cpu_bytes, split=split)
+        elif offload is None or (
+            offload.remote_url is None
+            and not (
+                offload.kv_transfer == "auto"
+                and wants_direct("auto", cpu_bytes=offload.cpu_bytes, split=split)
+            )
         ):
+            how = "serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT"
             raise ValueError(
                 f"kv_role {self.kv_role!r} needs a tier shared by producers and consumers: kv_offload "
                 f"with a remote_url ({how}), or the direct path (kv_transfer direct or auto, with NIXL installed)"

@@ -73,6 +73,11 @@ class DirectPeerTier(StorageBackend):
         self._agent_names: set[str] = set()
         #: transfers that failed, told once each in the log
         self._failed_transfer_ids: set[str] = set()
+        #: transfer id -> reads of it running now (its producer is told it is done only
+        #: once none runs: a read must never land after the producer reused the memory)
+        self._transfer_to_num_reads: Counter[str] = Counter()
+        #: offers whose request is done, waiting for their last read to end
+        self._transfer_to_finished_offer: dict[str, DirectOffer] = {}
         self.counts: Counter[str] = Counter()
 
     # ---- the scheduler side ----------------------------------------------------------
@@ -118,7 +123,8 @@ class DirectPeerTier(StorageBackend):
         return True
 
     def finish(self, request_id: str) -> None:
-        """The request ended: forget its offer's chunks and tell the producer it may unpin them."""
+        """The request's fetch ended (or the request did): forget its offer's chunks and,
+        once no read of them runs, tell the producer it may unpin them. Idempotent."""
         with self._lock:
             offer = self._request_to_offer.pop(request_id, None)
             if offer is None:
@@ -127,6 +133,13 @@ class DirectPeerTier(StorageBackend):
                 source = self._key_to_source.get(chunk.key)
                 if source is not None and source.offer is offer:
                     del self._key_to_source[chunk.key]
+            if self._transfer_to_num_reads[offer.transfer_id]:
+                self._transfer_to_finished_offer[offer.transfer_id] = offer  # the last read tells
+                return
+        self._tell_done(offer)
+
+    def _tell_done(self, offer: DirectOffer) -> None:
+        with self._lock:
             still_used = any(other.agent == offer.agent for other in self._request_to_offer.values())
         try:
             self.agent.agent.send_notif(offer.agent, offer.transfer_id.encode("ascii"))
@@ -190,7 +203,20 @@ class DirectPeerTier(StorageBackend):
                 shape,
             )
             return None
-        state = self._read(source, out.data_ptr())
+        transfer_id = source.offer.transfer_id
+        with self._lock:
+            self._transfer_to_num_reads[transfer_id] += 1
+        try:
+            state = self._read(source, out.data_ptr())
+        finally:
+            with self._lock:
+                self._transfer_to_num_reads[transfer_id] -= 1
+                last = self._transfer_to_num_reads[transfer_id] == 0
+                if last:
+                    del self._transfer_to_num_reads[transfer_id]
+                finished = self._transfer_to_finished_offer.pop(transfer_id, None) if last else None
+            if finished is not None:
+                self._tell_done(finished)
         if state != "DONE":
             self.counts["errors"] += 1
             if source.offer.transfer_id not in self._failed_transfer_ids:
@@ -207,7 +233,10 @@ class DirectPeerTier(StorageBackend):
         return KVChunk(out.reshape(-1)[:num_elements].view(shape), self.cpu.layout)
 
     def _read(self, source: _Source, address: int) -> str:
-        """One NIXL READ of ``source`` to ``address``: "DONE", "ERR", "TIMEOUT" or the error."""
+        """One NIXL READ of ``source`` to ``address``: "DONE", "ERR", "TIMEOUT" or the error.
+        A read still running at the source's deadline is waited for until it ends (until the
+        producer's hold would end at the latest): its bytes must not land in a slot after
+        the fetcher gave it back. It is then a miss all the same."""
         agent, offer = self.agent, source.offer
         try:
             local = agent.descs([(address, source.chunk.num_bytes)])
@@ -222,7 +251,18 @@ class DirectPeerTier(StorageBackend):
             while state == "PROC" and self._clock() < source.deadline:
                 time.sleep(READ_POLL_S)
                 state = agent.agent.check_xfer_state(handle)
-            return "TIMEOUT" if state == "PROC" else state
+            if state != "PROC":
+                return state
+            # the producer holds its memory for hold_s from the offer; reads start before half
+            last_chance = source.deadline + offer.hold_s / 2
+            while state == "PROC" and self._clock() < last_chance:
+                time.sleep(READ_POLL_S)
+                state = agent.agent.check_xfer_state(handle)
+            if state == "PROC":
+                log.error(
+                    "P/D direct: a read of transfer %s did not end by the producer's hold", offer.transfer_id
+                )
+            return "TIMEOUT"
         except Exception as error:  # noqa: BLE001 - the producer went away mid-read
             return f"{type(error).__name__}: {error}"
         finally:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.base import ConnectorRequest, Grant, KVTransferParams
+from connector.base import ConnectorRequest, Grant, KVTransferParams, WorkerReport
 from connector.config import REMOTE_TIER_NAMES, OffloadConfig
 from connector.direct_export import DirectExporter
 from connector.direct_offer import DIRECT_TIER
@@ -163,6 +163,15 @@ class HandoffScheduler(OffloadScheduler):
             return super().grant(request, num_computed_tokens, seconds_left)
         with self.planner.forced_loading(self.fetch_deadline_s):
             return super().grant(request, num_computed_tokens, seconds_left)
+
+    def update_connector_output(self, report: WorkerReport | None) -> tuple[set[str], set[str]]:
+        finished = super().update_connector_output(report)
+        if self.peer is not None and report is not None:
+            for progress in report.fetches:
+                if progress.done:
+                    # its chunks are in this engine's CPU tier: the producer may unpin them
+                    self.peer.finish(progress.request_id)
+        return finished
 
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         sending = super().request_finished(request, block_ids)

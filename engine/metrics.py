@@ -218,6 +218,22 @@ class _EngineStateCollector(Collector):
             "Probe steps (run after a request failed a step alone) that failed too: failures of the engine.",
             engine.stats.num_probe_failures,
         )
+        exporter = getattr(engine.scheduler.connector, "exporter", None)
+        if exporter is not None:  # a producer with the direct path
+            yield GaugeMetricFamily(
+                "kvstash_pd_direct_held_offers",
+                "Producer, direct path: hand-overs whose chunks are pinned for a consumer now.",
+                exporter.num_holds(),
+            )
+            released = CounterMetricFamily(
+                "kvstash_pd_direct_released_offers",
+                "Producer, direct path: hand-overs unpinned, by why (done: the consumer said so; "
+                "expired: after --kv-direct-hold-s).",
+                labels=["by"],
+            )
+            released.add_metric(["done"], exporter.num_released_done)
+            released.add_metric(["expired"], exporter.num_released_expired)
+            yield released
         tier_hits = CounterMetricFamily(
             "kvstash_tier_hit_chunks", "Chunks read from each offload tier.", labels=["tier"]
         )

@@ -8,6 +8,7 @@ proxy must equal its tokens. The last test kills the producer."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +51,16 @@ def direct(serving_model_dir) -> Iterator[DirectStack]:
             process.close()
 
 
+def wait_until(condition, timeout_s: float = 30.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout_s`` (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def tier_hits(url: str, tier: str) -> float:
     return metric_value(metrics(url), "kvstash_tier_hit_chunks_total", tier=tier)
 
@@ -77,6 +88,13 @@ def test_answers_by_the_direct_path_equal_one_engine_s(direct, server):
     assert metric_value(producer_metrics, "kvstash_pd_handoffs_total", path="direct") >= 2
     assert metric_value(producer_metrics, "kvstash_pd_handoffs_total", path="shared") == 0
     assert "by the direct path" in direct.consumer.log()
+    # the consumer said it was done with each hand-over: the producer unpinned them (no expiry)
+    assert wait_until(
+        lambda: metric_value(metrics(direct.producer.url), "kvstash_pd_direct_held_offers") == 0
+    )
+    producer_metrics = metrics(direct.producer.url)
+    assert metric_value(producer_metrics, "kvstash_pd_direct_released_offers_total", by="done") >= 2
+    assert metric_value(producer_metrics, "kvstash_pd_direct_released_offers_total", by="expired") == 0
 
 
 def test_a_prefix_the_consumer_holds_is_its_own_and_only_the_rest_comes_from_the_producer(direct, server):

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from connector.direct_offer import DirectOffer
+
 
 class ConnectorRequest(Protocol):
     """What the scheduler side may read of an engine request (read-only)."""
@@ -56,18 +58,21 @@ FALLBACK_REASONS = (
 
 class KVTransferParams(NamedTuple):
     """What a producer's response says of a request's KV (``kv_transfer_params``): its
-    leading ``num_chunks`` chunks (``num_tokens`` prompt tokens) are durable in the
-    shared tier under keys of ``namespace`` (the consumer's must be equal) and
-    ``chunk_size`` tokens per chunk; ``tier`` names that tier (``redis`` or ``grpc``)."""
+    leading ``num_chunks`` chunks (``num_tokens`` prompt tokens) are ready for a consumer
+    under keys of ``namespace`` (the consumer's must be equal) and ``chunk_size`` tokens per
+    chunk; ``tier`` names where: the shared tier (``redis`` or ``grpc``: durable there) or
+    ``nixl`` (the direct path: ``direct`` says where the producer holds them)."""
 
     namespace: str
     chunk_size: int
     num_chunks: int
     num_tokens: int
     tier: str
+    direct: DirectOffer | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        direct = {} if self.direct is None else {"direct": self.direct.to_dict()}
+        return direct | {
             "kvstash_version": PARAMS_VERSION,
             "durable": True,
             "namespace": self.namespace,
@@ -102,6 +107,10 @@ class KVTransferParams(NamedTuple):
             fields[name] = item
         if fields["num_tokens"] > fields["num_chunks"] * fields["chunk_size"]:
             raise ValueError("kv_transfer_params.num_tokens exceeds num_chunks * chunk_size")
+        if value.get("direct") is not None:
+            fields["direct"] = DirectOffer.from_dict(value["direct"])
+            if len(fields["direct"].chunks) != fields["num_chunks"]:
+                raise ValueError("kv_transfer_params.direct.chunks must list num_chunks chunks")
         return cls(**fields)
 
 
@@ -273,6 +282,8 @@ class RequestTransferStats(NamedTuple):
     #: a consumer's request recomputed part of what its producer handed over: why
     #: (:data:`FALLBACK_REASONS`); "" otherwise
     pd_fallback: str = ""
+    #: a consumer's request: the path its hand-over took ("direct" or "shared"); "" for none
+    pd_path: str = ""
 
 
 class KVConnectorScheduler(abc.ABC):

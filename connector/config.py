@@ -33,6 +33,12 @@ GIB = 1 << 30
 
 CODECS = ("none", "lz4")
 LOAD_POLICIES = ("planned", "always")
+#: roles of disaggregated prefill/decode (vLLM's kv_producer / kv_consumer / kv_both)
+KV_ROLES = ("both", "producer", "consumer")
+#: how a producer hands a prompt's KV to a consumer (connector.handoff): "shared" through the
+#: shared (remote) tier, "direct" from its CPU tier through NIXL (connector.direct_transfer),
+#: "auto" direct where NIXL imports, else shared
+KV_TRANSFERS = ("auto", "direct", "shared")
 #: lower tiers reached over the network, shared by every engine pointed at them: measured
 #: in the background (connector.tier_probe), read ``remote_reads_in_flight`` at a time,
 #: and the tier a disaggregated hand-over goes through (connector.handoff)
@@ -126,6 +132,18 @@ class OffloadConfig:
     #: forward pass beside it, and on the H100 an 8k-token hit took 32.9 ms against 29.4-31.4
     #: ms through the staging buffers (host->device copies by the copy engine, 2 layer pieces)
     direct_host_loads: bool = False
+    #: disaggregated prefill/decode: this engine's role (``KV_ROLES``; the engine sets it
+    #: from ``EngineArgs.kv_role``); "both" hands nothing over and makes no NIXL agent
+    kv_role: str = "both"
+    #: how a producer hands its prompts' KV over, and how a consumer takes it (``KV_TRANSFERS``)
+    kv_transfer: str = "auto"
+    #: producer, shared path: the longest wait for a request's chunks to reach the shared tier
+    handoff_durable_timeout_s: float = 30.0
+    #: consumer: the longest wait for the fetch of what a producer handed over (then it recomputes)
+    handoff_fetch_deadline_s: float = 30.0
+    #: producer, direct path: how long a hand-over's chunks stay pinned for a consumer that
+    #: does not say it is done (a consumer reads them within half of it, else recomputes)
+    direct_hold_s: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -193,6 +211,16 @@ class OffloadConfig:
             raise ValueError(
                 f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}"
             )
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(
+                f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}"
+            )
+        for name in ("handoff_durable_timeout_s", "handoff_fetch_deadline_s", "direct_hold_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ValueError("no tier configured: set cpu_bytes > 0, disk_path or remote_url")
 

@@ -183,6 +183,11 @@ class PinnedChunkPool(StorageBackend):
             self._grower.join()
         super().close()
 
+    def pieces(self) -> list[torch.Tensor]:
+        """The slab's pieces allocated so far, in slot order (a snapshot: the list only grows;
+        the direct path registers each with NIXL: connector.nixl_agents). Any thread."""
+        return list(self._pieces)
+
     def view(self, slot_id: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The slab's memory of slot ``slot_id`` as a chunk of ``shape`` (no copy)."""
         if shape != self.chunk_shape:

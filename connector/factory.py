@@ -12,10 +12,13 @@ import torch
 from connector.base import KVConnectorScheduler, KVConnectorWorker
 from connector.breaker import CircuitBreaker
 from connector.cache_engine import CacheEngine
-from connector.config import OffloadConfig, reads_in_flight_for
+from connector.config import REMOTE_TIER_NAMES, OffloadConfig, reads_in_flight_for
+from connector.direct_export import DirectExporter
+from connector.direct_peer import DirectPeerTier
 from connector.fetcher import ChunkFetcher
 from connector.handoff import HandoffScheduler
 from connector.lookup import TierLookups
+from connector.nixl_import import wants_direct
 from connector.planner import LoadPlanner, StepTimes
 from connector.request_transfer import TransferRegistry
 from connector.tier_probe import PROBE_KEY_SUFFIX, PROBED_TIER_NAMES, TierProber
@@ -71,6 +74,14 @@ def create_cache_engine(
     engine.cpu_async_moves = config.cpu_async_moves
     engine.direct_host_loads = config.direct_host_loads
     weakref.finalize(engine, tiers.close)
+    if config.kv_role == "consumer" and wants_direct(
+        config.kv_transfer, cpu_bytes=config.cpu_bytes, split=layer_range is not None or tp_size > 1
+    ):
+        # read first of the lower tiers: what a producer offers beats the shared tier
+        tiers.add_lower(
+            DirectPeerTier(tiers.cpu, fetch_deadline_s=config.handoff_fetch_deadline_s),
+            before=REMOTE_TIER_NAMES,
+        )
     return engine
 
 
@@ -240,6 +251,12 @@ def create_kv_connector(
             prober.start()
             weakref.finalize(cache_engine, prober.close)
             tiers.on_close(prober.close)  # it writes and reads the tiers: it stops first
+    exporter = None
+    if config.kv_role == "producer" and wants_direct(
+        config.kv_transfer, cpu_bytes=config.cpu_bytes, split=layer_range is not None or tp_size > 1
+    ):
+        exporter = DirectExporter(tiers.cpu, hold_s=config.direct_hold_s)
+        tiers.on_close(exporter.close)  # its pins are the CPU tier's: it ends first
     scheduler = HandoffScheduler(
         cache_engine,
         TransferRegistry(),
@@ -249,6 +266,8 @@ def create_kv_connector(
         fetches=name_to_breaker is not None,
         pipelined_loads=config.pipelined_loads,
         prober=prober,
+        handoff=config,
+        exporter=exporter,
     )
     if prober is not None:
         prober.busy = scheduler.is_fetching_from  # a tier fetches read is measured by them

@@ -110,6 +110,8 @@ class RequestFigures:
     plan: str = ""
     #: a consumer's request recomputed part of its producer's hand-over: why ("" otherwise)
     pd_fallback: str = ""
+    #: a consumer's request: the path of its hand-over ("direct", "shared"; "" for none)
+    pd_path: str = ""
 
     def to_stats(self) -> RequestTransferStats:
         return RequestTransferStats(
@@ -124,6 +126,7 @@ class RequestFigures:
             self.num_planned_recompute_tokens,
             self.plan,
             self.pd_fallback,
+            self.pd_path,
         )
 
 

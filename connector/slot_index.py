@@ -37,6 +37,7 @@ class PinKind(str, enum.Enum):
     WRITE_THROUGH = "write_through"  # a write to the lower tiers reading the slot
     FETCH = "fetch"  # a request waiting on its background fetch
     DEFERRED = "deferred"  # an admitted request's CPU-tier chunks a step's time cap left for later steps
+    EXPORT = "export"  # a producer's chunks a consumer reads directly (connector.direct_export)
 
 
 @dataclass(frozen=True, eq=False)

@@ -167,6 +167,15 @@ class TierManager:
         #: the engine's KV event recorder, ``(kind, medium, keys)`` (None: no events)
         self._record_kv_event: Callable[[str, str, list[str]], None] | None = None
 
+    def add_lower(self, tier: StorageBackend, *, before: frozenset[str] = frozenset()) -> None:
+        """Add a lower tier before the first lower tier named in ``before`` (else last): the
+        direct path's ``nixl`` tier goes before the shared tier (read first). A tier with
+        ``read_only`` set gets no write-through. Called once at start-up, before any use."""
+        index = next((i for i, lower in enumerate(self.lower) if lower.name in before), len(self.lower))
+        self.lower.insert(index, tier)
+        self.tiers = ([self.cpu] if self.cpu is not None else []) + self.lower
+        self.health[id(tier)] = TierHealth(tier.name)
+
     def attach_kv_events(self, record: Callable[[str, str, list[str]], None]) -> None:
         """Tell ``record(kind, medium, keys)`` what the tiers hold from now on (the engine's
         KV events, docs/architecture.md): first what each tier that lists its keys holds
@@ -396,6 +405,8 @@ class TierManager:
             for tier in self.lower:
                 if not items:
                     break
+                if getattr(tier, "read_only", False):
+                    continue
                 try:
                     tier.put_many(items)
                     self.health[id(tier)].succeeded("put")

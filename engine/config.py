@@ -7,6 +7,7 @@ the engine needs to know about a checkpoint, read once at start-up from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+#: roles of disaggregated prefill/decode (`EngineArgs.kv_role`): the connector's names
+from connector.config import KV_ROLES
 from engine.nodes import check_nodes
 
 if TYPE_CHECKING:
@@ -58,8 +61,6 @@ def dtype_from_name(name: str) -> torch.dtype | None:
 
 
 SPECULATIVE_METHODS = ("ngram",)
-#: roles of disaggregated prefill/decode (`EngineArgs.kv_role`)
-KV_ROLES = ("both", "producer", "consumer")
 #: the shortest decode gap one can ask for: a step's own fixed costs (launches, sampling,
 #: the host's bookkeeping) take about a millisecond already
 MIN_DECODE_GAP_MS = 1.0
@@ -176,6 +177,33 @@ class EngineArgs:
     #: the engine's name in its KV events (default: host name and process id)
     engine_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # the connector acts on the engine's P/D role (a producer offers, a consumer takes)
+        if self.kv_offload is not None and getattr(self.kv_offload, "kv_role", self.kv_role) != self.kv_role:
+            self.kv_offload = dataclasses.replace(self.kv_offload, kv_role=self.kv_role)
+
+    def _check_handoff_path(self) -> None:
+        """A producer or consumer needs a way to hand KV over: the shared tier (a remote_url)
+        or the direct path (NIXL and a CPU tier), as ``kv_offload.kv_transfer`` asks."""
+        offload = self.kv_offload
+        from connector.nixl_import import wants_direct
+
+        split = self.pipeline_parallel_size > 1 or self.tensor_parallel_size > 1
+        if offload is not None and offload.kv_transfer == "direct":
+            wants_direct("direct", cpu_bytes=offload.cpu_bytes, split=split)  # ValueError says what lacks
+        elif offload is None or (
+            offload.remote_url is None
+            and not (
+                offload.kv_transfer == "auto"
+                and wants_direct("auto", cpu_bytes=offload.cpu_bytes, split=split)
+            )
+        ):
+            how = "serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT"
+            raise ValueError(
+                f"kv_role {self.kv_role!r} needs a tier shared by producers and consumers: kv_offload "
+                f"with a remote_url ({how}), or the direct path (kv_transfer direct or auto, with NIXL installed)"
+            )
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         if (self.kv_events_endpoint is None) != (self.kv_events_replay_endpoint is None):
@@ -187,11 +215,8 @@ class EngineArgs:
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
-        if self.kv_role != "both" and (self.kv_offload is None or self.kv_offload.remote_url is None):
-            raise ValueError(
-                f"kv_role {self.kv_role!r} needs a tier shared by producers and consumers: kv_offload "
-                "with a remote_url (serve: --kv-offload --kv-offload-remote redis://HOST:PORT or grpc://HOST:PORT)"
-            )
+        if self.kv_role != "both":
+            self._check_handoff_path()
         if self.dtype != "auto" and self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -92,9 +92,19 @@ class EngineMetrics:
             self.pd_fallbacks.labels(reason=reason)
         self.pd_handed_over_tokens = Counter(
             "kvstash_pd_handed_over_tokens",
-            "Producer: prompt tokens whose KV was durable in the shared tier when the response returned.",
+            "Producer: prompt tokens whose KV was handed over (durable in the shared tier, or "
+            "offered by the direct path) when the response returned.",
             registry=registry,
         )
+        self.pd_handoffs = Counter(
+            "kvstash_pd_handoffs",
+            "Hand-overs by path (direct: NIXL, shared: the shared tier): a producer's answers, "
+            "a consumer's requests.",
+            ["path"],
+            registry=registry,
+        )
+        for path in ("direct", "shared"):
+            self.pd_handoffs.labels(path=path)
         self.ttft = Histogram(
             "kvstash_time_to_first_token_seconds",
             "Seconds from arrival to the first output token.",
@@ -138,6 +148,8 @@ class EngineMetrics:
         self.load_seconds.inc(transfer.load_seconds)
         if transfer.pd_fallback:
             self.pd_fallbacks.labels(reason=transfer.pd_fallback).inc()
+        if transfer.pd_path:
+            self.pd_handoffs.labels(path=transfer.pd_path).inc()
         if transfer.num_loaded_bytes > 0 and transfer.load_seconds > 0:
             self.load_throughput.observe(transfer.num_loaded_bytes / transfer.load_seconds / 1e9)
 
@@ -206,6 +218,22 @@ class _EngineStateCollector(Collector):
             "Probe steps (run after a request failed a step alone) that failed too: failures of the engine.",
             engine.stats.num_probe_failures,
         )
+        exporter = getattr(engine.scheduler.connector, "exporter", None)
+        if exporter is not None:  # a producer with the direct path
+            yield GaugeMetricFamily(
+                "kvstash_pd_direct_held_offers",
+                "Producer, direct path: hand-overs whose chunks are pinned for a consumer now.",
+                exporter.num_holds(),
+            )
+            released = CounterMetricFamily(
+                "kvstash_pd_direct_released_offers",
+                "Producer, direct path: hand-overs unpinned, by why (done: the consumer said so; "
+                "expired: after --kv-direct-hold-s).",
+                labels=["by"],
+            )
+            released.add_metric(["done"], exporter.num_released_done)
+            released.add_metric(["expired"], exporter.num_released_expired)
+            yield released
         tier_hits = CounterMetricFamily(
             "kvstash_tier_hit_chunks", "Chunks read from each offload tier.", labels=["tier"]
         )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refresh the dependency locks from pyproject.toml (make lock):
 #   requirements/lock.txt      what `make bench` installs (the runtime dependencies)
-#   requirements/lock-dev.txt  what `make test` installs (runtime + the dev extra, same versions)
+#   requirements/lock-dev.txt  what `make test` installs (runtime + the dev and nixl extras, same versions)
 # Every package is pinned with the hashes of its files, torch excepted: torch is pinned by
 # version in scripts/setup_env.sh (the same version is a CPU build on the dev/CI machines and a
 # CUDA build elsewhere, with other files and other dependencies). The locks are resolved for
@@ -35,5 +35,5 @@ compile=("$UV" pip compile pyproject.toml --quiet --generate-hashes --no-emit-pa
   -c "$work/torch-cpu.txt" --custom-compile-command "make lock")
 "${compile[@]}" -o requirements/lock.txt
 # The dev lock takes every shared package at the runtime lock's version.
-"${compile[@]}" --extra dev -c requirements/lock.txt -o requirements/lock-dev.txt
+"${compile[@]}" --extra dev --extra nixl -c requirements/lock.txt -o requirements/lock-dev.txt
 echo "wrote requirements/lock.txt and requirements/lock-dev.txt (torch ${torch_version} pinned in scripts/setup_env.sh)"

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from connector.direct_offer import DIRECT_TIER
 from engine.config import SamplingParams, SamplingParamsError
 from engine.metrics import CONTENT_TYPE
 from engine.prompts import ChatTemplateError, chat_token_ids, encode
@@ -74,9 +75,10 @@ def create_app(
 ) -> FastAPI:
     """One app serving `async_engine` under the model name `served_model_name`. With
     `api_key`, every `/v1` route and `/metrics` need `Authorization: Bearer <api_key>`;
-    bodies over `max_request_bytes` get 413. A `kv_role` "producer" answers a
-    non-streaming request once its prompt's KV is durable in the shared tier, with
-    `kv_transfer_params` saying what is (docs/serving.md, "Disaggregated prefill/decode")."""
+    bodies over `max_request_bytes` get 413. A `kv_role` "producer" answers once its
+    prompt's KV is handed over (offered by the direct path, or durable in the shared tier),
+    with `kv_transfer_params` saying what is where: in the body, or in the final chunk of a
+    streamed answer (docs/serving.md, "Disaggregated prefill/decode")."""
     if num_tokenizer_threads < 1:
         raise ValueError(f"num_tokenizer_threads must be >= 1, got {num_tokenizer_threads}")
     tokenizer = async_engine.tokenizer
@@ -217,20 +219,31 @@ def create_app(
             raise OpenAIError(503, str(error), "server_error") from error
         text = IncrementalText(tokenizer, params.stop_strings)
         stream = async_engine.stream_outputs(request_id, outputs)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(
-                stream_events(stream, builder, text, include_usage, off_loop), media_type="text/event-stream"
-            )
-        final = await last_output(stream, http_request, async_engine, request_id)
-        response = builder.full(final, final.text)
-        if kv_role == "producer" and final.finish_reason in ("stop", "length"):
+
+        async def hand_over(final: RequestOutput) -> dict | None:
+            """A producer's `kv_transfer_params` for a request that ended well, else None."""
+            if kv_role != "producer" or final.finish_reason not in ("stop", "length"):
+                return None
             handed_over = await async_engine.durable_transfer_params(
                 request_id, prompt_token_ids, body.cache_salt
             )
-            response["kv_transfer_params"] = handed_over
             if handed_over is not None:
                 async_engine.metrics.pd_handed_over_tokens.inc(handed_over["num_tokens"])
+                path = "direct" if handed_over["tier"] == DIRECT_TIER else "shared"
+                async_engine.metrics.pd_handoffs.labels(path=path).inc()
+            return handed_over
+
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            handing_over = hand_over if kv_role == "producer" else None
+            return StreamingResponse(
+                stream_events(stream, builder, text, include_usage, off_loop, handing_over),
+                media_type="text/event-stream",
+            )
+        final = await last_output(stream, http_request, async_engine, request_id)
+        response = builder.full(final, final.text)
+        if kv_role == "producer":
+            response["kv_transfer_params"] = await hand_over(final)
         return JSONResponse(response)
 
     return app
@@ -280,10 +293,13 @@ async def stream_events(
     text: IncrementalText,
     include_usage: bool,
     off_loop: Callable,
+    hand_over: Callable[[RequestOutput], Awaitable[dict | None]] | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A client
     disconnect cancels this generator, which closes `stream` and so aborts the request.
-    Text deltas are decoded through `off_loop` (the tokenizer threads)."""
+    Text deltas are decoded through `off_loop` (the tokenizer threads). A producer's
+    `hand_over` gives the final chunk (the one with the finish reason) its
+    `kv_transfer_params`, as vLLM's streamed answers carry them."""
     if builder.chat:
         yield sse(builder.chunk("", None, first=True))
     last = None
@@ -292,7 +308,10 @@ async def stream_events(
             last = output
             delta = await off_loop(text.delta, output)
             if output.finished:
-                yield sse(builder.chunk(delta, output.finish_reason))
+                final_chunk = builder.chunk(delta, output.finish_reason)
+                if hand_over is not None:
+                    final_chunk["kv_transfer_params"] = await hand_over(output)
+                yield sse(final_chunk)
             elif delta:
                 yield sse(builder.chunk(delta, None))
     except (EngineDeadError, RequestFailedError) as error:

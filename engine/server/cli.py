@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
 import click
 
+from connector.config import KV_TRANSFERS
 from engine.config import KV_ROLES
 from engine.engine_flags import engine_args_from_options, engine_options
 from engine.offload_cli import offload_config_from_options, offload_options
@@ -58,8 +60,38 @@ SERVE_MAX_DECODE_GAP_MS = 50.0
     default="both",
     show_default=True,
     help="Disaggregated prefill/decode: a producer computes prompts and answers once their KV is "
-    "in the shared tier (kv_transfer_params); a consumer loads it from there instead of computing "
-    "it. Both need --kv-offload --kv-offload-remote URL (the tier they share); put `kvstash proxy` in front.",
+    "handed over (kv_transfer_params); a consumer loads it instead of computing it. Both need "
+    "--kv-offload, and --kv-offload-remote URL (the tier they share) unless --kv-transfer direct; "
+    "put `kvstash proxy` in front.",
+)
+@click.option(
+    "--kv-transfer",
+    type=click.Choice(KV_TRANSFERS),
+    default=None,
+    help="How a producer hands KV to a consumer: direct (NIXL reads the producer's CPU tier; needs "
+    "kvstash[nixl]), shared (through --kv-offload-remote), auto (direct where NIXL imports, else "
+    "shared) [env: KVSTASH_KV_OFFLOAD_KV_TRANSFER; default: auto].",
+)
+@click.option(
+    "--kv-handoff-durable-timeout-s",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=None,
+    help="Producer, shared path: the longest wait for a prompt's chunks to reach the shared tier "
+    "before answering [default: 30].",
+)
+@click.option(
+    "--kv-handoff-fetch-deadline-s",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=None,
+    help="Consumer: the longest wait for a handed-over prompt's chunks; what has not come is "
+    "recomputed [default: 30].",
+)
+@click.option(
+    "--kv-direct-hold-s",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=None,
+    help="Producer, direct path: how long offered chunks stay pinned when no consumer says it is "
+    "done (a consumer reads them within half of it) [default: 60].",
 )
 @engine_options(max_decode_gap_ms=SERVE_MAX_DECODE_GAP_MS)
 @offload_options
@@ -71,6 +103,10 @@ def serve(
     api_key: str | None,
     max_request_bytes: int,
     kv_role: str,
+    kv_transfer: str | None,
+    kv_handoff_durable_timeout_s: float | None,
+    kv_handoff_fetch_deadline_s: float | None,
+    kv_direct_hold_s: float | None,
     **options,
 ) -> None:
     """Serve the model in folder MODEL over an OpenAI-compatible HTTP API
@@ -104,6 +140,17 @@ def serve(
         if api_key is not None and not api_key.strip():
             raise ValueError("--api-key (KVSTASH_API_KEY) is empty; leave it unset to serve without a key")
         kv_offload = offload_config_from_options(options)
+        handoff = {
+            "kv_transfer": kv_transfer,
+            "handoff_durable_timeout_s": kv_handoff_durable_timeout_s,
+            "handoff_fetch_deadline_s": kv_handoff_fetch_deadline_s,
+            "direct_hold_s": kv_direct_hold_s,
+        }
+        handoff = {name: value for name, value in handoff.items() if value is not None}
+        if handoff and kv_offload is None:
+            raise ValueError("--kv-transfer and the --kv-handoff-*/--kv-direct-* flags need --kv-offload")
+        if handoff:
+            kv_offload = dataclasses.replace(kv_offload, **handoff)
         engine_args = EngineArgs(kv_offload=kv_offload, kv_role=kv_role, **engine_args_from_options(options))
         engine_args.validate()  # the role's needs are told before the model loads
         engine = EngineCore(model, engine_args, startup=startup)

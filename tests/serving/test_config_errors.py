@@ -149,20 +149,33 @@ def test_engine_args_check_the_role_offline_too():
 
     for role, offload in [
         ("producer", None),
-        ("consumer", OffloadConfig(cpu_bytes=1 << 20)),
+        ("consumer", OffloadConfig(cpu_bytes=1 << 20, kv_transfer="shared")),
         ("decode", None),
     ]:
         with pytest.raises(ValueError, match="kv_role"):
             EngineArgs(kv_role=role, kv_offload=offload).validate()
     EngineArgs(kv_role="producer", kv_offload=OffloadConfig(remote_url="redis://127.0.0.1:6379")).validate()
     EngineArgs(kv_role="both").validate()
+    # the direct path needs a CPU tier (its memory is what NIXL reads) and one engine process
+    direct = OffloadConfig(cpu_bytes=0, remote_url="redis://127.0.0.1:6379", kv_transfer="direct")
+    with pytest.raises(ValueError, match="kv_transfer 'direct' needs a CPU tier"):
+        EngineArgs(kv_role="consumer", kv_offload=direct).validate()
 
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         (["--kv-role", "producer"], ["kv_role 'producer' needs a tier shared", "--kv-offload-remote"]),
-        (["--kv-role", "consumer", "--kv-offload"], ["kv_role 'consumer' needs a tier shared"]),
+        (
+            ["--kv-role", "consumer", "--kv-offload", "--kv-transfer", "shared"],
+            ["kv_role 'consumer' needs a tier shared"],
+        ),
+        (
+            ["--kv-role", "producer", "--kv-transfer", "direct", "--kv-offload", "--kv-offload-cpu-gb", "0"]
+            + ["--kv-offload-remote", "redis://127.0.0.1:1"],
+            ["kv_transfer 'direct' needs a CPU tier"],
+        ),
+        (["--kv-direct-hold-s", "5"], ["need --kv-offload"]),
         (["--kv-role", "prefill"], ["--kv-role", "'prefill' is not one of"]),
     ],
 )

@@ -7,6 +7,7 @@ prompt from Redis rather than computing it."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 
@@ -42,6 +43,7 @@ def stack(redis_server, serving_model_dir) -> Iterator[Stack]:
     # brings a 128 KiB chunk in ~130 ms), so only the hand-over makes it load them.
     slow_link = DelayProxy(redis_server.port, delay_s=0.02, rate_bytes_per_s=1e6).start()
     engine = ("--num-gpu-blocks", "256", "--max-num-seqs", "16", "--api-key", KEY, "--kv-offload")
+    engine += ("--kv-transfer", "shared")  # the direct path: test_disaggregated_direct.py
     producer_tier = ("--kv-offload-remote", redis_server.url, "--kv-offload-cpu-gb", "0.25")
     consumer_tier = (
         "--kv-offload-remote",
@@ -240,3 +242,51 @@ def test_a_dead_producer_leaves_the_consumer_to_compute(stack, server):
     health = httpx.get(f"{stack.proxy.url}/health", timeout=30)
     assert health.status_code == 200
     assert not any(engine["up"] for engine in health.json()["prefill"])
+
+
+def test_the_cache_server_as_the_shared_tier_and_a_streamed_prefill(serving_model_dir, server):
+    """grpc:// (a real `kvstash cache-server`) as the tier producer and consumer share; the
+    producer's streamed answer carries the hand-over in its final chunk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.support.cache_server_process import CacheServerProcess
+
+    cache_server = CacheServerProcess("--memory-gb", "0.1").start()
+    engine = ("--num-gpu-blocks", "256", "--max-num-seqs", "4", "--api-key", KEY, "--kv-offload")
+    engine += (
+        "--kv-offload-remote",
+        cache_server.url,
+        "--kv-offload-cpu-gb",
+        "0.1",
+        "--kv-transfer",
+        "shared",
+    )
+    producer = ServeProcess(serving_model_dir, "--kv-role", "producer", *engine)
+    consumer = ServeProcess(serving_model_dir, "--kv-role", "consumer", *engine)
+    try:
+        with ThreadPoolExecutor(2) as pool:  # both load the model at once
+            list(pool.map(ServeProcess.start, (producer, consumer)))
+        route = "/v1/completions"
+        with httpx.stream(
+            "POST", producer.url + route, json=completion_body(route, 90, True, 1), headers=AUTH, timeout=300
+        ) as response:
+            assert response.status_code == 200, response.read()
+            events = [
+                line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")
+            ]
+        assert events[-1] == "[DONE]"
+        finals = [json.loads(e) for e in events[:-1] if '"finish_reason":"' in e]
+        assert len(finals) == 1
+        params = finals[0]["kv_transfer_params"]
+        assert params["tier"] == "grpc" and params["num_chunks"] == 3 and "direct" not in params
+        body = completion_body(route, 90, False) | {"kv_transfer_params": params}
+        text, usage = ask(consumer.url, route, body)
+        reference, _ = ask(server.url, route, completion_body(route, 90, False), None)
+        assert text == reference
+        assert usage["kvstash"]["external_hit_tokens"] == PROMPT_LEN - 1
+        consumer_metrics = metrics(consumer.url)
+        assert metric_value(consumer_metrics, "kvstash_tier_hit_chunks_total", tier="grpc") == 3
+        assert metric_value(consumer_metrics, "kvstash_pd_handoffs_total", path="shared") == 1
+    finally:
+        for process in (producer, consumer, cache_server):
+            process.close()

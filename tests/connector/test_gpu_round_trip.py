@@ -41,7 +41,7 @@ def shuffled_slots(num_tokens, seed):
 @pytest.mark.gpu
 def test_store_and_retrieve_on_cuda_are_bit_exact():
     engine = gpu_cache_engine()
-    assert engine.tiers.cpu.pinned and engine.tiers.cpu._slab.is_pinned()
+    assert engine.tiers.cpu.pinned and all(piece.is_pinned() for piece in engine.tiers.cpu.pieces())
     num_tokens, start = 1500, 333  # 5 full chunks + a partial one; a non-aligned False prefix
     tokens = list(range(7, 7 + num_tokens))
     source, source_slots = paged(seed=1), shuffled_slots(num_tokens, 1)

@@ -138,7 +138,7 @@ class HandoffScheduler(OffloadScheduler):
                 transfer.request_id, params.direct, [span.key for span in transfer.spans]
             )
             path = "direct" if num_direct else "shared"
-        transfer.figures.pd_path = path
+        transfer.took_over_by(path)
         if params.direct is not None and self.peer is None:
             why = "this engine has no NIXL agent (kv_transfer shared)"
         elif params.direct is not None and not num_direct:

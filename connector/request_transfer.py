@@ -191,6 +191,11 @@ class RequestTransfer:
             return
         self.handoff = params
 
+    def took_over_by(self, path: str) -> None:
+        """A consumer's hand-over takes ``path`` ("direct": read from the producer through
+        NIXL; "shared": from the shared tier); its figures say so."""
+        self.figures.pd_path = path
+
     def _handoff_went_wrong(self, reason: str) -> None:
         if self.handoff is not None and not self.handoff_problem:
             self.handoff_problem = reason

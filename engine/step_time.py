@@ -77,6 +77,8 @@ class StepTimeModel:
         self._lock = threading.Lock()
         self._theta = np.array([STEP_PRIOR_S, 0.0, _TOKENS_UNIT / prior_tokens_per_s, 0.0])
         self._covariance = np.diag(_PRIOR_STD**2)
+        #: the parameters predictions use: the fit moved onto non-negative token and pair costs
+        self._predicting = self._theta.copy()
         self.num_prefill_steps = 0
         self.num_steps = 0
 
@@ -97,6 +99,7 @@ class StepTimeModel:
             [step_s, eager_step_s, _TOKENS_UNIT / tokens_per_s, seconds_per_pair * _PAIRS_UNIT]
         )
         model._covariance = np.diag((_PRIOR_STD * 0.01) ** 2)
+        model._predicting = _physical(model._theta, model._covariance)
         model.num_prefill_steps = model.num_steps = 1
         return model
 
@@ -126,6 +129,7 @@ class StepTimeModel:
             prior = _PRIOR_STD**2
             scale = np.sqrt(np.minimum(1.0, prior / np.maximum(np.diag(covariance), 1e-30)))
             self._covariance = covariance * np.outer(scale, scale)
+            self._predicting = _physical(self._theta, self._covariance)
             self.num_steps += 1
             if x[2] > 0:
                 self.num_prefill_steps += 1
@@ -142,7 +146,7 @@ class StepTimeModel:
         its tokens cost ``b * tokens + h * pairs``)."""
         x = self._features(chunks)
         with self._lock:
-            terms = x * self._theta
+            terms = x * self._predicting
         # Each sum is what the steps measured; its terms alone may trade off against each
         # other (a fit on few kinds of steps), so only the sums are kept non-negative.
         return max(0.0, float(terms[0] + terms[1])), max(0.0, float(terms[2] + terms[3]))
@@ -169,13 +173,59 @@ class StepTimeModel:
         return self.split_seconds(())[0]
 
     def parameters(self) -> dict[str, float]:
-        """The fitted parameters, in seconds, for logs and /metrics (a term alone may be
-        negative where the steps seen cannot tell it from another)."""
+        """The parameters predictions use, in seconds, for logs and /metrics (``step`` or
+        ``eager_step`` alone may be negative where the steps seen cannot tell them apart;
+        ``token`` and ``pair`` never are, see :func:`_physical`)."""
         with self._lock:
-            a, e, b, h = self._theta
+            a, e, b, h = self._predicting
         return {
             "step_s": float(a),
             "eager_step_s": float(e),
             "token_s": float(b) / _TOKENS_UNIT,
             "pair_s": float(h) / _PAIRS_UNIT,
         }
+
+
+def _physical(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
+    """The most likely parameters given the fit (``theta`` and its ``covariance``) whose
+    costs are never negative (``_NON_NEGATIVE``).
+
+    A recomputed token never costs less than nothing, nor does a query-key pair or a
+    step; but steps of only a few prompt lengths cannot tell the terms apart (a user
+    sending 16k prompts and nothing else: steps of 16,384 tokens and decodes), and the
+    filter may then settle on a negative pair cost offset by a high token cost. Its
+    predictions of other lengths are then wrong in shape: on an H100 it put an 8k prompt
+    at 1.06 s and a 16k one at 0.53 s, so the planner took the rest of a 16k hit as nearly
+    free and loaded 2k of its 16k tokens (TTFT 1.15x the recompute's). So predictions use
+    the point of the feasible region nearest to ``theta`` in the fit's own metric (the
+    Mahalanobis distance of its covariance): each set of active constraints is tried
+    (four constraints, sixteen sets) and the nearest feasible result kept. The filter
+    itself keeps the free estimate (constraining it would bias later updates)."""
+    if all(direction @ theta >= 0 for direction in _NON_NEGATIVE):
+        return theta.copy()
+    precision = np.linalg.pinv(covariance)
+    best, best_distance = theta.copy(), np.inf
+    for mask in range(1, 1 << len(_NON_NEGATIVE)):
+        active = np.array([d for i, d in enumerate(_NON_NEGATIVE) if mask >> i & 1])
+        spread = active @ covariance @ active.T
+        try:
+            step = covariance @ active.T @ np.linalg.solve(spread, active @ theta)
+        except np.linalg.LinAlgError:
+            continue
+        candidate = theta - step
+        if any(direction @ candidate < -1e-12 for direction in _NON_NEGATIVE):
+            continue
+        distance = step @ precision @ step
+        if distance < best_distance:
+            best, best_distance = candidate, distance
+    return best
+
+
+#: what is never negative (:func:`_physical`): a pair's cost, a token's, an eager prefill
+#: step's fixed cost (a + e) and any step's (a)
+_NON_NEGATIVE = (
+    np.array([0.0, 0.0, 0.0, 1.0]),
+    np.array([0.0, 0.0, 1.0, 0.0]),
+    np.array([1.0, 1.0, 0.0, 0.0]),
+    np.array([1.0, 0.0, 0.0, 0.0]),
+)

@@ -55,7 +55,9 @@ def stack(redis_server, serving_model_dir) -> Iterator[Stack]:
     consumer = ServeProcess(serving_model_dir, "--kv-role", "consumer", *consumer_tier, *engine).start()
     dead_url = url_nobody_listens_on()
     prefill = ("--prefill", dead_url, "--prefill", producer.url)
-    proxy = FrontProcess("proxy", *prefill, "--decode", consumer.url, "--api-key", KEY).start()
+    proxy = FrontProcess(
+        "proxy", *prefill, "--decode", consumer.url, "--api-key", KEY, "--retry-after-s", "60"
+    ).start()
     try:
         deployed = Stack(producer, consumer, proxy, redis_server.url)
         deployed.dead_url = dead_url

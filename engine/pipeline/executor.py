@@ -48,6 +48,7 @@ from engine.pipeline.comm import open_store
 from engine.pipeline.control import ControlListener
 from engine.pipeline.failure import (
     breaks_group,
+    end_processes,
     first_failure,
     is_collective_failure,
     process_name,
@@ -466,15 +467,6 @@ def _stop_processes(processes: list, conns: list, node_conns: dict, stop_reason:
     for conn in node_conns.values():
         with contextlib.suppress(OSError, ValueError):
             conn.send(("stop", stop_reason[0]))
-    deadline = time.monotonic() + STOP_GRACE_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
+    end_processes(processes, STOP_GRACE_S)
     for conn in [*conns, *node_conns.values()]:
         conn.close()

@@ -15,6 +15,7 @@ its exit.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch.distributed as dist
 
@@ -80,3 +81,19 @@ def first_failure(store: dist.Store) -> str | None:
         if store.check([_KEY]):
             return store.get(_KEY).decode()
     return None
+
+
+def end_processes(processes, grace_s: float) -> None:
+    """Wait up to ``grace_s`` in all for ``processes`` (each told to stop) to exit, then
+    terminate, then kill, those still running: the engine's rank processes at its shutdown,
+    another node's at node 0's word."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)

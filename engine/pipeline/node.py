@@ -20,13 +20,12 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from engine.nodes import node_process_range, parse_dist_init_addr
 from engine.pipeline.control import MAGIC, Hello, NodeError, NodeStartError, connect
-from engine.pipeline.failure import process_name
+from engine.pipeline.failure import end_processes, process_name
 from engine.pipeline.layer_split import stage_device
 from engine.pipeline.worker import run_stage
 
@@ -136,13 +135,4 @@ def _watch(conn: multiprocessing.connection.Connection, p_to_process: dict[int, 
 
 def _stop(p_to_process: dict[int, Any]) -> None:
     """Wait for the processes (node 0 sent each its stop), then terminate and kill."""
-    deadline = time.monotonic() + STOP_GRACE_S
-    for process in p_to_process.values():
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in p_to_process.values():
-        if process.is_alive():
-            process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join(1.0)
+    end_processes(list(p_to_process.values()), STOP_GRACE_S)

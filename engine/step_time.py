@@ -173,9 +173,8 @@ class StepTimeModel:
         return self.split_seconds(())[0]
 
     def parameters(self) -> dict[str, float]:
-        """The parameters predictions use, in seconds, for logs and /metrics (``step`` or
-        ``eager_step`` alone may be negative where the steps seen cannot tell them apart;
-        ``token`` and ``pair`` never are, see :func:`_physical`)."""
+        """The parameters predictions use, in seconds, for logs and /metrics (none is
+        negative, see :func:`_physical`)."""
         with self._lock:
             a, e, b, h = self._predicting
         return {
@@ -221,11 +220,12 @@ def _physical(theta: np.ndarray, covariance: np.ndarray) -> np.ndarray:
     return best
 
 
-#: what is never negative (:func:`_physical`): a pair's cost, a token's, an eager prefill
-#: step's fixed cost (a + e) and any step's (a)
+#: what is never negative (:func:`_physical`): a pair's cost, a token's, what an eager
+#: prefill step pays on top of a graph step (e: an eager step is never the cheaper) and
+#: any step's fixed cost (a)
 _NON_NEGATIVE = (
     np.array([0.0, 0.0, 0.0, 1.0]),
     np.array([0.0, 0.0, 1.0, 0.0]),
-    np.array([1.0, 1.0, 0.0, 0.0]),
+    np.array([0.0, 1.0, 0.0, 0.0]),
     np.array([1.0, 0.0, 0.0, 0.0]),
 )

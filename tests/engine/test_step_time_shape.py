@@ -33,12 +33,11 @@ def test_predictions_grow_with_the_prompt_when_only_one_long_length_was_seen():
     assert seconds == sorted(seconds), dict(zip(lengths, seconds, strict=True))
     assert model.prefill_seconds(0, 8192) < model.prefill_seconds(0, 16384)
     # the tail of a prompt deep in its context costs at least as much per token as its head
-    assert model.prefill_seconds(8192, 16384) >= model.prefill_seconds(0, 8192)
+    assert model.prefill_seconds(8192, 16384) >= model.prefill_seconds(0, 8192) - 1e-9
     # what was seen most is still predicted near what it took
     assert model.prefill_seconds(0, 16384) == pytest.approx(0.5, rel=0.25)
     parameters = model.parameters()
-    assert parameters["token_s"] >= 0 and parameters["pair_s"] >= 0
-    assert parameters["step_s"] >= 0 and parameters["step_s"] + parameters["eager_step_s"] >= -1e-12
+    assert all(value >= -1e-12 for value in parameters.values()), parameters
 
 
 @settings(max_examples=40, deadline=None)

@@ -29,3 +29,27 @@ def run_benchmark(repo_root, subprocess_env) -> Callable[..., subprocess.Complet
         return result
 
     return run
+
+
+@pytest.fixture
+def refused_flags(
+    repo_root, subprocess_env
+) -> Callable[[Sequence[str], Sequence[tuple[list[str], str]]], None]:
+    """Factory: ``refused_flags(["benchmarks/x.py", *common], [(flags, message), ...])``
+    runs the script once per case and asserts that it stopped with exit 2 and ``message``
+    on stderr (a bad flag is refused before anything starts)."""
+
+    def check(argv: Sequence[str], cases: Sequence[tuple[list[str], str]]) -> None:
+        for flags, message in cases:
+            result = subprocess.run(
+                [sys.executable, *argv, *flags],
+                cwd=repo_root,
+                env=subprocess_env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert result.returncode == 2, (flags, result.stderr)
+            assert message in result.stderr, (flags, result.stderr)
+
+    return check

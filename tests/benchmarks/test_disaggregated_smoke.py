@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -53,7 +51,7 @@ def test_disaggregated_tiny_run(tmp_path, run_benchmark, tiny_model_dir):
     assert "ITL p99/alone" in result.stdout and "greedy answers equal: True" in result.stdout
 
 
-def test_disaggregated_refuses_bad_input(repo_root, subprocess_env):
+def test_disaggregated_refuses_bad_input(refused_flags):
     """Bad flags stop the script before any process starts, naming the flag (exit 2)."""
     cases = [
         (["--setups", "alone,nope"], "unknown set-up 'nope'"),
@@ -62,14 +60,4 @@ def test_disaggregated_refuses_bad_input(repo_root, subprocess_env):
         (["--gpu-share", "0.4", "--gpu-kv-tokens", "100"], "not both"),
         (["--users", "0"], "--users must be at least 1"),
     ]
-    for flags, message in cases:
-        result = subprocess.run(
-            [sys.executable, "benchmarks/disaggregated.py", *flags],
-            cwd=repo_root,
-            env=subprocess_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, (flags, result.stderr)
-        assert message in result.stderr, (flags, result.stderr)
+    refused_flags(["benchmarks/disaggregated.py"], cases)

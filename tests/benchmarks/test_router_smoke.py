@@ -49,10 +49,8 @@ def test_router_tiny_run(tmp_path, run_benchmark, tiny_model_dir):
     assert "P90 TTFT over kv-aware's" in result.stdout
 
 
-def test_router_benchmark_refuses_bad_input(repo_root, subprocess_env):
+def test_router_benchmark_refuses_bad_input(refused_flags):
     """Bad flags stop the script before any process starts, naming the flag (exit 2)."""
-    import subprocess
-    import sys
 
     cases = [
         (["--policies", "round-robin,random"], "unknown policy 'random'"),
@@ -60,14 +58,4 @@ def test_router_benchmark_refuses_bad_input(repo_root, subprocess_env):
         (["--replicas", "0"], "--replicas must be at least 1"),
         (["--rate", "0"], "--rate must be positive"),
     ]
-    for flags, message in cases:
-        result = subprocess.run(
-            [sys.executable, "benchmarks/router.py", *flags],
-            cwd=repo_root,
-            env=subprocess_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, (flags, result.stderr)
-        assert message in result.stderr, (flags, result.stderr)
+    refused_flags(["benchmarks/router.py"], cases)

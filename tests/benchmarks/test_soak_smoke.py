@@ -9,8 +9,6 @@ script measures them and the test checks that it did."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -56,7 +54,7 @@ def test_soak_tiny_run(tmp_path, run_benchmark):
     assert "drift %" in result.stdout
 
 
-def test_soak_refuses_bad_input(repo_root, subprocess_env, tmp_path):
+def test_soak_refuses_bad_input(refused_flags, tmp_path):
     """Bad flags stop the script at once with a message naming the flag (exit 2)."""
     cases = [
         (["--duration", "0"], "--duration must be a positive"),
@@ -64,14 +62,4 @@ def test_soak_refuses_bad_input(repo_root, subprocess_env, tmp_path):
         (["--abort-share", "1.5"], "--abort-share must be in [0, 1]"),
         (["--model", str(tmp_path)], "is not a model folder"),
     ]
-    for flags, message in cases:
-        result = subprocess.run(
-            [sys.executable, "benchmarks/soak.py", "--out", str(tmp_path / "o"), *flags],
-            cwd=repo_root,
-            env=subprocess_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, (flags, result.stderr)
-        assert message in result.stderr, (flags, result.stderr)
+    refused_flags(["benchmarks/soak.py", "--out", str(tmp_path / "o")], cases)

@@ -8,7 +8,6 @@ The ranking itself (`choice`) is checked without processes first."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from benchmarks.support.serving_stack import free_ports
 from engine.server.router.choice import MAX_IMBALANCE, Candidate, choose
 from engine.server.router.costs import costs_from_metrics
 from engine.server.router.index import ReplicaIndex
@@ -136,18 +136,6 @@ def test_the_index_of_a_real_engine_names_its_blocks_and_chunks_as_the_router_ha
 
 
 # ---- two replicas and the router -------------------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all bound at once, then closed)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @dataclass

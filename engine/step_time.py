@@ -77,8 +77,9 @@ class StepTimeModel:
         self._lock = threading.Lock()
         self._theta = np.array([STEP_PRIOR_S, 0.0, _TOKENS_UNIT / prior_tokens_per_s, 0.0])
         self._covariance = np.diag(_PRIOR_STD**2)
-        #: the parameters predictions use: the fit moved onto non-negative token and pair costs
-        self._predicting = self._theta.copy()
+        #: the parameters predictions use (the fit moved onto non-negative costs), made
+        #: from the fit when a prediction needs them: None since the last observed step
+        self._predicting: np.ndarray | None = self._theta.copy()
         self.num_prefill_steps = 0
         self.num_steps = 0
 
@@ -99,7 +100,7 @@ class StepTimeModel:
             [step_s, eager_step_s, _TOKENS_UNIT / tokens_per_s, seconds_per_pair * _PAIRS_UNIT]
         )
         model._covariance = np.diag((_PRIOR_STD * 0.01) ** 2)
-        model._predicting = _physical(model._theta, model._covariance)
+        model._predicting = None
         model.num_prefill_steps = model.num_steps = 1
         return model
 
@@ -129,12 +130,19 @@ class StepTimeModel:
             prior = _PRIOR_STD**2
             scale = np.sqrt(np.minimum(1.0, prior / np.maximum(np.diag(covariance), 1e-30)))
             self._covariance = covariance * np.outer(scale, scale)
-            self._predicting = _physical(self._theta, self._covariance)
+            self._predicting = None  # made again when a prediction asks (not on every step)
             self.num_steps += 1
             if x[2] > 0:
                 self.num_prefill_steps += 1
 
     # ---- predictions ----------------------------------------------------------------
+
+    def _predicted(self) -> np.ndarray:
+        """Under the lock: the parameters predictions use, made once per observed step at
+        most (the projection solves sixteen small systems when the fit is infeasible)."""
+        if self._predicting is None:
+            self._predicting = _physical(self._theta, self._covariance)
+        return self._predicting
 
     def step_seconds(self, chunks: Sequence[PromptChunk]) -> float:
         """The predicted time of a step computing the prompt ``chunks`` (besides decodes)."""
@@ -146,7 +154,7 @@ class StepTimeModel:
         its tokens cost ``b * tokens + h * pairs``)."""
         x = self._features(chunks)
         with self._lock:
-            terms = x * self._predicting
+            terms = x * self._predicted()
         # Each sum is what the steps measured; its terms alone may trade off against each
         # other (a fit on few kinds of steps), so only the sums are kept non-negative.
         return max(0.0, float(terms[0] + terms[1])), max(0.0, float(terms[2] + terms[3]))
@@ -176,7 +184,7 @@ class StepTimeModel:
         """The parameters predictions use, in seconds, for logs and /metrics (none is
         negative, see :func:`_physical`)."""
         with self._lock:
-            a, e, b, h = self._predicting
+            a, e, b, h = self._predicted()
         return {
             "step_s": float(a),
             "eager_step_s": float(e),

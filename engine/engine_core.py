@@ -24,6 +24,7 @@ from engine.detokenize import detokenize_and_check_stop
 from engine.engine_stats import EngineStats
 from engine.host_threads import limit_host_threads
 from engine.kv_cache_size import num_kv_blocks
+from engine.model_folder import ModelFolder
 from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.prefill_cap import PrefillCap
@@ -62,11 +63,13 @@ class EngineCore:
         proposer = None
         if args.speculative == "ngram":
             proposer = NgramProposer(args.num_speculative_tokens, args.ngram_min_n, args.ngram_max_n)
+        folder = None
         if isinstance(model, str | Path):
             self.model_dir: Path | None = Path(model)
-            if not self.model_dir.is_dir():
-                raise ValueError(f"model folder {str(model)!r} does not exist")
-            self.model_config = ModelConfig.from_dir(self.model_dir)
+            folder = ModelFolder.open(
+                self.model_dir, self.startup, prefetch_weights=args.load_format != "dummy"
+            )
+            self.model_config = folder.config
         else:
             self.model_dir = None
             self.model_config = ModelConfig.from_hf_config(model)
@@ -124,6 +127,8 @@ class EngineCore:
             )
             self.startup.weight_read_stats = self.model.weight_read_stats
         self.startup.add_since("weights", mark)
+        if folder is not None:
+            folder.weights_read()
         if self.model is not None and self.device.type == "cuda" and self.dtype != torch.float32:
             # float32 stays with torch's glue: the mode whose tokens must equal Hugging Face's
             # exactly; with enforce_eager too (the kernels are eager launches, not graphs)
@@ -135,7 +140,10 @@ class EngineCore:
         with self.startup.phase("kv_cache"):
             num_blocks = num_kv_blocks(args, config, self.device, self.dtype, self.max_model_len)
         self.block_size = args.block_size
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = None
+        if folder is not None:
+            with self.startup.phase("tokenizer"):  # only what its thread had left to do
+                self.tokenizer = folder.tokenizer()
 
         #: how long a step takes, fitted from this engine's steps; the connector's planner
         #: and the scheduler's prefill cap plan with it
@@ -292,13 +300,6 @@ class EngineCore:
         if not self._graphs_allowed():
             return 0
         return min(self.args.max_graph_tokens, self.args.max_num_batched_tokens)
-
-    def _load_tokenizer(self):
-        if self.model_dir is None:
-            return None
-        from engine.prompts import load_tokenizer
-
-        return load_tokenizer(self.model_dir)
 
     # --- the driver API -----------------------------------------------------------------
 

@@ -1,14 +1,21 @@
 """How long each phase of an engine's start took (docs/serving.md, "Start-up").
 
-The engine core times its phases in order (``weights``: read the files and copy them to
-the device; ``fingerprint``: the weights' identity for the offload namespace;
-``kv_cache``: size and allocate the paged KV cache, capture the decode and mixed CUDA
-graphs; ``warmup``: compile every kernel shape; ``tiers``: open the offload tiers, the
-CPU tier's first slab piece, the disk index scan), ``kvstash serve`` adds ``imports``
-(process start to the engine's first line) and ``server`` (engine ready to listening),
-and the CPU tier's slab that grows after ready reports ``cpu_tier_background``. The
-engine logs one line when it is ready; ``/metrics`` exports
-``kvstash_startup_phase_seconds{phase=...}``.
+The engine core times its phases in order:
+
+* ``config``: read the model's config (mostly importing transformers) while the
+  checkpoint's files start into the page cache (engine.model_folder);
+* ``weights``: read the files and copy them to the device;
+* ``fingerprint``: the weights' identity for the offload namespace;
+* ``kv_cache``: size and allocate the paged KV cache, capture the decode and mixed CUDA
+  graphs;
+* ``tokenizer``: what the tokenizer's own thread had left to load by then;
+* ``tiers``: open the offload tiers, the CPU tier's first slab piece, the disk index scan;
+* ``warmup``: compile every kernel shape.
+
+``kvstash serve`` adds ``imports`` (process start to the engine's first line) and
+``server`` (engine ready to listening), and the CPU tier's slab that grows after ready
+reports ``cpu_tier_background``. The engine logs one line when it is ready; ``/metrics``
+exports ``kvstash_startup_phase_seconds{phase=...}``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 #: the phases in the order they run
-PHASES = ("imports", "weights", "fingerprint", "kv_cache", "tiers", "warmup", "server")
+PHASES = ("imports", "config", "weights", "fingerprint", "kv_cache", "tokenizer", "tiers", "warmup", "server")
 
 
 class StartupPhases:

@@ -138,11 +138,19 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def empty_embedding(num_embeddings: int, embedding_dim: int, **factory) -> nn.Embedding:
+    """An ``nn.Embedding`` whose weight is left for the loader to fill. Its own random init
+    would, on the meta device, import torch._dynamo (about a second of every start) for
+    values never used."""
+    weight = torch.empty(num_embeddings, embedding_dim, **factory)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, **factory) -> None:
         super().__init__()
         hf = config.hf_config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
 

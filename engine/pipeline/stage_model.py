@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.llama import AttentionFn, DecoderLayer, LlamaFamilyForCausalLM, RMSNorm
+from engine.models.llama import AttentionFn, DecoderLayer, LlamaFamilyForCausalLM, RMSNorm, empty_embedding
 from engine.models.loader import _load_safetensors
 from engine.models.rope import RotaryEmbedding
 from engine.pipeline.layer_split import StageLayout
@@ -40,7 +40,7 @@ class PipelineStageModel(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.model = nn.Module()
         if layout.is_first or (layout.is_last and self.tie_word_embeddings):
-            self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+            self.model.embed_tokens = empty_embedding(config.vocab_size, config.hidden_size, **factory)
         # keyed by the global layer index (checkpoint names), numbered from 0 for the KV
         self.model.layers = nn.ModuleDict(
             {

@@ -103,6 +103,7 @@ def main() -> None:
         "pp1 eager": {"enforce_eager": True},
         f"pp2 ({where})": {"pipeline_parallel_size": 2},
         f"pp2 async ({where})": {"pipeline_parallel_size": 2, "async_scheduling": True},
+        f"pp2 eager ({where})": {"pipeline_parallel_size": 2, "enforce_eager": True},
     }
     results = {}
     for name, extra in engines.items():

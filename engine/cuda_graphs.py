@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +23,20 @@ import torch
 from engine.host_copy import staged
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphSizes:
+    """What an engine captures CUDA graphs for (``EngineCore`` picks it from its args; a
+    pipeline stage gets it in its ``StageAllocation``): decode graphs for up to
+    ``max_batch_size`` sequences, mixed graphs (engine.mixed_graphs) for up to
+    ``max_graph_tokens`` new tokens over up to ``max_num_seqs`` sequences, block tables
+    wide enough for ``max_model_len`` tokens. 0 leaves that kind out."""
+
+    max_batch_size: int
+    max_graph_tokens: int
+    max_num_seqs: int
+    max_model_len: int
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

@@ -20,6 +20,7 @@ from engine.batch_queue import BatchQueue, latest_per_request
 from engine.block_manager import BlockManager
 from engine.cache_salt import check_cache_salt
 from engine.config import EngineArgs, ModelConfig, SamplingParams
+from engine.cuda_graphs import GraphSizes
 from engine.detokenize import detokenize_and_check_stop
 from engine.engine_stats import EngineStats
 from engine.host_threads import limit_host_threads
@@ -204,9 +205,10 @@ class EngineCore:
             ),
         )
         mark = self.startup.now()
+        graphs = self._graph_sizes()
         if self.pipeline is not None:
             self.runner = self.pipeline.start_runners(
-                num_blocks, args.block_size, worker_connector, args.kv_offload, model_id
+                num_blocks, args.block_size, worker_connector, args.kv_offload, model_id, graphs
             )
         else:
             self.runner = ModelRunner(
@@ -217,8 +219,8 @@ class EngineCore:
                 self.device,
                 self.dtype,
                 connector=worker_connector,
-                cuda_graph_max_batch_size=self._cuda_graph_max_batch_size(),
-                max_graph_tokens=self._max_graph_tokens(),
+                cuda_graph_max_batch_size=graphs.max_batch_size if graphs is not None else 0,
+                max_graph_tokens=graphs.max_graph_tokens if graphs is not None else 0,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=self.max_model_len,
                 deterministic=args.deterministic,
@@ -280,26 +282,21 @@ class EngineCore:
             # after the graphs were captured: pinning on another thread may break a capture
             worker_connector.start_background_allocation()
 
-    def _graphs_allowed(self) -> bool:
-        """CUDA graphs are captured on CUDA unless `enforce_eager` or a length-dependent
-        RoPE (which reads the host) rules them out."""
+    def _graph_sizes(self) -> GraphSizes | None:
+        """What to capture CUDA graphs for; None: none (not CUDA, `enforce_eager`, or a
+        length-dependent RoPE, which reads the host: a pipeline stage checks its own).
+        Decode graphs up to 256 sequences replay in steps without loads or whose loads
+        need no per-layer hooks, and with speculative decoding in steps without drafts;
+        mixed graphs take other steps of up to `max_graph_tokens` (at most the budget)."""
         args = self.args
-        return (
-            self.device.type == "cuda" and not args.enforce_eager and not self.model.rotary.depends_on_length
+        if self.device.type != "cuda" or args.enforce_eager:
+            return None
+        if self.model is not None and self.model.rotary.depends_on_length:
+            return None
+        max_graph_tokens = min(args.max_graph_tokens, args.max_num_batched_tokens)
+        return GraphSizes(
+            min(args.max_num_seqs, 256), max_graph_tokens, args.max_num_seqs, self.max_model_len
         )
-
-    def _cuda_graph_max_batch_size(self) -> int:
-        """Largest decode batch with a CUDA graph (0: none). With a connector they replay
-        in steps without loads and in steps whose loads need no per-layer hooks; with
-        speculative decoding in the steps without drafts."""
-        return min(self.args.max_num_seqs, 256) if self._graphs_allowed() else 0
-
-    def _max_graph_tokens(self) -> int:
-        """Most new tokens of a step that replays a mixed graph (engine.mixed_graphs);
-        no step has more than the token budget. 0: none."""
-        if not self._graphs_allowed():
-            return 0
-        return min(self.args.max_graph_tokens, self.args.max_num_batched_tokens)
 
     # --- the driver API -----------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.cuda_graphs import GraphSizes
 from engine.nodes import node_process_range, parse_dist_init_addr
 from engine.pipeline.comm import open_store
 from engine.pipeline.control import ControlListener
@@ -238,6 +239,12 @@ class PipelineExecutor:
         )
 
     @property
+    def mixed_graphs(self):
+        """Stage 0's mixed graphs (None: eager, or before `start_runners`): every stage
+        captured the same buckets, so the engine's step-time model reads them here."""
+        return getattr(getattr(self, "runner", None), "mixed_graphs", None)
+
+    @property
     def stage_pids(self) -> list[int]:
         """Process ids of this node's processes after the first (tests kill one)."""
         return [process.pid for process in self._processes]
@@ -266,16 +273,23 @@ class PipelineExecutor:
         return self.builder.create_connectors(self._specs[0], kv_offload, block_size, model_id)
 
     def start_runners(
-        self, num_blocks: int, block_size: int, connector, kv_offload, model_id: str | None
+        self,
+        num_blocks: int,
+        block_size: int,
+        connector,
+        kv_offload,
+        model_id: str | None,
+        graph_sizes: GraphSizes | None = None,
     ) -> PipelineExecutor:
         """Every stage allocates its KV pool of `num_blocks` blocks (its layers only) and
-        builds its runner and connector. Returns self: the engine's runner."""
-        allocation = StageAllocation(num_blocks, block_size, kv_offload, model_id)
+        builds its runner and connector, capturing CUDA graphs for `graph_sizes` (None:
+        eager stages). Returns self: the engine's runner."""
+        allocation = StageAllocation(num_blocks, block_size, kv_offload, model_id, graph_sizes)
         for conn in self._conns:
             conn.send(allocation)
         self.connector = connector
         self.runner = self.builder.build_runner(
-            self._specs[0], self._groups, self.model, num_blocks, block_size, connector
+            self._specs[0], self._groups, self.model, num_blocks, block_size, connector, graph_sizes
         )
         for p in range(1, self.num_processes):
             self._expect(p, "ready", START_TIMEOUT_S)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.cuda_graphs import GraphSizes
 from engine.pipeline.comm import StageLink, create_process_group
 from engine.pipeline.layer_split import StageLayout, stage_offload_config
 from engine.pipeline.stage_model import load_stage_model
@@ -95,8 +96,17 @@ class PipelineStageBuilder:
         )
 
     def build_runner(
-        self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector
+        self,
+        spec,
+        groups: StageGroups,
+        model,
+        num_blocks: int,
+        block_size: int,
+        connector,
+        graph_sizes: GraphSizes | None = None,
     ) -> StageRunner:
+        """The stage's runner; with `graph_sizes` (CUDA) it captures its decode and mixed
+        graphs over its own layers."""
         device = torch.device(spec.device)
         link = stage_link(spec, groups, device)
         return StageRunner(
@@ -109,6 +119,7 @@ class PipelineStageBuilder:
             device,
             spec.dtype,
             connector,
+            graph_sizes=graph_sizes,
         )
 
 

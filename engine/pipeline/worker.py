@@ -95,6 +95,8 @@ class StageAllocation:
     block_size: int
     kv_offload: Any  # OffloadConfig | None (the engine's; each stage takes its share)
     model_id: str | None
+    #: what each stage captures CUDA graphs for (engine.cuda_graphs.GraphSizes; None: eager)
+    graph_sizes: Any = None
 
 
 def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> None:
@@ -120,7 +122,13 @@ def run_stage(spec: StageSpec, conn: multiprocessing.connection.Connection) -> N
         if allocation.kv_offload is not None:
             connector = builder.create_worker_connector(spec, allocation.kv_offload, allocation.model_id)
         runner = builder.build_runner(
-            spec, groups, model, allocation.num_blocks, allocation.block_size, connector
+            spec,
+            groups,
+            model,
+            allocation.num_blocks,
+            allocation.block_size,
+            connector,
+            allocation.graph_sizes,
         )
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - the first process reports it
@@ -172,7 +180,13 @@ def _serve_steps(runner: StageRunner, conn: multiprocessing.connection.Connectio
                 _exit_breaking_group(conn, store, name, plan.step_id, error)
             if connector is not None:
                 connector.abort_step()
-            logger.warning("pipeline stage %d: step %d failed: %s", runner.layout.stage, plan.step_id, error)
+            logger.warning(
+                "pipeline stage %d: step %d failed: %s",
+                runner.layout.stage,
+                plan.step_id,
+                error,
+                exc_info=True,
+            )
             reply = StageReply(plan.step_id, error=f"{type(error).__name__}: {error}")
         conn.send(reply)
 

@@ -82,7 +82,11 @@ class TensorParallelStageBuilder:
         config, kwargs = _connector_args(spec, kv_offload)
         return create_worker_connector(config, model_id=model_id, **kwargs)
 
-    def build_runner(self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector):
+    def build_runner(
+        self, spec, groups: StageGroups, model, num_blocks: int, block_size: int, connector, graph_sizes=None
+    ):
+        """A rank's runner, eager: `graph_sizes` is not used (an all-reduce inside a graph
+        needs NCCL; a gloo collective cannot be captured)."""
         device = torch.device(spec.device)
         link = stage_link(spec, groups, device)
         layout = rank_layout(spec.model_config, spec.tp_rank, spec.tp_size)

@@ -462,6 +462,9 @@ def test_pp2_on_one_cuda_device_matches_pp1(tiny_model_dir) -> None:
         expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
         assert llm.engine.pipeline.backend == expected_backend
         assert _token_ids(llm.generate(prompts, GREEDY)) == pp1
+        # the stages replay CUDA graphs (the first stage's runner is in this process)
+        step_kinds = llm.engine.pipeline.runner.step_kinds
+        assert step_kinds["decode_graph"] > 0 and llm.engine.stats.num_step_errors == 0, step_kinds
         llm.flush_kv_offload()
         assert llm.reset_prefix_cache()
         outputs = llm.generate(prompts[3:], GREEDY)

@@ -1,10 +1,9 @@
 """A model folder at engine start (engine.model_folder, engine.models.checkpoint_prefetch):
-the checkpoint's heads are advised into the page cache within a memory budget, the config
+the checkpoint's heads are read into the page cache within a memory budget, the config
 and the tokenizer come from the folder, and a bad folder is an error that loses nothing."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -17,8 +16,6 @@ from engine.model_folder import ModelFolder
 from engine.models.checkpoint_prefetch import STEP_BYTES, CheckpointPrefetch
 from engine.startup_phases import StartupPhases
 
-needs_fadvise = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
-
 
 def write_checkpoint(folder, sizes):
     folder.mkdir(parents=True, exist_ok=True)
@@ -27,33 +24,30 @@ def write_checkpoint(folder, sizes):
     return sorted(folder.glob("*.safetensors"))
 
 
-@needs_fadvise
-def test_every_file_is_advised_whole_when_the_budget_allows(tmp_path):
+def test_every_file_is_read_whole_when_the_budget_allows(tmp_path):
     files = write_checkpoint(tmp_path, [1000, 50_000])
     prefetch = CheckpointPrefetch.start(tmp_path, available_bytes=1 << 30)
     assert prefetch is not None and prefetch.files == files
     assert prefetch.join(10)
-    assert prefetch.num_advised_bytes == sum(path.stat().st_size for path in files)
+    assert prefetch.num_prefetched_bytes == sum(path.stat().st_size for path in files)
 
 
-@needs_fadvise
-def test_a_small_budget_advises_the_head_of_each_file_only(tmp_path):
+def test_a_small_budget_reads_the_head_of_each_file_only(tmp_path):
     files = write_checkpoint(tmp_path, [250_000, 250_000])  # 1 MB each
     budget = 1 << 20  # half of what the 2 files hold, taken as available x 0.5 below
     prefetch = CheckpointPrefetch.start(tmp_path, available_bytes=2 * budget)
     assert prefetch.join(10)
     assert prefetch.per_file_bytes == budget // 2 < STEP_BYTES
-    assert prefetch.num_advised_bytes == budget < sum(path.stat().st_size for path in files)
+    assert prefetch.num_prefetched_bytes == budget < sum(path.stat().st_size for path in files)
 
 
-@needs_fadvise
-def test_stop_before_start_advises_nothing(tmp_path):
+def test_stop_before_start_reads_nothing(tmp_path):
     files = write_checkpoint(tmp_path, [1000])
     prefetch = CheckpointPrefetch(files, 1 << 30)
     prefetch.stop()
     for thread in prefetch._threads:
         thread.start()
-    assert prefetch.join(10) and prefetch.num_advised_bytes == 0
+    assert prefetch.join(10) and prefetch.num_prefetched_bytes == 0
 
 
 def test_nothing_to_prefetch_is_none_and_a_negative_budget_an_error(tmp_path):

@@ -301,8 +301,8 @@ class GrpcBackend(StorageBackend):
 
     def get_into(self, key: str, out: torch.Tensor) -> KVChunk | None:
         """Read ``key`` into ``out`` (see ``StorageBackend.get_into``). Over the bulk channel the
-        payload is received with ``recv_into`` straight into ``out`` and its CRC-32 computed as
-        the pieces land (``storage_backends.chunk_receiver``): no intermediate value object.
+        payload is received with ``recv_into`` straight into ``out`` and its CRC-32 computed once it
+        landed (``storage_backends.chunk_receiver``): no intermediate value object.
         When the bulk channel is off or fails, the value comes over gRPC and is copied in.
         A miss or a corrupt value is None (counted); ValueError when ``out`` cannot hold it."""
         bulk = self._bulk_client()

@@ -116,6 +116,8 @@ class GrpcBackend(StorageBackend):
             )
         self.address = address
         self.codec = codec
+        #: reads beyond the bulk connections wait for one (over gRPC alone: no bound of our own)
+        self.max_reads_in_flight = bulk_connections if bulk else None
         self.timeout_s = timeout_s
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         self._metadata = auth_metadata(token)

@@ -109,7 +109,9 @@ class OffloadConfig:
     #: on an H200 took 470 ms where 4 took 375)
     reads_in_flight: int = 4
     #: background reads in flight per remote tier (Redis, the cache server): more fill the
-    #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222)
+    #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222). A cache
+    #: server's tier opens as many bulk connections unless its URL names ``bulk_connections``
+    #: (``tiers.backend_urls``); a tier that runs fewer reads at once gets that many
     remote_reads_in_flight: int = 8
     #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
     lookup_wait_s: float = 0.002

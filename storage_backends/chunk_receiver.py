@@ -6,8 +6,8 @@ directly into ``out`` (a CPU-tier slot, usually pinned, that feeds the
 host→device copy), then the CRC-32 over the payload. No intermediate ``bytes``
 object holds the value.
 
-The payload is one read (on the bulk channel's Unix socket one ``MSG_WAITALL``
-system call, ``protos.bulk_wire.recv_exactly``) and one CRC-32 call, both of which
+The payload is one read (on the bulk channel's Unix socket or plain TCP one
+``MSG_WAITALL`` system call, ``protos.bulk_wire.recv_exactly``) and one CRC-32 call, both of which
 release the GIL. It used to be read and checksummed per 1 MiB piece while the piece was
 in cache: 32 pieces and ~45 system calls per 32 MiB chunk, each return needing the GIL
 back. In an engine whose step thread runs Python that wait is up to the interpreter's

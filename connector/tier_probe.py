@@ -13,8 +13,8 @@ A measurement writes one chunk-sized value of random bytes under the engine's ow
 key (its namespace, ``key_prefix`` included, so a tenant's prefix rules hold and no
 engine reads it as KV), reads it once (one connection), then ``connections`` times at
 once (as a fetch reads), into buffers faulted in beforehand as a fetch's CPU-tier slots
-are (new memory's page faults are no part of what a tier delivers). The key is written again when a tier dropped it, and deleted
-when the prober closes. A tier whose circuit breaker is open is left alone. Runs on one
+are (new memory's page faults are no part of what a tier delivers). The key is written
+again when a tier dropped it, and deleted when the prober closes. A tier whose circuit breaker is open is left alone. Runs on one
 thread of its own; reads go through the tiers' thread-safe backends.
 """
 
@@ -152,9 +152,9 @@ class TierProber:
         """``count`` chunk-sized buffers whose memory is faulted in already (zero-filled here,
         outside the clock). A fetch reads into CPU-tier slots, memory touched long before;
         reads into new memory paid a page fault per 4 KiB on top of the transfer, and the
-        planner believed the cache server delivered half of what fetches got (1.2-1.5 GB/s
-        with 8 in flight where fetches got 2.5-2.8 on the 2-core VM; on an H100 host 8.8 GB/s
-        where the bulk channel moves 16.6: issue 31). The first buffer is kept for the
+        planner believed the cache server delivered about half of what fetches got (8 at
+        once: 2.3-2.6 GB/s where fetches got 3.9-4.0 on the 2-core VM; on an H100 host 8.8
+        GB/s where the bulk channel moves 16.6: issue 31). The first buffer is kept for the
         later, one-read measurements; the others go with the opening one."""
         if self._kept_buffer is None:
             self._kept_buffer = torch.zeros(self.chunk_shape, dtype=self.dtype)

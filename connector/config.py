@@ -45,10 +45,13 @@ KV_TRANSFERS = ("auto", "direct", "shared")
 REMOTE_TIER_NAMES = frozenset({"redis", "grpc"})
 
 
-def reads_in_flight_for(tier_name: str, *, local: int, remote: int) -> int:
+def reads_in_flight_for(tier_name: str, *, local: int, remote: int, limit: int | None = None) -> int:
     """Background reads in flight for a lower tier: ``remote`` for Redis and the cache
-    server (their link wants more), ``local`` for the disk."""
-    return remote if tier_name in REMOTE_TIER_NAMES else local
+    server (their link wants more), ``local`` for the disk; at most ``limit``, the reads the
+    tier itself runs at once (``StorageBackend.max_reads_in_flight``): more threads would
+    wait for its connections, and the planner would plan with a count that never runs."""
+    count = remote if tier_name in REMOTE_TIER_NAMES else local
+    return count if limit is None else max(1, min(count, limit))
 
 
 #: environment variable prefix; each field ``x`` is read from ``KVSTASH_KV_OFFLOAD_X``
@@ -106,7 +109,9 @@ class OffloadConfig:
     #: on an H200 took 470 ms where 4 took 375)
     reads_in_flight: int = 4
     #: background reads in flight per remote tier (Redis, the cache server): more fill the
-    #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222)
+    #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222). A cache
+    #: server's tier opens as many bulk connections unless its URL names ``bulk_connections``
+    #: (``tiers.backend_urls``); a tier that runs fewer reads at once gets that many
     remote_reads_in_flight: int = 8
     #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
     lookup_wait_s: float = 0.002

@@ -94,6 +94,22 @@ def _breakers_for(tiers: TierManager, config: OffloadConfig) -> dict[str, Circui
     return name_to_breaker
 
 
+def tier_reads_in_flight(tiers: TierManager, config: OffloadConfig) -> dict[str, int]:
+    """Lower tier name -> the reads of it a fetch keeps in flight: ``reads_in_flight`` (disk) or
+    ``remote_reads_in_flight``, at most what the tier runs at once (its
+    ``max_reads_in_flight``). The fetcher's threads, the planner's rates and the prober's
+    measurements all use this count."""
+    return {
+        tier.name: reads_in_flight_for(
+            tier.name,
+            local=config.reads_in_flight,
+            remote=config.remote_reads_in_flight,
+            limit=getattr(tier, "max_reads_in_flight", None),
+        )
+        for tier in tiers.lower
+    }
+
+
 def _fetches(config: OffloadConfig, tiers: TierManager) -> bool:
     """Whether lower-tier chunks are fetched into the CPU tier in the background (else a
     step reads them: no CPU tier, or synchronous loads)."""
@@ -114,12 +130,7 @@ def _worker_over(
             tiers.cpu,
             {tier.name: tier for tier in tiers.lower},
             name_to_breaker,
-            tier_to_reads_in_flight={
-                tier.name: reads_in_flight_for(
-                    tier.name, local=config.reads_in_flight, remote=config.remote_reads_in_flight
-                )
-                for tier in tiers.lower
-            },
+            tier_to_reads_in_flight=tier_reads_in_flight(tiers, config),
             dtype=dtype,
             layout=tiers.cpu.layout,
         )
@@ -220,6 +231,7 @@ def create_kv_connector(
             probe_interval_s=config.tier_probe_interval_s,
             reads_in_flight=config.reads_in_flight,
             remote_reads_in_flight=config.remote_reads_in_flight,
+            tier_to_reads_in_flight=tier_reads_in_flight(tiers, config),
             max_fetch_bytes=tiers.cpu.num_slots * tiers.cpu.slot_bytes,
         )
     name_to_breaker = None
@@ -244,7 +256,8 @@ def create_kv_connector(
                 chunk_shape=(num_layers, 2, config.chunk_size, num_kv_heads, head_dim),
                 dtype=dtype,
                 layout=tiers.cpu.layout,
-                connections=config.remote_reads_in_flight,  # it measures the remotes only
+                # it measures the remotes (one at most) as many at once as their fetches read
+                connections=max(tier_reads_in_flight(tiers, config)[name] for name in remotes),
                 interval_s=config.tier_probe_interval_s,
                 name_to_breaker=name_to_breaker,
             )

@@ -108,6 +108,7 @@ class LoadPlanner:
         probe_interval_s: float = TIER_PROBE_INTERVAL_S,
         reads_in_flight: int = 4,
         remote_reads_in_flight: int = 8,
+        tier_to_reads_in_flight: dict[str, int] | None = None,
         max_fetch_bytes: int | None = None,
         clock=time.monotonic,
     ) -> None:
@@ -125,6 +126,9 @@ class LoadPlanner:
         #: a fetch's connections (``reads_in_flight_for``)
         self.reads_in_flight = reads_in_flight
         self.remote_reads_in_flight = remote_reads_in_flight
+        #: per tier name, the count its fetches truly keep in flight where it differs from the
+        #: rule above (a tier with fewer connections of its own: ``tier_reads_in_flight``)
+        self.tier_to_reads_in_flight = dict(tier_to_reads_in_flight or {})
         #: most bytes of lower-tier chunks one fetch brings (what the CPU tier or the staging
         #: area can hold for it; None: no bound): the tokens after them are recomputed
         self.max_fetch_bytes = max_fetch_bytes
@@ -230,7 +234,10 @@ class LoadPlanner:
         return claimed
 
     def reads_in_flight_for(self, tier_name: str) -> int:
-        """How many reads of ``tier_name`` a fetch has in flight (remote tiers: more)."""
+        """How many reads of ``tier_name`` a fetch has in flight (remote tiers: more; at most
+        what the tier runs at once)."""
+        if tier_name in self.tier_to_reads_in_flight:
+            return self.tier_to_reads_in_flight[tier_name]
         return reads_in_flight_for(tier_name, local=self.reads_in_flight, remote=self.remote_reads_in_flight)
 
     # ---- the plan ----------------------------------------------------------------

@@ -97,19 +97,23 @@ class PendingPut(NamedTuple):
 
 def backend_urls(config: OffloadConfig) -> list[str]:
     """The ``create_backend`` URLs of the configured lower tiers (disk, then remote);
-    ``config.codec`` is added unless the remote URL names its own."""
+    ``config.codec`` is added unless the remote URL names its own, and a cache server's
+    URL gets ``bulk_connections`` = ``remote_reads_in_flight`` unless it names its own (one
+    connection per read a fetch keeps in flight: with the tier's default of 4, half of a
+    fetch's 8 reads waited for a connection while the planner counted 8; issue 31)."""
     urls = []
     if config.disk_path is not None:
         urls.append(
             f"file://{Path(config.disk_path).resolve()}?capacity={config.disk_bytes}&codec={config.codec}"
         )
     if config.remote_url is not None:
-        query = parse_qs(urlsplit(config.remote_url).query)
-        if "codec" in query:
-            urls.append(config.remote_url)
-        else:
-            separator = "&" if "?" in config.remote_url else "?"
-            urls.append(f"{config.remote_url}{separator}codec={config.codec}")
+        parts = urlsplit(config.remote_url)
+        query = parse_qs(parts.query)
+        added = [] if "codec" in query else [f"codec={config.codec}"]
+        if parts.scheme in ("grpc", "grpcs") and "bulk_connections" not in query:
+            added.append(f"bulk_connections={config.remote_reads_in_flight}")
+        separator = "&" if "?" in config.remote_url else "?"
+        urls.append(f"{config.remote_url}{separator}{'&'.join(added)}" if added else config.remote_url)
     return urls
 
 

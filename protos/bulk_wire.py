@@ -137,11 +137,23 @@ def encode_reply(status: int, message: str = "", value_len: int = 0) -> bytes:
     return REPLY.pack(status, len(text), value_len) + text
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first."""
+def recv_exactly(sock: socket.socket, view: memoryview, *, wait_all: bool = False) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first.
+
+    ``wait_all`` (a client receiving a value of megabytes): on a blocking socket (kernel
+    timeouts, no TLS) each ``recv_into`` asks the kernel to fill the whole rest of ``view``
+    (``MSG_WAITALL``), so a 32 MiB value is one system call instead of one per socket buffer
+    (~1 MiB): the receiving thread takes the GIL back once, not ~33 times. Under a busy engine
+    thread each of those waits cost up to the interpreter's switch interval (5 ms), which
+    halved a fetch's rate (docs/benchmarks.md, "Fetches from the cache server"). Elsewhere
+    (a Python timeout, TLS) the flag is not passed and each call returns what has arrived."""
+    flags = 0
+    if wait_all and sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket):
+        flags = socket.MSG_WAITALL
     num_received = 0
     while num_received < len(view):
-        num_bytes = sock.recv_into(view[num_received:])
+        rest = view[num_received:]
+        num_bytes = sock.recv_into(rest, len(rest), flags) if flags else sock.recv_into(rest)
         if num_bytes == 0:
             raise ConnectionError(f"connection closed after {num_received} of {len(view)} bytes")
         num_received += num_bytes

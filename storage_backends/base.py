@@ -47,6 +47,10 @@ class StorageBackend(abc.ABC):
 
     #: short tier name used in stats, metrics and log lines ("cpu", "disk", "redis", "grpc")
     name: str = "backend"
+    #: most reads of this tier that run at once however many threads call it (a pool of
+    #: connections of its own: the gRPC tier's bulk connections); None: no bound of its own.
+    #: The connector reads at most this many at a time and plans with that count.
+    max_reads_in_flight: int | None = None
 
     # ---- reads ---------------------------------------------------------------
     @abc.abstractmethod

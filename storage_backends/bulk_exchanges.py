@@ -204,7 +204,7 @@ def get_value(client: ExchangeClient, sock: socket.socket, key: bytes) -> memory
     if reply.value_len > client.max_value_bytes:
         raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
     value = client.receive_buffers.take(reply.value_len)
-    recv_exactly(sock, value)
+    recv_exactly(sock, value, wait_all=True)
     return value
 
 
@@ -223,7 +223,7 @@ def get_chunk_into(
         raise ConnectionError(f"garbled bulk reply: a value of {reply.value_len} bytes")
     try:
         return receive_chunk(
-            lambda view: recv_exactly(sock, view), reply.value_len, destination, key.decode()
+            lambda view: recv_exactly(sock, view, wait_all=True), reply.value_len, destination, key.decode()
         )
     except ValueError as error:  # ChunkFormatError too: the stream is in step, the connection reusable
         raise InStepError(error) from None

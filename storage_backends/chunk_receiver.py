@@ -1,10 +1,19 @@
-"""Receive one serialized chunk from a stream straight into the caller's tensor, verifying it as it lands.
+"""Receive one serialized chunk from a stream straight into the caller's tensor, verifying it once it landed.
 
 The ``grpc://`` tier's ``get_into`` reads a Get's value from the bulk channel with
 this: the header into a small buffer, then the payload with ``recv_into``
 directly into ``out`` (a CPU-tier slot, usually pinned, that feeds the
-host→device copy), running the CRC-32 over each piece while it is in cache. No
-intermediate ``bytes`` object holds the value, and there is no second pass.
+host→device copy), then the CRC-32 over the payload. No intermediate ``bytes``
+object holds the value.
+
+The payload is one read (on the bulk channel's Unix socket or plain TCP one
+``MSG_WAITALL`` system call, ``protos.bulk_wire.recv_exactly``) and one CRC-32 call, both of which
+release the GIL. It used to be read and checksummed per 1 MiB piece while the piece was
+in cache: 32 pieces and ~45 system calls per 32 MiB chunk, each return needing the GIL
+back. In an engine whose step thread runs Python that wait is up to the interpreter's
+switch interval each time, and a fetch got half the rate the same reads got alone (on the
+2-core VM, 4 connections, a thread holding the GIL half the time: 2.3 GB/s in pieces,
+3.6 GB/s whole; docs/benchmarks.md, "Fetches from the cache server").
 
 The header and the key it was written for are checked
 (:func:`~storage_backends.chunk.parse_header`, :func:`~storage_backends.chunk.check_key`)
@@ -37,7 +46,7 @@ from storage_backends.chunk import (
 )
 from storage_backends.receive_buffers import OWN_MAPPING_BYTES, ReceiveBufferPool
 
-#: most bytes received per call (the CRC then runs over them while they are in cache)
+#: bytes per read of a value that is dropped (a refused or corrupt value is read to its end)
 RECV_PIECE_BYTES = 1 << 20
 
 #: fills the whole view from the stream or raises (ConnectionError, TimeoutError, ...)
@@ -124,11 +133,11 @@ def receive_chunk(read_exactly: ReadExactly, value_len: int, destination: Destin
         else:
             scratch = bytearray(header.payload_len)
             payload = memoryview(scratch)
-        for start in range(0, len(payload), RECV_PIECE_BYTES):
-            piece = payload[start : start + RECV_PIECE_BYTES]
-            read_exactly(piece)
-            num_read += len(piece)
-            checksum = crc32(piece, checksum)
+        # One read and one CRC-32 call for the whole payload: the thread gives up and takes
+        # back the GIL a few times per chunk, not twice per piece (see the module docstring).
+        read_exactly(payload)
+        num_read += len(payload)
+        checksum = crc32(payload, checksum)
         if checksum != header.checksum:
             raise ChunkFormatError(
                 f"chunk checksum mismatch: stored {header.checksum:#010x}, computed {checksum:#010x}"

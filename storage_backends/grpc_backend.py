@@ -116,6 +116,8 @@ class GrpcBackend(StorageBackend):
             )
         self.address = address
         self.codec = codec
+        #: reads beyond the bulk connections wait for one (over gRPC alone: no bound of our own)
+        self.max_reads_in_flight = bulk_connections if bulk else None
         self.timeout_s = timeout_s
         token = token or os.environ.get(AUTH_TOKEN_ENV)
         self._metadata = auth_metadata(token)
@@ -301,8 +303,8 @@ class GrpcBackend(StorageBackend):
 
     def get_into(self, key: str, out: torch.Tensor) -> KVChunk | None:
         """Read ``key`` into ``out`` (see ``StorageBackend.get_into``). Over the bulk channel the
-        payload is received with ``recv_into`` straight into ``out`` and its CRC-32 computed as
-        the pieces land (``storage_backends.chunk_receiver``): no intermediate value object.
+        payload is received with ``recv_into`` straight into ``out`` and its CRC-32 computed once it
+        landed (``storage_backends.chunk_receiver``): no intermediate value object.
         When the bulk channel is off or fails, the value comes over gRPC and is copied in.
         A miss or a corrupt value is None (counted); ValueError when ``out`` cannot hold it."""
         bulk = self._bulk_client()

@@ -445,18 +445,22 @@ def test_a_staged_value_is_announced_in_even_segments_without_a_sliver_at_the_en
     assert min(segments) >= max(segments) // 2
 
 
-def test_a_unix_socket_client_times_out_on_a_server_that_stops_answering() -> None:
-    """Over the Unix socket the client's sockets block and the kernel times out each call
-    (SO_RCVTIMEO) instead of Python polling before it: a server that stops answering (here
-    stopped with SIGSTOP, so it still accepts connections) still makes a call fail as timed
-    out, on the pooled connection without a second try on a new one (that would report
-    "cannot connect"), and a new connection whose HELLO goes unanswered as well."""
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_client_times_out_on_a_server_that_stops_answering(transport: str) -> None:
+    """Over the Unix socket and plain TCP the client's sockets block and the kernel times out
+    each call (SO_RCVTIMEO) instead of Python polling before it (a Get's value is then one
+    MSG_WAITALL receive): a server that stops answering (here stopped with SIGSTOP, so it
+    still accepts connections) still makes a call fail as timed out, on the pooled connection
+    without a second try on a new one (that would report "cannot connect"), and a new
+    connection whose HELLO goes unanswered as well."""
     import signal
 
     process = CacheServerProcess("--memory-gb", "0.25").start()
     try:
         with Stubs(process.address) as stubs:
             client = client_for(endpoint(stubs))
+        if transport == "tcp":
+            client = BulkClient("127.0.0.1", client.port, token=None, timeout_s=10)
         client.timeout_s = 1.0  # new connections only; the ones opened below get it
         value = make_value(13, MIB, key="ns/before-stop")
         try:

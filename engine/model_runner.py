@@ -488,8 +488,16 @@ class ModelRunner:
                     # one LM-head pass for the sampled rows and the rows before the drafts
                     layout = draft_layout(plan.requests, plan.request_id_to_spec_token_ids, logits_rows)
                     row_ids += layout.draft_rows
-                rows = host_to_device(torch.tensor(row_ids), self.device)
-                all_logits = self.model.compute_logits(hidden[rows])
+                if (
+                    layout is None
+                    and len(row_ids) == hidden.shape[0]
+                    and row_ids == list(range(len(row_ids)))
+                ):
+                    # every row samples, in order (a decode step): no gather, no index copy
+                    all_logits = self.model.compute_logits(hidden)
+                else:
+                    rows = host_to_device(torch.tensor(row_ids), self.device)
+                    all_logits = self.model.compute_logits(hidden[rows])
                 logits = all_logits[: len(sampling)]
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(

@@ -9,6 +9,11 @@ after the pass). Other small steps replay engine.mixed_graphs. Captured once at
 start-up for batch sizes up to
 `max_batch_size`; a step with n sequences replays the smallest captured size >= n,
 the extra rows padded (cache write skipped with slot -1, attention over one key).
+
+A step's inputs reach the graph's buffers in one host-to-device copy: the buffers are
+views of one device byte buffer, written on the host into a pinned mirror of it (the
+padding rows too), so a decode step makes one copy call where it made five copies from
+freshly pinned memory and a fill per padded buffer, all host time between two steps.
 """
 
 from __future__ import annotations
@@ -19,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from engine.host_copy import staged
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,64 @@ class CapturedPasses:
         return self.outputs[size]
 
 
+#: each input buffer starts at a multiple of this many bytes (as separate allocations did)
+_ALIGN = 256
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // _ALIGN) * _ALIGN
+
+
+class _InputLayout:
+    """Where each input buffer of a decode graph lies in its one byte buffer: input ids,
+    positions and slots (int64 [rows] each), sequence lengths (int32 [rows]), then the
+    block tables (int32 [rows, max_blocks], row-major, last: a step copies their first
+    rows only)."""
+
+    def __init__(self, rows: int, max_blocks: int) -> None:
+        self.rows, self.max_blocks = rows, max_blocks
+        longs = _aligned(8 * rows)
+        # where input ids, positions, slots and sequence lengths start
+        self.offsets = (0, longs, 2 * longs, 3 * longs)
+        self.block_tables_offset = 3 * longs + _aligned(4 * rows)
+        self.num_bytes = self.block_tables_offset + 4 * rows * max_blocks
+
+    def views(self, buffer) -> tuple:
+        """-> (input_ids, positions, slot_mapping, seq_lens, block_tables) over `buffer`
+        (a uint8 torch tensor or numpy array of `num_bytes`)."""
+        rows = self.rows
+        on_torch = isinstance(buffer, torch.Tensor)
+        int64, int32 = (torch.int64, torch.int32) if on_torch else (np.int64, np.int32)
+        parts = [
+            buffer[offset : offset + width * rows].view(dtype)
+            for offset, width, dtype in zip(
+                self.offsets, (8, 8, 8, 4), (int64, int64, int64, int32), strict=True
+            )
+        ]
+        tables = buffer[self.block_tables_offset : self.num_bytes].view(int32)
+        return (*parts, tables.reshape(rows, self.max_blocks))
+
+    def num_bytes_for(self, size: int) -> int:
+        """Bytes of the buffer that a graph of `size` rows reads (a prefix of it)."""
+        return self.block_tables_offset + 4 * size * self.max_blocks
+
+
+class _HostInputs:
+    """A pinned mirror (CUDA) of a decode graph's input buffer, with numpy views of its
+    parts, and the event after its latest copy to the device (None: never copied)."""
+
+    def __init__(self, layout: _InputLayout, pin: bool) -> None:
+        self.buffer = torch.empty(layout.num_bytes, dtype=torch.uint8, pin_memory=pin)
+        array = self.buffer.numpy()
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = layout.views(
+            array
+        )
+        array[:] = 0
+        self.slot_mapping[:] = -1
+        self.seq_lens[:] = 1
+        self.copied: torch.cuda.Event | None = None
+
+
 class DecodeGraphs:
     """Static input buffers and one captured graph per batch size.
 
@@ -101,11 +162,13 @@ class DecodeGraphs:
         self.device = device
         self.sizes = capture_sizes(max_batch_size)
         largest = self.sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((largest, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # the static input buffers: views of one device buffer, filled by one copy per step
+        self._layout = _InputLayout(largest, max_blocks_per_seq)
+        self._host_inputs: list[_HostInputs] = [_HostInputs(self._layout, pin=device.type == "cuda")]
+        self._inputs = self._host_inputs[0].buffer.to(device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = (
+            self._layout.views(self._inputs)
+        )
         # one new token per sequence: query_start_loc is 0, 1, 2, ... for every size
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -151,24 +214,41 @@ class DecodeGraphs:
         (a view into the graph's output; read it before the next replay).
         `before_replay` runs once the inputs are queued, right before the replay (the
         runner makes the stream wait for connector loads there, and fills the input ids
-        the previous step samples). The inputs are staged in pinned memory: a copy from
-        pageable memory may wait for the work queued before it (loads, a step in flight)."""
+        the previous step samples). The inputs go through pinned memory, in one copy: a
+        copy from pageable memory may wait for the work queued before it (loads, a step in
+        flight)."""
         num_seqs = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num_seqs)
-        self.input_ids[:num_seqs].copy_(staged(input_ids, self.device), non_blocking=True)
-        self.positions[:num_seqs].copy_(staged(positions, self.device), non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(staged(slot_mapping, self.device), non_blocking=True)
-        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(
-            staged(block_tables, self.device), non_blocking=True
-        )
-        self.seq_lens[:num_seqs].copy_(staged(seq_lens, self.device), non_blocking=True)
+        host = self._take_host_inputs()
+        host.input_ids[:num_seqs] = input_ids
+        host.positions[:num_seqs] = positions
+        host.slot_mapping[:num_seqs] = slot_mapping
+        host.block_tables[:num_seqs, : block_tables.shape[1]] = block_tables
+        host.seq_lens[:num_seqs] = seq_lens
         if size > num_seqs:
             # padding rows: write nothing, attend to one key of block 0 (finite, discarded)
-            self.slot_mapping[num_seqs:size].fill_(-1)
-            self.seq_lens[num_seqs:size].fill_(1)
-            self.block_tables[num_seqs:size, 0].fill_(0)
-            self.positions[num_seqs:size].fill_(0)
-            self.input_ids[num_seqs:size].fill_(0)
+            host.slot_mapping[num_seqs:size] = -1
+            host.seq_lens[num_seqs:size] = 1
+            host.block_tables[num_seqs:size, 0] = 0
+            host.positions[num_seqs:size] = 0
+            host.input_ids[num_seqs:size] = 0
+        # rows past `size` hold whatever this mirror last had: no graph of `size` reads them
+        num_bytes = self._layout.num_bytes_for(size)
+        self._inputs[:num_bytes].copy_(host.buffer[:num_bytes], non_blocking=True)
+        if self.device.type == "cuda":
+            if host.copied is None:
+                host.copied = torch.cuda.Event()
+            host.copied.record()
         if before_replay is not None:
             before_replay()
         return self._replay(size)[:num_seqs]
+
+    def _take_host_inputs(self) -> _HostInputs:
+        """A mirror whose latest copy has run (two steps may be in flight: async
+        scheduling), made anew when none has; never waits for the device."""
+        for host in self._host_inputs:
+            if host.copied is None or host.copied.query():
+                return host
+        host = _HostInputs(self._layout, pin=True)
+        self._host_inputs.append(host)
+        return host

@@ -19,7 +19,7 @@ What each op becomes:
 | op | CUDA | CPU |
 |---|---|---|
 | linear layers, LM head | `kernels.matmul.linear`: no split-K, BLOCK_K fixed per dtype, tiles proven bit-identical | `F.linear` per row |
-| RMSNorm | `kernels.rms_norm`: one program per row | `glue.rms_norm` per row |
+| RMSNorm (with the residual add before it) | `kernels.rms_norm` (`add_rms_norm`): one program per row | `glue.rms_norm` per row |
 | RoPE, SiLU-and-mul | eager torch (elementwise: one formula per element) | per row |
 | attention | `kernels.paged_attention(batch_invariant=True)` for every step: KV split every 512 positions | `kernels.fixed_order.paged_attention_rows` |
 | sampling | per row | per row |
@@ -76,6 +76,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return fixed_order.per_row(glue.rms_norm, x, weight, eps)
 
 
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add (elementwise) and the row-wise norm; one launch on CUDA."""
+    if x.device.type == "cuda":
+        from kernels.rms_norm import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
+    total = residual + x
+    return _rms_norm(total, weight, eps), total
+
+
 def _rows_together(fn: Callable[..., torch.Tensor | tuple], *tensors: torch.Tensor):
     """fn on each token's rows of every tensor (all [T, ...]), outputs concatenated per position."""
     num_tokens = tensors[0].shape[0]
@@ -112,6 +124,7 @@ def make_batch_invariant(model: LlamaFamilyForCausalLM) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.impl = _rms_norm
+            module.add_impl = _add_rms_norm
         elif isinstance(module, Attention):
             module.rotary_impl = (
                 (lambda q, k, cos, sin: _rows_together(glue.rotary_qk, q, k, cos, sin))

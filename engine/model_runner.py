@@ -26,13 +26,14 @@ from engine.host_copy import host_to_device
 from engine.host_readback import HostReadback
 from engine.input_batch import InputBatch
 from engine.mixed_graphs import MixedGraphs
-from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.llama import LlamaFamilyForCausalLM, fuse_rotary_into_attention
 from engine.runner_output import RunnerOutput
 from engine.sampler import sample_on_device
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verify import draft_layout, verify_layout
 from engine.step_future import DeviceTimeline, StepFuture
 from engine.step_inputs import HostInputs, build_host_inputs, gather_host_inputs
+from kernels.rotary_cache import rotary_and_cache
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class ModelRunner:
             from kernels import reshape_and_cache
 
             self._paged_attention = None  # engine.attention picks the kernel per sequence
+            if not deterministic:
+                # layers with the one-launch RoPE hand it to `_attention`'s cache write
+                fuse_rotary_into_attention(model)
         else:
             from kernels.reference import paged_attention_ref
             from kernels.reference import reshape_and_cache_ref as reshape_and_cache
@@ -212,9 +216,9 @@ class ModelRunner:
         self._metadata = metadata
         return self.model(input_ids, positions, self._attention_after_layer_event)
 
-    def _attention_after_layer_event(self, layer_idx: int, query, key, value) -> torch.Tensor:
+    def _attention_after_layer_event(self, layer_idx: int, query, key, value, *rotary) -> torch.Tensor:
         torch.cuda.current_stream(self.device).wait_event(self._layer_loaded_events[layer_idx])
-        return self._attention(layer_idx, query, key, value)
+        return self._attention(layer_idx, query, key, value, *rotary)
 
     def _signal_layer_loads(self) -> bool:
         """Record each layer's event once the connector's load of that layer is done: a
@@ -379,25 +383,36 @@ class ModelRunner:
             return self._forward_with_loads(input_ids, positions, metadata)
         return self._forward_with_metadata(input_ids, positions, metadata)
 
-    def _attention_with_loads(self, layer_idx: int, query, key, value) -> torch.Tensor:
+    def _attention_with_loads(self, layer_idx: int, query, key, value, *rotary) -> torch.Tensor:
         """`_attention` once the connector made layer `layer_idx`'s loaded KV ready."""
         self.connector.wait_for_layer_load(layer_idx)
-        out = self._attention(layer_idx, query, key, value)
+        out = self._attention(layer_idx, query, key, value, *rotary)
         self.connector.save_kv_layer(layer_idx)
         return out
 
-    def _attention(self, layer_idx: int, query, key, value) -> torch.Tensor:
+    def _attention(self, layer_idx: int, query, key, value, cos=None, sin=None) -> torch.Tensor:
         """Write this step's K/V [T, KVH, D] into the layer's blocks, then attend
-        with query [T, H, D] over each sequence's whole paged KV."""
+        with query [T, H, D] over each sequence's whole paged KV. Given `cos` and `sin`
+        (layers of `fuse_rotary_into_attention`), query and key come before RoPE: on CUDA
+        one kernel rotates them and writes the cache (kernels.rotary_cache)."""
         md = self._metadata
         kv_layer = self.kv_cache[layer_idx]
+        if cos is not None and not self._on_cuda:
+            from kernels.elementwise import rotary_qk  # the layer's own RoPE, unfused
+
+            query, key = rotary_qk(query, key, cos, sin)
         if self._on_cuda:
             # The metadata was built here from the scheduler's plan: skip the kernels'
             # value checks, which would sync the stream once per layer; the input checks
             # run at a pass's first layer (every layer passes the same kinds of tensors).
-            self._reshape_and_cache(
-                key, value, kv_layer, md.slot_mapping, check_values=False, check_inputs=layer_idx == 0
-            )
+            if cos is not None:
+                query, key = rotary_and_cache(
+                    query, key, value, cos, sin, kv_layer, md.slot_mapping, check_inputs=layer_idx == 0
+                )
+            else:
+                self._reshape_and_cache(
+                    key, value, kv_layer, md.slot_mapping, check_values=False, check_inputs=layer_idx == 0
+                )
             out = attention.attend(
                 query, key, value, kv_layer, md, self.scale, batch_invariant=self.deterministic
             )
@@ -473,8 +488,16 @@ class ModelRunner:
                     # one LM-head pass for the sampled rows and the rows before the drafts
                     layout = draft_layout(plan.requests, plan.request_id_to_spec_token_ids, logits_rows)
                     row_ids += layout.draft_rows
-                rows = host_to_device(torch.tensor(row_ids), self.device)
-                all_logits = self.model.compute_logits(hidden[rows])
+                if (
+                    layout is None
+                    and len(row_ids) == hidden.shape[0]
+                    and row_ids == list(range(len(row_ids)))
+                ):
+                    # every row samples, in order (a decode step): no gather, no index copy
+                    all_logits = self.model.compute_logits(hidden)
+                else:
+                    rows = host_to_device(torch.tensor(row_ids), self.device)
+                    all_logits = self.model.compute_logits(hidden[rows])
                 logits = all_logits[: len(sampling)]
                 requests = [plan.requests[i] for i, _ in sampling]
                 token_ids = sample_on_device(

@@ -42,6 +42,62 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    out = rotated_heads(
+        x_ptr,
+        token,
+        stride_x_token,
+        stride_x_head,
+        cos,
+        sin,
+        NUM_HEADS,
+        HEAD_DIM,
+        ROTARY_DIM,
+        BLOCK_H,
+        BLOCK_D,
+    )
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
+    tl.store(
+        out_ptr + token * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :], out, mask=mask
+    )
+
+
+@triton.jit
+def rotary_cos_sin(
+    cos_ptr,  # [num_tokens, ROTARY_DIM], rotary_dim contiguous
+    sin_ptr,  # [num_tokens, ROTARY_DIM], rotary_dim contiguous
+    token,  # int64
+    stride_cos_token,
+    stride_sin_token,
+    ROTARY_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """-> token's (cos, signed sin) [BLOCK_D] in float32 for `rotated_heads`."""
+    dims = tl.arange(0, BLOCK_D)
+    rotary = dims < ROTARY_DIM
+    cos = tl.load(cos_ptr + token * stride_cos_token + dims, mask=rotary, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_sin_token + dims, mask=rotary, other=0.0).to(tl.float32)
+    sin = tl.where(dims < ROTARY_DIM // 2, -sin, sin)
+    return cos, sin
+
+
+@triton.jit
+def rotated_heads(
+    x_ptr,  # [num_tokens, NUM_HEADS, HEAD_DIM], head_dim contiguous
+    token,  # int64
+    stride_x_token,
+    stride_x_head,
+    cos,  # [BLOCK_D] float32, 0 past ROTARY_DIM
+    sin,  # [BLOCK_D] float32, signed: -sin on the first half, 0 past ROTARY_DIM
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """-> token's heads after RoPE, [BLOCK_H, BLOCK_D] in x's dtype (0 past the heads and
+    HEAD_DIM). Shared with kernels.rotary_cache."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     # rotate-half: dim d < R/2 pairs with d + R/2 (negated), R/2 <= d < R with d - R/2
@@ -56,10 +112,7 @@ def _rotate_heads(
     term_cos = (x32 * cos[None, :]).to(x.dtype).to(tl.float32)
     term_sin = (x_partner * sin[None, :]).to(x.dtype).to(tl.float32)
     rotated = (term_cos + term_sin).to(x.dtype)
-    out = tl.where((dims < ROTARY_DIM)[None, :], rotated, x)
-    tl.store(
-        out_ptr + token * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :], out, mask=mask
-    )
+    return tl.where((dims < ROTARY_DIM)[None, :], rotated, x)
 
 
 @triton.jit
@@ -86,11 +139,9 @@ def _rotary_qk_kernel(
 ):
     """One program per token: every query and key head of it."""
     token = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    rotary = dims < ROTARY_DIM
-    cos = tl.load(cos_ptr + token * stride_cos_token + dims, mask=rotary, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_sin_token + dims, mask=rotary, other=0.0).to(tl.float32)
-    sin = tl.where(dims < ROTARY_DIM // 2, -sin, sin)
+    cos, sin = rotary_cos_sin(
+        cos_ptr, sin_ptr, token, stride_cos_token, stride_sin_token, ROTARY_DIM, BLOCK_D
+    )
     _rotate_heads(
         query_out_ptr,
         query_ptr,
@@ -130,6 +181,42 @@ def rotary_qk(
     """Rotate-half RoPE of the first rotary_dim dims of every head (the others pass
     through) -> new contiguous (query, key), like engine.models.glue.rotary_qk.
     Raises ValueError on a bad shape, dtype or device."""
+    rotary_dim = check_rotary_inputs(query, key, cos, sin)
+    check_kernel_device("query", query, _rotary_qk_kernel)
+    num_tokens, num_heads, head_dim = query.shape
+    query_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    key_out = torch.empty((num_tokens, key.shape[1], head_dim), dtype=key.dtype, device=key.device)
+    if num_tokens == 0:
+        return query_out, key_out
+    _rotary_qk_kernel[(num_tokens,)](
+        query_out,
+        key_out,
+        query,
+        key,
+        cos,
+        sin,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=key.shape[1],
+        HEAD_DIM=head_dim,
+        ROTARY_DIM=rotary_dim,
+        BLOCK_HQ=next_power_of_2(num_heads),
+        BLOCK_HK=next_power_of_2(key.shape[1]),
+        BLOCK_D=next_power_of_2(head_dim),
+        num_warps=4,
+        enable_fp_fusion=False,  # float32 too rounds each product, as torch does (no FMA)
+    )
+    return query_out, key_out
+
+
+def check_rotary_inputs(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """The shape, dtype, device and stride checks of `rotary_qk` (and of
+    kernels.rotary_cache) -> rotary_dim. Raises ValueError."""
     # Called 32 times per step: plain comparisons, no generators (each costs host time).
     if (
         not isinstance(query, torch.Tensor)
@@ -166,35 +253,7 @@ def rotary_qk(
         )
     if rotary_dim > 1 and (cos.stride(1) != 1 or sin.stride(1) != 1):
         raise ValueError("cos and sin must be contiguous along rotary_dim")
-    check_kernel_device("query", query, _rotary_qk_kernel)
-    query_out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    key_out = torch.empty((num_tokens, key.shape[1], head_dim), dtype=key.dtype, device=key.device)
-    if num_tokens == 0:
-        return query_out, key_out
-    _rotary_qk_kernel[(num_tokens,)](
-        query_out,
-        key_out,
-        query,
-        key,
-        cos,
-        sin,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=key.shape[1],
-        HEAD_DIM=head_dim,
-        ROTARY_DIM=rotary_dim,
-        BLOCK_HQ=next_power_of_2(num_heads),
-        BLOCK_HK=next_power_of_2(key.shape[1]),
-        BLOCK_D=next_power_of_2(head_dim),
-        num_warps=4,
-        enable_fp_fusion=False,  # float32 too rounds each product, as torch does (no FMA)
-    )
-    return query_out, key_out
+    return rotary_dim
 
 
 @triton.jit

@@ -20,21 +20,31 @@ from engine.config import ModelConfig
 from engine.models import glue
 from engine.models.rope import RotaryEmbedding
 
-#: (layer_idx, query [T, H, D], key [T, KVH, D], value [T, KVH, D]) -> [T, H, D]
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: (layer_idx, query [T, H, D], key [T, KVH, D], value [T, KVH, D]) -> [T, H, D]; for a
+#: layer whose `Attention.attention_rotates` is set, (layer_idx, query, key, value, cos
+#: [T, R], sin [T, R]) with query and key before RoPE, which the callable applies
+#: (the model runner's one-launch RoPE + KV-cache write: `fuse_rotary_into_attention`)
+AttentionFn = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face does."""
+    """Root-mean-square norm computed in float32, as Hugging Face does. Given a residual
+    stream too, `forward(x, residual)` adds x to it first and returns (the norm of the
+    sum, the sum): a decoder layer's add-then-norm, one launch with the glue kernels."""
 
     def __init__(self, dim: int, eps: float, **factory) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
         self.impl: Callable = glue.rms_norm
+        self.add_impl: Callable = glue.add_rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.impl(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.impl(x, self.weight, self.eps)
+        return self.add_impl(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,6 +66,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias, **factory)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias, **factory)
         self.rotary_impl: Callable = glue.rotary_qk
+        #: True: the attention callable gets query and key before RoPE, with cos and sin,
+        #: and rotates them itself (set by `fuse_rotary_into_attention`)
+        self.attention_rotates = False
         self.qk_norm = config.family == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps, **factory)
@@ -78,8 +91,11 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_impl(q, k, cos, sin)
-        out = attention(self.layer_idx, q, k, v)
+        if self.attention_rotates:
+            out = attention(self.layer_idx, q, k, v, cos, sin)
+        else:
+            q, k = self.rotary_impl(q, k, cos, sin)
+            out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -133,9 +149,41 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps, **factory)
 
-    def forward(self, hidden, cos, sin, attention: AttentionFn) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos, sin, attention: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried as (hidden, residual), their sum made by the next
+        norm (fused with it): Hugging Face's `h + attn(norm(h))`, `h + mlp(norm(h))` with
+        the same roundings. `residual` None: `hidden` is the stream itself (the first
+        layer). -> (the MLP's output, the stream before it); `final_hidden` adds them."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attention)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def run_layers(
+    layers, hidden: torch.Tensor, cos, sin, attention: AttentionFn
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run decoder `layers` in order from the residual stream `hidden` -> (the last
+    layer's output, the stream before it) for `final_norm` or `final_hidden`."""
+    residual = None
+    for layer in layers:
+        hidden, residual = layer(hidden, residual, cos, sin, attention)
+    return hidden, residual
+
+
+def final_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The final norm of the residual stream (hidden + residual), its add fused with it."""
+    return norm(hidden) if residual is None else norm(hidden, residual)[0]
+
+
+def final_hidden(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream itself (what a pipeline stage hands the next one)."""
+    return hidden if residual is None else residual + hidden
 
 
 def empty_embedding(num_embeddings: int, embedding_dim: int, **factory) -> nn.Embedding:
@@ -183,18 +231,20 @@ class LlamaFamilyForCausalLM(nn.Module):
             layer.mlp.fuse_projections()
 
     def use_glue_kernels(self) -> None:
-        """Run the norms, RoPE and SiLU-and-mul as one Triton launch each (CUDA, 16-bit
-        dtypes); called once at start-up by the engine core, before `make_batch_invariant`.
+        """Run the norms (each residual add fused into the norm after it), RoPE and
+        SiLU-and-mul as one Triton launch each (CUDA, 16-bit dtypes); called once at
+        start-up by the engine core, before `make_batch_invariant`.
 
         The eager torch glue costs several kernels per op; a `torch.compile`d op costs tens
         of microseconds of host time per call in guards and wrappers, 129 calls per step of
         a 32-layer model: an eager step (no CUDA graph) was bound by that host time."""
         from kernels.elementwise import rotary_qk, silu_and_mul
-        from kernels.rms_norm import rms_norm
+        from kernels.rms_norm import add_rms_norm, rms_norm
 
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.impl = rms_norm
+                module.add_impl = add_rms_norm
             elif isinstance(module, Attention):
                 module.rotary_impl = rotary_qk
             elif isinstance(module, MLP):
@@ -209,10 +259,26 @@ class LlamaFamilyForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, attention)
-        return self.model.norm(hidden)
+        hidden, residual = run_layers(self.model.layers, hidden, cos, sin, attention)
+        return final_norm(self.model.norm, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return self.logits_linear(hidden, weight).float()
+
+
+def fuse_rotary_into_attention(model: nn.Module) -> int:
+    """Let the attention callable rotate query and key in every layer whose RoPE is the
+    one-launch kernel (`use_glue_kernels`, outside the deterministic mode): the model
+    runner rotates them in the kernel that writes the step's K/V into the paged cache
+    (kernels.rotary_cache, the same numerics as kernels.elementwise.rotary_qk), one launch
+    per layer fewer. Called once by the model runner (CUDA) before graphs are captured;
+    its attention callables accept cos and sin. Returns the number of layers changed."""
+    from kernels.elementwise import rotary_qk
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and module.rotary_impl is rotary_qk:
+            module.attention_rotates = True
+            changed += 1
+    return changed

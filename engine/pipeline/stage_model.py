@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.llama import AttentionFn, DecoderLayer, LlamaFamilyForCausalLM, RMSNorm, empty_embedding
+from engine.models.llama import (
+    AttentionFn,
+    DecoderLayer,
+    LlamaFamilyForCausalLM,
+    RMSNorm,
+    empty_embedding,
+    final_hidden,
+    final_norm,
+    run_layers,
+)
 from engine.models.loader import _load_safetensors
 from engine.models.rope import RotaryEmbedding
 from engine.pipeline.layer_split import StageLayout
@@ -73,9 +82,10 @@ class PipelineStageModel(nn.Module):
             if hidden is None:
                 raise RuntimeError("a later pipeline stage ran its forward without input hidden states")
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers.values():
-            hidden = layer(hidden, cos, sin, attention)
-        return self.model.norm(hidden) if self.layout.is_last else hidden
+        hidden, residual = run_layers(self.model.layers.values(), hidden, cos, sin, attention)
+        if self.layout.is_last:
+            return final_norm(self.model.norm, hidden, residual)
+        return final_hidden(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.layout.is_last:

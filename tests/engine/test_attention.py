@@ -237,3 +237,54 @@ def test_runner_checks_cache_write_inputs_once_per_pass(device, tiny_model_dir, 
     handle.remove()
     assert outputs == expected
     assert llm.engine.model_config.num_layers > 1 and len(passes) >= 3 and len(checks) == len(passes)
+
+
+@pytest.mark.parametrize("device", _device_cases()[:1])
+def test_runner_fuses_rope_into_the_cache_write(device, tiny_model_dir, monkeypatch):
+    """Layers whose RoPE is the one-launch kernel hand it to the runner's cache write
+    (kernels.rotary_cache: one launch per layer for both), in eager steps and in decode
+    replays (CUDA path, Triton kernels interpreted on CPU); float32 tokens stay the CPU
+    path's."""
+    from engine import LLM, SamplingParams
+    from engine import model_runner as model_runner_module
+    from engine.models.llama import Attention, fuse_rotary_into_attention
+    from kernels.elementwise import rotary_qk
+    from tests.engine.hf_reference import random_prompt
+    from tests.engine.test_decode_graphs import EagerReplay
+
+    prompts = [random_prompt(21, seed=710), random_prompt(6, seed=711)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = [
+        o.token_ids
+        for o in LLM(tiny_model_dir("llama"), dtype="float32", device="cpu").generate(prompts, params)
+    ]
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cpu")
+    runner, model = llm.engine.runner, llm.engine.model
+    monkeypatch.setattr(runner, "_on_cuda", True)
+    monkeypatch.setattr(runner, "_reshape_and_cache", reshape_and_cache)
+    num_layers = llm.engine.model_config.num_layers
+    assert fuse_rotary_into_attention(model) == 0  # torch's RoPE stays in the model
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.rotary_impl = rotary_qk
+    assert fuse_rotary_into_attention(model) == num_layers
+    runner.decode_graphs = EagerReplay(
+        runner._forward_with_metadata,
+        attention.AttentionMetadata,
+        runner.device,
+        2,
+        max_blocks_per_seq=8,
+        max_seq_len=8 * runner.block_size,
+    )
+    calls = []
+    fused = model_runner_module.rotary_and_cache
+    monkeypatch.setattr(
+        model_runner_module, "rotary_and_cache", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    monkeypatch.setattr(runner, "_reshape_and_cache", lambda *a, **k: pytest.fail("an unfused cache write"))
+    passes = []
+    handle = model.register_forward_hook(lambda *_: passes.append(1))
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    handle.remove()
+    assert outputs == expected
+    assert runner.decode_graphs.num_replays >= 3 and len(calls) == num_layers * len(passes)

@@ -53,3 +53,47 @@ def test_static_buffer_decode_gives_the_eager_tokens(tiny_model_dir, max_batch_s
     # one prefill step, then 11 decode steps of 5, 5, 5, 4, 4, 3, 3, 2, 2, 2, 2 sequences:
     # a 3-seat graph serves the last 6 (padding 2 -> 3), an 8-seat graph all 11 (padding to 8)
     assert graphs.num_replays == num_replays
+
+
+def test_one_copy_fills_every_input_buffer_and_pads_the_rows():
+    """run() writes a step's inputs and the padding rows into the graph's buffers, which
+    are views of one device buffer (filled by one copy), each at an aligned offset."""
+    import numpy as np
+    import torch
+
+    graphs = EagerReplay(
+        lambda input_ids, positions, metadata: input_ids.clone(),
+        AttentionMetadata,
+        torch.device("cpu"),
+        4,
+        max_blocks_per_seq=5,
+        max_seq_len=80,
+    )
+    buffers = (graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.seq_lens, graphs.block_tables)
+    base = graphs._inputs.data_ptr()
+    assert all(b.untyped_storage().data_ptr() == base and (b.data_ptr() - base) % 256 == 0 for b in buffers)
+    assert graphs.slot_mapping.tolist() == [-1] * 4 and graphs.seq_lens.tolist() == [1] * 4
+
+    def step(num_seqs: int, width: int, seed: int):
+        rng = np.random.default_rng(seed)
+        inputs = (
+            rng.integers(0, 1000, num_seqs).astype(np.int64),
+            rng.integers(0, 80, num_seqs).astype(np.int64),
+            rng.integers(0, 80, num_seqs).astype(np.int64),
+            rng.integers(0, 9, (num_seqs, width)).astype(np.int32),
+            rng.integers(1, 80, num_seqs).astype(np.int32),
+        )
+        out = graphs.run(*inputs)
+        return inputs, out
+
+    (ids, positions, slots, tables, seq_lens), out = step(3, 4, seed=1)  # padded to 4 rows
+    assert out.tolist() == ids.tolist()
+    assert graphs.input_ids.tolist() == [*ids.tolist(), 0]
+    assert graphs.positions.tolist() == [*positions.tolist(), 0]
+    assert graphs.slot_mapping.tolist() == [*slots.tolist(), -1]
+    assert graphs.seq_lens.tolist() == [*seq_lens.tolist(), 1]
+    assert graphs.block_tables[:3, :4].tolist() == tables.tolist() and int(graphs.block_tables[3, 0]) == 0
+    (ids, positions, slots, tables, seq_lens), out = step(1, 2, seed=2)  # the 1-row graph
+    assert out.tolist() == ids.tolist() and int(graphs.slot_mapping[0]) == int(slots[0])
+    assert graphs.block_tables[0, :2].tolist() == tables[0].tolist()
+    assert len(graphs._host_inputs) == 1  # on CPU every copy is done when run() returns

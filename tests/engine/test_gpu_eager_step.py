@@ -1,7 +1,7 @@
 """The eager forward pass on a real GPU (marker `gpu`): a step that replays no CUDA graph
 never makes the host wait for the device inside the forward pass (a wait per layer
 would add the device time to the host time), and a bf16 engine runs the one-launch glue
-kernels.
+kernels (the residual adds fused into the norms, RoPE into the cache write).
 
 Run: `python3 -m pytest tests/engine/test_gpu_eager_step.py -m gpu -q`.
 """
@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels.elementwise import rotary_qk, silu_and_mul
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import add_rms_norm, rms_norm
 from tests.engine.hf_reference import random_prompt
 
 pytestmark = pytest.mark.gpu
@@ -68,6 +68,12 @@ def test_bf16_engine_runs_the_glue_kernels(tiny_model_dir, enforce_eager):
     )
     layer = llm.engine.model.model.layers[0]
     assert layer.input_layernorm.impl is rms_norm and layer.self_attn.q_norm.impl is rms_norm
+    assert (
+        layer.input_layernorm.add_impl is add_rms_norm
+        and layer.post_attention_layernorm.add_impl is add_rms_norm
+    )
     assert layer.self_attn.rotary_impl is rotary_qk and layer.mlp.act_impl is silu_and_mul
+    # RoPE runs in the runner's cache write (kernels.rotary_cache), in graphs and eager steps
+    assert layer.self_attn.attention_rotates
     outputs = llm.generate([random_prompt(30, seed=3)], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(outputs[0].token_ids) == 4

@@ -107,7 +107,7 @@ def open_fetcher(url: str, num_chunks: int, chunk_bytes: int):
     config = OffloadConfig(cpu_bytes=(num_chunks + 1) * chunk_bytes, remote_url=url)
     tiers = TierManager.from_config(config, LOAD_CHUNK_SHAPE, DTYPE, pin_memory=torch.cuda.is_available())
     fetcher = ChunkFetcher(
-        tiers.cpu,
+        tiers.cpu.view,  # the slab's memory only: the benchmark grants the slots
         {tier.name: tier for tier in tiers.lower},
         {tier.name: CircuitBreaker(tier.name) for tier in tiers.lower},
         tier_to_reads_in_flight=tier_reads_in_flight(tiers, config),
@@ -118,7 +118,9 @@ def open_fetcher(url: str, num_chunks: int, chunk_bytes: int):
 
 
 def measure_fetch(url: str, keys: list[str], chunk_bytes: int, rounds: int, duty: float) -> dict:
+    from connector.base import FetchSpec
     from connector.fetcher import FetchJob
+    from connector.slot_grants import SlotGrants
 
     tiers, fetcher = open_fetcher(url, len(keys), chunk_bytes)
     tier = tiers.lower[0]
@@ -128,15 +130,26 @@ def measure_fetch(url: str, keys: list[str], chunk_bytes: int, rounds: int, duty
             for round_index in range(rounds + 1):  # the first round touches the slab: not counted
                 for key in tiers.cpu.keys(""):
                     tiers.cpu.delete(key)
-                job = FetchJob(
-                    "bench", list(keys), [LOAD_CHUNK_SHAPE] * len(keys), [tier.name] * len(keys), 600.0
+                # the slots granted as the scheduler side grants a fetch's (a fresh index state
+                # each round: the chunks were deleted above)
+                grants = SlotGrants(tiers.cpu.index)
+                spec = FetchSpec(
+                    round_index,
+                    "bench",
+                    tuple(keys),
+                    (LOAD_CHUNK_SHAPE,) * len(keys),
+                    (tier.name,) * len(keys),
+                    600.0,
                 )
+                job = FetchJob.from_spec(grants.grant_fetch(spec))
                 start = time.perf_counter()
                 fetcher.start(job)
                 while not fetcher.poll():
                     fetcher.wait_for_progress(0.005)
                 elapsed = time.perf_counter() - start
                 fetcher.release(job)
+                grants.apply_fills(fetcher.take_fills(round_index + 1))
+                grants.release_fetch(spec.fetch_id)
                 if job.num_ready_chunks != len(keys):
                     raise RuntimeError(f"the fetch brought {job.num_ready_chunks} of {len(keys)} chunks")
                 if round_index:

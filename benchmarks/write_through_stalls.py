@@ -51,6 +51,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from connector.cpu_tier import PinnedChunkPool  # noqa: E402
+from connector.slot_grants import SlotGrants  # noqa: E402
 from connector.tiers import TierManager  # noqa: E402
 from connector.token_db import KV_LAYOUT  # noqa: E402
 from storage_backends.disk_backend import DiskBackend  # noqa: E402
@@ -250,13 +251,18 @@ class GatedDiskBackend(DiskBackend):
 
 
 def stage(tiers: TierManager, keys: list[str], shape: tuple[int, ...]) -> None:
-    """Store ``keys`` the way a step does (a CPU-tier slot filled, then published and queued)."""
+    """Store ``keys`` the way a step does (a CPU-tier slot granted and filled, its write-through
+    queued, then published as the scheduler side does at the step's report)."""
+    grants = SlotGrants(tiers.cpu.index, write_through=bool(tiers.lower))
     for index, key in enumerate(keys):
-        pending = tiers.begin_put(key, shape, pin_memory=False)
-        if pending is None:
+        grants.write_through_done(tiers.take_written_through())  # the report's unpins
+        (slot_id,) = grants.grant_save([key], [shape])
+        pending = tiers.begin_put(key, shape, slot_id=slot_id, pin_memory=False)
+        if pending is None or pending.slot_id is None:
             raise RuntimeError(f"the CPU tier refused {key}")
         pending.buffer.fill_(float(index % 97))
         tiers.end_put(pending)
+        grants.apply_fills([(key, slot_id, True)])
 
 
 def run(args: argparse.Namespace) -> dict:

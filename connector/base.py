@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from connector.direct_offer import DirectOffer
@@ -125,9 +126,31 @@ class ScheduledRequest(NamedTuple):
     num_prompt_tokens: int
 
 
+def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """int64 [num_tokens]: slot of token i = block_ids[i // block_size] * block_size + i % block_size.
+
+    Called for every load and save spec, on the path of a hit's first copy: numpy over
+    the blocks (one broadcast add) rather than torch indexing over the tokens, which
+    cost ~0.2 ms per 8k tokens on an H100's host and several ms on a busy CPU."""
+    if num_tokens > len(block_ids) * block_size:
+        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
+    blocks = np.asarray(block_ids[: (num_tokens + block_size - 1) // block_size], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+    return torch.from_numpy(slots[:num_tokens])
+
+
+#: a ``LoadSpec.slot_ids`` entry: the CPU tier did not hold the chunk when the load was granted
+LOAD_NOT_IN_CPU = -1
+
+
 class LoadSpec(NamedTuple):
     """Load ``token_ids[:num_load_end]`` from the tiers into slots, keeping the
-    first ``num_load_start`` tokens untouched (they are already on the GPU)."""
+    first ``num_load_start`` tokens untouched (they are already on the GPU).
+    ``slot_ids`` (one per keyed chunk overlapping ``[num_load_start, num_load_end)``): the
+    CPU-tier slot holding it, READ-pinned for this load by the scheduler side until a report
+    lists the load in ``ended_loads``, or ``LOAD_NOT_IN_CPU`` (read from a lower tier in the
+    step, or a miss where a fetcher brings lower-tier chunks); None: the worker's own cache
+    engine finds and pins them (a worker side alone, whose index is its own)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -135,10 +158,24 @@ class LoadSpec(NamedTuple):
     num_load_start: int
     num_load_end: int
     cache_salt: str | None = None  # the request's, selects its chain of chunk keys
+    slot_ids: tuple[int, ...] | None = None
+    #: per chunk like ``slot_ids``: a slot reserved to promote a lower-tier hit read in the
+    #: step into (synchronous loads; the worker reports the fill), or ``LOAD_NOT_IN_CPU``
+    promotion_slot_ids: tuple[int, ...] | None = None
+
+
+#: ``SaveSpec.slot_ids`` entries that name no CPU-tier slot to copy a chunk into
+SAVE_SKIP = -1  # the CPU tier holds the chunk or is filling it already: nothing to store
+SAVE_NO_ROOM = -2  # every slot pinned or being filled: written to the lower tiers only
+SAVE_NO_CPU = -3  # no CPU tier for stores (none, or a staging area): lower tiers only
 
 
 class SaveSpec(NamedTuple):
-    """Store ``token_ids[:num_save_end]``; tokens before ``num_save_start`` are already stored."""
+    """Store ``token_ids[:num_save_end]``; tokens before ``num_save_start`` are already stored.
+    ``slot_ids`` (one per keyed chunk ending after ``num_save_start``) are the CPU-tier
+    slots the scheduler side reserved (``SlotGrants.grant_save``): the worker copies each
+    chunk into its slot and reports the fill; None: the worker's own cache engine grants
+    them (a worker side alone, whose index is its own)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -146,12 +183,25 @@ class SaveSpec(NamedTuple):
     num_save_start: int
     num_save_end: int
     cache_salt: str | None = None  # the request's, selects its chain of chunk keys
+    slot_ids: tuple[int, ...] | None = None
+    #: per chunk like ``slot_ids``: a slot reserved to promote a lower-tier hit read in the
+    #: step into (synchronous loads; the worker reports the fill), or ``LOAD_NOT_IN_CPU``
+    promotion_slot_ids: tuple[int, ...] | None = None
+
+
+#: ``FetchSpec.slot_ids`` entries that name no slot to fill (a slot id is >= 0)
+FETCH_IN_CPU = -1  # in the CPU tier already, pinned for the fetch by the scheduler side
+FETCH_MISS = -2  # no slot for it (none free, or it left the CPU tier): a miss
+FETCH_SHARED = -3  # another fetch's read of the same key fills it: the fetch waits for that read
 
 
 class FetchSpec(NamedTuple):
     """A background fetch the worker side starts: bring one request's chunks from the lower
     tiers into the CPU tier (its fetcher builds a ``connector.fetcher.FetchJob`` from it).
-    Plain data, chosen by the scheduler side; ``fetch_id`` names it in both roles."""
+    Plain data, chosen by the scheduler side; ``fetch_id`` names it in both roles. The
+    scheduler side's ``SlotGrants.grant_fetch`` fills in ``slot_ids`` when it builds the
+    step's metadata: the worker reads each chunk into the slot named there, never
+    choosing or publishing a slot itself."""
 
     fetch_id: int
     request_id: str
@@ -164,6 +214,9 @@ class FetchSpec(NamedTuple):
     deadline_s: float
     #: chunk index in the prompt of ``keys[0]``
     first_chunk: int = 0
+    #: per chunk: the CPU-tier slot this fetch reads it into (>= 0), or ``FETCH_IN_CPU``,
+    #: ``FETCH_MISS``, ``FETCH_SHARED``; empty until granted
+    slot_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -175,9 +228,12 @@ class ConnectorMetadata:
     saves: list[SaveSpec] = field(default_factory=list)
     #: background fetches to start
     fetches: list[FetchSpec] = field(default_factory=list)
-    #: fetches whose pins nobody needs any more (loaded, or their request ended): the worker
-    #: drops them once this step's loads hold what they read (``start_load_kv``)
+    #: fetches nobody loads from any more (loaded, or their request ended; the scheduler
+    #: side dropped their pins): the worker stops those still running (``start_load_kv``)
     released_fetch_ids: list[int] = field(default_factory=list)
+    #: the highest ``WorkerReport.report_number`` the scheduler side had applied when it
+    #: built this metadata: the worker forgets the fills reported up to it
+    num_reports_applied: int = 0
 
 
 class LoadReport(NamedTuple):
@@ -224,9 +280,29 @@ class WorkerReport:
     fetches: list[FetchProgress] = field(default_factory=list)
     #: (bytes, seconds) of each step's loads from the CPU tier: the host's read plus the moves
     cpu_reads: list[tuple[int, float]] = field(default_factory=list)
+    #: (key, slot id, ok) of each granted slot a save's copy or a fetch's read filled (ok)
+    #: or gave up: the scheduler side publishes or frees the slot (``SlotGrants.apply_fills``)
+    fills: list[tuple[str, int, bool]] = field(default_factory=list)
+    #: keys whose write to the lower tiers read their CPU-tier slot and ended (written,
+    #: failed or dropped): the scheduler side drops their write-through pins
+    written_through: list[str] = field(default_factory=list)
+    #: (request id, num_load_start) of each load of a bound metadata that ended (moved,
+    #: stopped early or dropped with its step): the scheduler side drops the pins it holds
+    ended_loads: list[tuple[str, int]] = field(default_factory=list)
+    #: this report's number (1, 2, ...: one per ``take_report``)
+    report_number: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads or self.load_failures or self.fetches or self.cpu_reads)
+        return bool(
+            self.saves
+            or self.loads
+            or self.load_failures
+            or self.fetches
+            or self.cpu_reads
+            or self.fills
+            or self.written_through
+            or self.ended_loads
+        )
 
 
 class GrantWait(enum.Enum):
@@ -441,9 +517,10 @@ class KVConnectorWorker(abc.ABC):
         and when the engine frees the blocks of sent requests out of a step."""
 
     def release_fetches(self, fetch_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
-        """Drop the pins of these fetches and stop those still running (ids not known
-        here are ignored). Steps carry releases in ``ConnectorMetadata.released_fetch_ids``;
-        the engine calls this for those made when no step follows (an abort, an idle engine)."""
+        """Stop these fetches if they still run (ids not known here are ignored; their pins
+        are the scheduler side's, dropped when it released them). Steps carry releases in
+        ``ConnectorMetadata.released_fetch_ids``; the engine calls this for those made when
+        no step follows (an abort, an idle engine)."""
 
     def wait_for_transfers(self, timeout_s: float) -> None:  # noqa: B027
         """Called by an engine with nothing to schedule while requests wait for

@@ -23,9 +23,12 @@ from typing import NamedTuple
 
 import torch
 
+from connector.base import LOAD_NOT_IN_CPU, SAVE_NO_CPU
+from connector.slot_grants import SlotGrants
 from connector.tiers import PendingPut, TierManager
 from connector.token_db import KV_LAYOUT, ChunkSpan, TokenDatabase
 from connector.transfer import KVMover
+from storage_backends.chunk import KVChunk
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +44,31 @@ class LoadPlan(NamedTuple):
     num_loaded_end: int  # tokens [start, num_loaded_end) are in the paged cache once moved
     #: tokens of [start, num_loaded_end) per tier they are read from ("cpu", "disk", ...)
     tier_to_num_tokens: dict[str, int]
+    #: (key, slot id, ok) of the promotion slots granted to it (its report carries them)
+    fills: list[tuple[str, int, bool]] = []
 
 
 class PendingStore(NamedTuple):
-    """Host buffers being filled from the paged cache, published by ``finish_store``."""
+    """Host buffers being filled from the paged cache; ``finish_store`` queues their
+    write-through and says which granted slots they filled."""
 
     puts: list[PendingPut]
     num_stored_tokens: int
+    #: the cache engine reserved the slots itself (it stands alone, or is a worker side
+    #: alone): it also publishes them; else the worker reports the fills
+    granted_here: bool = False
+
+    @property
+    def fills(self) -> list[tuple[str, int, bool]]:
+        """``(key, slot id, True)`` of each granted slot filled (once the copies are done)."""
+        return [(put.key, put.slot_id, True) for put in self.puts if put.slot_id is not None]
 
 
 class CacheEngine:
-    """One per connector; used from the engine's step loop (not re-entrant)."""
+    """One per connector; used from the engine's step loop (not re-entrant). Standing
+    alone (``lookup``/``store``/``retrieve``: tests, benchmarks) it plays both roles: it
+    grants the CPU tier's slots through its own :class:`SlotGrants` (``grants``, which the
+    connector's scheduler side takes over) and fills them."""
 
     def __init__(
         self,
@@ -71,6 +88,13 @@ class CacheEngine:
         self.bytes_per_token = (
             num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         )
+        cpu = tiers.cpu
+        #: the CPU tier's slots as granted (None: no CPU tier); the scheduler side's, in a connector
+        self.grants: SlotGrants | None = None
+        if cpu is not None:
+            self.grants = SlotGrants(
+                cpu.index, stores_in_cpu=not cpu.staging, write_through=bool(tiers.lower)
+            )
         self._mover: KVMover | None = None
         #: CPU moves on a worker thread (``OffloadConfig.cpu_async_moves``: CI runs the async paths)
         self.cpu_async_moves = False
@@ -89,6 +113,7 @@ class CacheEngine:
         request's; every method here takes it) selects the salted chain of keys."""
         spans = self.token_db.chunk_spans(tokens, cache_salt)
         self.publish_finished_stores()
+        self.settle_write_throughs()
         self.tiers.expire_pins()
         keys = [span.key for span in spans]
         num_chunks = self.tiers.contains_prefix(keys)
@@ -108,6 +133,7 @@ class CacheEngine:
         """Store every chunk that overlaps the mask's True region (whole chunks, read
         from the paged cache at ``slot_mapping``). Returns the tokens newly stored."""
         start = self._check(tokens, mask, kv_caches, slot_mapping)
+        self.settle_write_throughs()
         pending = self.begin_store(
             tokens, start, kv_caches=kv_caches, slot_mapping=slot_mapping, cache_salt=cache_salt
         )
@@ -126,6 +152,7 @@ class CacheEngine:
         """Write the True tokens' KV from the tiers into the paged cache; returns the
         CPU bool mask [len(tokens)] of the tokens now there from the store."""
         start = self._check(tokens, mask, kv_caches, slot_mapping)
+        self.settle_write_throughs()
         num_tokens = len(tokens)
         ret_mask = torch.zeros(num_tokens, dtype=torch.bool)
         if start == num_tokens:
@@ -138,6 +165,16 @@ class CacheEngine:
         self.finish_load(plan)
         ret_mask[start : plan.num_loaded_end] = True
         return ret_mask
+
+    def shape_of(self, span: ChunkSpan) -> tuple[int, ...]:
+        """[num_layers, 2, num_tokens, num_kv_heads, head_dim] of the chunk ``span`` keys."""
+        return (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
+
+    def settle_write_throughs(self) -> None:
+        """Drop the write-through pins of the slots whose writes to the lower tiers ended
+        (standing alone, or a worker side alone: no report carries them)."""
+        if self.grants is not None:
+            self.grants.write_through_done(self.tiers.take_written_through())
 
     # ---- phases --------------------------------------------------------------
     def mover(self, kv_caches: torch.Tensor) -> KVMover:
@@ -162,23 +199,49 @@ class CacheEngine:
         slot_mapping: torch.Tensor,  # int64 [end]
         cache_salt: str | None = None,
         cpu_only: bool = False,
+        slot_ids: Sequence[int] | None = None,
+        promotion_slot_ids: Sequence[int] | None = None,
     ) -> LoadPlan:
         """Read the chunks that overlap tokens ``[start, end)`` of ``tokens`` (chunk keys
         come from all of ``tokens``, which may run past ``end``); with ``cpu_only`` only
         from the CPU tier (a step never waits on a lower tier). Stops at the first
-        missing or corrupt chunk. Releases the lookup pins of the chunks up to ``end``."""
+        missing or corrupt chunk. ``slot_ids`` (``LoadSpec.slot_ids``): the CPU-tier slots the
+        scheduler side READ-pinned for it, whose pins and the lookup's it drops when the load
+        ends; None: this engine pins what it reads (released by :meth:`finish_load`) and
+        releases the lookup pins of the chunks up to ``end``. ``promotion_slot_ids``
+        (``LoadSpec.promotion_slot_ids``): slots granted to promote its lower-tier hits into
+        (the plan's ``fills``); without them, its hits are promoted as the CPU tier finds room."""
         covering = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.start < end]
-        # The lookup pinned every chunk up to its hit, also those before ``start``.
-        self.tiers.unpin([span.key for span in covering])
         spans = [span for span in covering if span.end > start]
-        chunks, held_keys, tier_names = self.tiers.get_prefix([span.key for span in spans], cpu_only=cpu_only)
+        keys = [span.key for span in spans]
+        if slot_ids is not None:
+            if len(slot_ids) != len(spans):
+                raise ValueError(f"a load of {len(spans)} chunks names {len(slot_ids)} slot ids")
+            cpu_chunks = {
+                span.key: KVChunk(self.tiers.cpu.view(slot_id, self.shape_of(span)), KV_LAYOUT)
+                for span, slot_id in zip(spans, slot_ids, strict=True)
+                if slot_id != LOAD_NOT_IN_CPU
+            }
+            promotion_slots = {
+                key: slot_id
+                for key, slot_id in zip(keys, promotion_slot_ids or (), strict=False)
+                if slot_id != LOAD_NOT_IN_CPU
+            }
+            chunks, held_keys, tier_names, fills = self.tiers.get_prefix(
+                keys, cpu_only=cpu_only, cpu_chunks=cpu_chunks, promotion_slots=promotion_slots
+            )
+        else:
+            chunks, held_keys, tier_names, fills = self.tiers.get_prefix(keys, cpu_only=cpu_only)
+            # The lookup pinned every chunk up to its hit, also those before ``start``; they go
+            # once the read pins hold what this load reads (a fetch's pins may be gone already).
+            self.tiers.unpin([span.key for span in covering])
         tensors = []
         for span, chunk in zip(spans, chunks, strict=False):
             if not self._chunk_fits(span, chunk):
                 break
             tensors.append(chunk.tensor)
         if not tensors:
-            return LoadPlan([], [], held_keys, start, {})
+            return LoadPlan([], [], held_keys, start, {}, fills)
         loaded = spans[: len(tensors)]
         num_loaded_end = min(end, loaded[-1].end)
         tier_to_num_tokens: dict[str, int] = {}
@@ -191,7 +254,7 @@ class CacheEngine:
         slots[start - offset : num_loaded_end - offset] = slot_mapping[start:num_loaded_end].cpu()
         slots = self.mover(kv_caches).to_device(slots)
         slot_mappings = [slots[span.start - offset : span.end - offset] for span in loaded]
-        return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end, tier_to_num_tokens)
+        return LoadPlan(tensors, slot_mappings, held_keys, num_loaded_end, tier_to_num_tokens, fills)
 
     def move_loads(
         self, plans: Sequence[LoadPlan], kv_caches: torch.Tensor, layer_ranges: Sequence[tuple[int, int]]
@@ -217,13 +280,27 @@ class CacheEngine:
         kv_caches: torch.Tensor,
         slot_mapping: torch.Tensor,  # int64 [len(tokens)], valid for every token of the stored chunks
         cache_salt: str | None = None,
+        slot_ids: Sequence[int] | None = None,
     ) -> PendingStore:
         """Queue copies of every chunk of ``tokens`` overlapping ``[start, len(tokens))``
-        into host buffers (CPU-tier slots). Chunks the CPU tier already holds are skipped."""
+        into host buffers: the CPU-tier slots ``slot_ids`` names (one per such chunk,
+        ``SaveSpec.slot_ids``: the scheduler side's grants), or, with None, slots this
+        engine grants itself. Chunks the CPU tier holds or fills already are skipped."""
         spans = [span for span in self.token_db.chunk_spans(tokens, cache_salt) if span.end > start]
         if not spans:
             return PendingStore([], 0)
-        self.tiers.expire_pins()  # stale pins must not keep slots from this store
+        granted_here = slot_ids is None
+        shapes = [self.shape_of(span) for span in spans]
+        if slot_ids is None:
+            self.tiers.expire_pins()  # stale pins must not keep slots from this store
+            keys = [span.key for span in spans]
+            slot_ids = (
+                self.grants.grant_save(keys, shapes)
+                if self.grants is not None
+                else (SAVE_NO_CPU,) * len(keys)
+            )
+        elif len(slot_ids) != len(spans):
+            raise ValueError(f"a save of {len(spans)} chunks names {len(slot_ids)} slot ids")
         host_slots = slot_mapping[spans[0].start : spans[-1].end].cpu()
         num_slots = kv_caches.shape[2] * kv_caches.shape[3]
         check_slot_range(
@@ -235,30 +312,33 @@ class CacheEngine:
         offset = spans[0].start
         puts = []
         num_stored_tokens = 0
-        for span in spans:
-            shape = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
-            pending = self.tiers.begin_put(span.key, shape, pin_memory=mover.on_cuda)
+        for span, shape, slot_id in zip(spans, shapes, slot_ids, strict=True):
+            pending = self.tiers.begin_put(span.key, shape, slot_id=slot_id, pin_memory=mover.on_cuda)
             if pending is None:
                 continue
             try:
                 mover.store(kv_caches, device_slots[span.start - offset : span.end - offset], pending.buffer)
             except Exception:
-                self.tiers.abort_put(pending)
+                if granted_here and pending.slot_id is not None:
+                    self.grants.apply_fills([(span.key, pending.slot_id, False)])
                 raise
             puts.append(pending)
             num_stored_tokens += span.end - span.start
-        return PendingStore(puts, num_stored_tokens)
+        return PendingStore(puts, num_stored_tokens, granted_here)
 
     def finish_store(self, pending: PendingStore) -> int:
-        """Publish filled buffers (call after the mover synchronized); returns tokens stored."""
+        """Queue the filled buffers' write-through (call after the mover synchronized) and,
+        for slots granted here, publish them; returns tokens stored."""
         for put in pending.puts:
             self.tiers.end_put(put)
+        if pending.granted_here and self.grants is not None:
+            self.grants.apply_fills(pending.fills)
         return pending.num_stored_tokens
 
     def finish_store_later(self, pending: PendingStore, on_published: Callable[[int], None]) -> None:
-        """Publish ``pending`` once its queued copies are done, without blocking now; then
-        call ``on_published(num_stored_tokens)``. Stores publish in the order given, from
-        :meth:`publish_finished_stores` (each lookup and step polls it)."""
+        """Finish ``pending`` once its queued copies are done, without blocking now: call
+        ``on_published(num_stored_tokens)``, then :meth:`finish_store`. Stores finish in the
+        order given, from :meth:`publish_finished_stores` (each lookup and step polls it)."""
         mover = self._mover
         event = mover.record_stores() if mover is not None and (mover.on_cuda or mover.threaded) else None
         self._stores_in_flight.append((event, pending, on_published))
@@ -274,7 +354,9 @@ class CacheEngine:
             if event is not None:
                 event.synchronize()
             self._stores_in_flight.pop(0)
-            on_published(self.finish_store(pending))
+            # told first: a report carries its fills before any write-through of them ends
+            on_published(pending.num_stored_tokens)
+            self.finish_store(pending)
 
     # ---- checks --------------------------------------------------------------
     def _chunk_fits(self, span: ChunkSpan, chunk) -> bool:

@@ -209,6 +209,19 @@ class PinnedChunkPool(StorageBackend):
         ):
             raise ValueError(f"chunk shape {tuple(shape)} does not fit a cpu-tier slot of shape {expected}")
 
+    def fill(self, slot_id: int, chunk: KVChunk) -> bool:
+        """Copy ``chunk`` into the granted slot ``slot_id`` (a promotion); False, copying
+        nothing, when it is no chunk of this tier (dtype, layout or shape). No index change."""
+        tensor = chunk.tensor
+        if tensor.dtype != self.dtype or chunk.layout != self.layout:
+            return False
+        try:
+            self._check_shape(tuple(tensor.shape))
+        except ValueError:
+            return False
+        self.view(slot_id, tuple(tensor.shape)).copy_(tensor)
+        return True
+
     # ---- the index's questions and pins ------------------------------------------
     def contains(self, keys: Sequence[str]) -> int:
         return self.index.contains(keys)

@@ -121,13 +121,16 @@ def _worker_over(
     config: OffloadConfig,
     name_to_breaker: dict[str, CircuitBreaker] | None,
     dtype: torch.dtype,
+    *,
+    alone: bool,
 ) -> OffloadWorker:
-    """The worker side over ``cache_engine``'s tiers, with a fetcher when fetches run."""
+    """The worker side over ``cache_engine``'s tiers, with a fetcher when fetches run;
+    ``alone``: no scheduler side grants its CPU tier's slots (its cache engine does)."""
     tiers = cache_engine.tiers
     fetcher = None
     if name_to_breaker is not None:
         fetcher = ChunkFetcher(
-            tiers.cpu,
+            tiers.cpu.view,  # the slab's memory only: the scheduler side grants the slots
             {tier.name: tier for tier in tiers.lower},
             name_to_breaker,
             tier_to_reads_in_flight=tier_reads_in_flight(tiers, config),
@@ -140,6 +143,7 @@ def _worker_over(
         layerwise=config.layerwise,
         fetcher=fetcher,
         pipelined_loads=config.pipelined_loads,
+        grants_own_slots=alone,
     )
 
 
@@ -156,11 +160,14 @@ def create_worker_connector(
     tp_rank: int = 0,
     tp_size: int = 1,
     grow_cpu_tier: bool = False,
+    alone: bool = True,
 ) -> KVConnectorWorker:
     """The worker side alone, over tiers of its own: a pipeline stage after the first or
     a tensor-parallel rank after the first, whose scheduler side is the engine process's.
     It runs from the metadata alone: no lookups, planner or prober of its own (one per
-    engine is enough)."""
+    engine is enough); its CPU tier's index is its own, so its cache engine grants the
+    saves' slots there (the metadata's slot ids are the first stage's). ``alone=False``:
+    the worker side of :func:`create_kv_connector`, whose scheduler side grants them."""
     cache_engine = create_cache_engine(
         config,
         model_id=model_id,
@@ -176,7 +183,7 @@ def create_worker_connector(
     )
     tiers = cache_engine.tiers
     name_to_breaker = _breakers_for(tiers, config) if _fetches(config, tiers) else None
-    return _worker_over(cache_engine, config, name_to_breaker, dtype)
+    return _worker_over(cache_engine, config, name_to_breaker, dtype, alone=alone)
 
 
 def create_kv_connector(
@@ -216,6 +223,7 @@ def create_kv_connector(
         tp_rank=tp_rank,
         tp_size=tp_size,
         grow_cpu_tier=grow_cpu_tier,
+        alone=False,
     )
     cache_engine = worker.cache_engine
     tiers = cache_engine.tiers

@@ -17,10 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-import torch
-
 from connector.base import (
+    SAVE_NO_CPU,
     ConnectorMetadata,
     ConnectorRequest,
     FetchSpec,
@@ -32,6 +30,7 @@ from connector.base import (
     SaveSpec,
     ScheduledRequest,
     WorkerReport,
+    slot_mapping_for,
 )
 from connector.cache_engine import CacheEngine
 from connector.lookup import TierLookups
@@ -44,23 +43,11 @@ from connector.request_transfer import (
     TransferPhase,
     TransferRegistry,
 )
+from connector.slot_grants import SlotGrants
 from connector.slot_index import PinKind, SlotIndex
 from connector.tier_probe import TierProber
 
 log = logging.getLogger(__name__)
-
-
-def slot_mapping_for(block_ids: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """int64 [num_tokens]: slot of token i = block_ids[i // block_size] * block_size + i % block_size.
-
-    Called for every load and save spec, on the path of a hit's first copy: numpy over
-    the blocks (one broadcast add) rather than torch indexing over the tokens, which
-    cost ~0.2 ms per 8k tokens on an H100's host and several ms on a busy CPU."""
-    if num_tokens > len(block_ids) * block_size:
-        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
-    blocks = np.asarray(block_ids[: (num_tokens + block_size - 1) // block_size], dtype=np.int64)
-    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
-    return torch.from_numpy(slots[:num_tokens])
 
 
 class OffloadScheduler(KVConnectorScheduler):
@@ -87,6 +74,10 @@ class OffloadScheduler(KVConnectorScheduler):
         #: the CPU tier's index (which chunk each slot holds, pins; no memory): the only
         #: part of the CPU tier this side reads or pins (None: no CPU tier)
         self.cpu_index: SlotIndex | None = None if cpu is None else cpu.index
+        #: the saves' and fetches' slots and pins in that index (the worker only fills slots)
+        self.grants: SlotGrants | None = cache_engine.grants
+        #: the highest report number applied (``ConnectorMetadata.num_reports_applied``)
+        self._num_reports_applied = 0
         #: the CPU tier is a staging area (fetched chunks only: stores skip it)
         self.cpu_staging = cpu is not None and cpu.staging
         self.registry = registry
@@ -356,7 +347,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if grant.num_load_tokens > 0:
             self._add_load(transfer, block_ids, num_gpu_hit, num_load_end)
         if done_fetch is not None:
-            self._release_fetch(done_fetch)  # the load's lookup pins hold its chunks now
+            self._release_fetch(done_fetch.fetch_id)  # the load's lookup pins hold its chunks now
 
     def _record_plan(self, transfer: RequestTransfer) -> None:
         """The planner learns the plan admitted (the tiers it skipped are measured again)."""
@@ -387,7 +378,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if num_end > num_start:
             self._add_load(transfer, block_ids, num_start, num_end)
         if final:
-            self._release_fetch(fetch)  # the lookup pins of the load hold the chunks it loads
+            self._release_fetch(fetch.fetch_id)  # the lookup pins of the load hold the chunks it loads
 
     def _add_load(
         self, transfer: RequestTransfer, block_ids: Sequence[int], num_start: int, num_end: int
@@ -423,15 +414,18 @@ class OffloadScheduler(KVConnectorScheduler):
         """Drop what the request holds for loads still to come (an abort, a preemption, a
         roll-back): its fetch and its pins, and the deferred rest of its CPU-tier load."""
         if transfer.fetch is not None:
-            self._release_fetch(transfer.fetch)
+            self._release_fetch(transfer.fetch.fetch_id)
         if transfer.deferred_keys:
             self.cpu_index.unpin(list(transfer.deferred_keys), PinKind.DEFERRED)
 
-    def _release_fetch(self, fetch: FetchState) -> None:
-        """Nobody loads ``fetch``'s chunks any more: the worker side drops its pins (and stops
-        it) once the next metadata's loads hold what they read, or when the engine hands it
-        the releases made with no step to follow (:meth:`take_released_fetch_ids`)."""
-        self._released_fetch_ids.append(fetch.fetch_id)
+    def _release_fetch(self, fetch_id: int) -> None:
+        """Nobody loads the fetch's chunks any more: its pins go now (a load recorded from it
+        holds its own lookup pins), and the worker side stops it with the next metadata or
+        when the engine hands it the releases made with no step to follow
+        (:meth:`take_released_fetch_ids`)."""
+        if self.grants is not None:
+            self.grants.release_fetch(fetch_id)
+        self._released_fetch_ids.append(fetch_id)
 
     def _start_fetch(self, transfer: RequestTransfer, first_chunk: int | None = None) -> FetchState:
         """The chunks from the first one not on the GPU (or ``first_chunk``: a tail) to the
@@ -444,16 +438,12 @@ class OffloadScheduler(KVConnectorScheduler):
         if first is None:
             first = next(i for i, span in enumerate(spans) if span.end > transfer.num_computed_at_plan)
         spans = spans[first : decision.first_fetch_chunk + decision.num_fetch_chunks]
-        engine = self.cache_engine
         self._num_fetches += 1
         spec = FetchSpec(
             self._num_fetches,
             transfer.request_id,
             tuple(span.key for span in spans),
-            tuple(
-                (engine.num_layers, 2, span.end - span.start, engine.num_kv_heads, engine.head_dim)
-                for span in spans
-            ),
+            tuple(self.cache_engine.shape_of(span) for span in spans),
             tuple(transfer.chunk_tiers[first : first + len(spans)]),
             deadline_s=decision.fetch_deadline_s,
             first_chunk=first,
@@ -467,9 +457,11 @@ class OffloadScheduler(KVConnectorScheduler):
     # ---- per step ------------------------------------------------------------------
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> ConnectorMetadata:
         metadata = ConnectorMetadata(
-            loads=self._pending_loads,
-            fetches=self._pending_fetches,
+            loads=[self._granted_load(spec) for spec in self._pending_loads],
+            # each fetch's slots: reserved to fill, or pinned for it where the chunk is in already
+            fetches=[self.grants.grant_fetch(spec) for spec in self._pending_fetches],
             released_fetch_ids=self.take_released_fetch_ids(),
+            num_reports_applied=self._num_reports_applied,
         )
         self._pending_loads = []
         self._pending_fetches = []
@@ -493,10 +485,35 @@ class OffloadScheduler(KVConnectorScheduler):
                     transfer.num_saved,
                     num_save_end,
                     transfer.cache_salt,
+                    self._grant_save(transfer, transfer.num_saved, num_save_end),
                 )
             )
             self.registry.save_issued(transfer, num_save_end)
         return metadata
+
+    def _granted_load(self, spec: LoadSpec) -> LoadSpec:
+        """``spec`` with the slots of its chunks the CPU tier holds, READ-pinned until a report
+        says it ended (its lookup pins go then too; without a CPU tier the worker drops them),
+        and, when the step reads the lower tiers (no fetcher), slots to promote the others into."""
+        transfer = self.registry.get(spec.request_id)
+        if self.grants is None or transfer is None:
+            return spec
+        covering = [span for span in transfer.spans if span.start < spec.num_load_end]
+        spans = [span for span in covering if span.end > spec.num_load_start]
+        keys = [span.key for span in spans]
+        slot_ids = self.grants.grant_load(
+            (spec.request_id, spec.num_load_start), keys, [s.key for s in covering]
+        )
+        shapes = [self.cache_engine.shape_of(span) for span in spans]
+        promotions = None if self.fetches else self.grants.grant_promotions(keys, shapes, slot_ids)
+        return spec._replace(slot_ids=slot_ids, promotion_slot_ids=promotions)
+
+    def _grant_save(self, transfer: RequestTransfer, num_start: int, num_end: int) -> tuple[int, ...]:
+        """The CPU-tier slot of each chunk a save of prompt tokens [num_start, num_end) copies."""
+        spans = [span for span in transfer.spans if num_start < span.end <= num_end]
+        if self.grants is None:
+            return (SAVE_NO_CPU,) * len(spans)
+        return self.grants.grant_save([s.key for s in spans], [self.cache_engine.shape_of(s) for s in spans])
 
     def _forget_pending(self, request_id: str) -> None:
         """Drop the request's load and fetches not yet handed to the worker."""
@@ -523,6 +540,13 @@ class OffloadScheduler(KVConnectorScheduler):
     def update_connector_output(self, report: WorkerReport | None) -> tuple[set[str], set[str]]:
         registry = self.registry
         if report is not None:
+            self._num_reports_applied = max(self._num_reports_applied, report.report_number)
+            if self.grants is not None:
+                # before the fetches' progress: the chunks it counts as ready are published
+                self.grants.apply_fills(report.fills)
+                self.grants.write_through_done(report.written_through)
+                for load_id in report.ended_loads:
+                    self.cache_engine.tiers.unpin(self.grants.release_load(load_id) or [])
             for load in report.loads:
                 registry.loaded(
                     load.request_id,
@@ -543,13 +567,15 @@ class OffloadScheduler(KVConnectorScheduler):
                 for num_bytes, seconds in report.cpu_reads:
                     self.planner.observe_read("cpu", num_bytes, seconds)
             for progress in report.fetches:
+                if progress.done:
+                    self.grants.fetch_ended(progress.fetch_id, progress.num_ready_chunks)
                 if progress.done and self.planner is not None:
                     for tier_name, (num_bytes, seconds, connections) in progress.tier_to_transfer.items():
                         self.planner.observe_read(
                             tier_name, num_bytes, seconds, connections, replace=progress.cut
                         )
                 if not registry.fetch_reported(progress) and progress.done:
-                    self._released_fetch_ids.append(progress.fetch_id)  # nobody will load it
+                    self._release_fetch(progress.fetch_id)  # nobody will load it
         return registry.take_finished_sending(), registry.take_finished_recving()
 
     def take_released_fetch_ids(self) -> list[int]:

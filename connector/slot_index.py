@@ -11,7 +11,10 @@ docs/architecture.md, "The connector contract".
 Rules: a pinned key is never evicted nor deleted; a reserved slot takes room but is
 not readable; publishing goes by the reservation's identity, never by key, so a second
 writer of the same key can never publish a slot another copy is still filling; a key is
-indexed at most once. Thread-safe (one lock; every method holds it briefly).
+indexed at most once. Thread-safe (one lock; every method holds it briefly): in a
+connector the scheduler side changes it (``connector.slot_grants``: saves', fetches' and
+loads' slots and pins; deferred loads' pins), but the producer's direct exporter pins from
+the server's threads, the slab's growing thread adds slots and the lookups' threads read it.
 """
 
 from __future__ import annotations

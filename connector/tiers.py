@@ -31,13 +31,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from connector.base import SAVE_NO_ROOM, SAVE_SKIP
 from connector.config import OffloadConfig
-from connector.cpu_tier import PinnedChunkPool, Reservation
+from connector.cpu_tier import PinnedChunkPool
 from connector.slot_index import PinKind
 from connector.token_db import KV_LAYOUT
 from connector.write_buffers import PrivateWriteBuffers
 from storage_backends import create_backend
-from storage_backends.base import CapacityError, StorageBackend
+from storage_backends.base import StorageBackend
 from storage_backends.chunk import KVChunk
 from storage_backends.write_gate import WriteGate
 
@@ -85,14 +86,16 @@ class PrefixRead(NamedTuple):
     chunks: list[KVChunk]
     held_keys: list[str]
     tier_names: list[str]
+    #: (key, slot id, ok) of each granted promotion slot (filled, or not)
+    fills: list[tuple[str, int, bool]] = []
 
 
 class PendingPut(NamedTuple):
-    """A store of one chunk between :meth:`TierManager.begin_put` and ``end_put``/``abort_put``."""
+    """A store of one chunk between :meth:`TierManager.begin_put` and ``end_put``."""
 
     key: str
     buffer: torch.Tensor  # host [num_layers, 2, num_tokens, num_kv_heads, head_dim] to fill
-    reservation: Reservation | None  # the CPU-tier slot ``buffer`` is, or None (a private buffer)
+    slot_id: int | None  # the granted CPU-tier slot ``buffer`` is, or None (a private buffer)
 
 
 def backend_urls(config: OffloadConfig) -> list[str]:
@@ -170,6 +173,8 @@ class TierManager:
                 tier.write_gate = self.write_gate
         #: the engine's KV event recorder, ``(kind, medium, keys)`` (None: no events)
         self._record_kv_event: Callable[[str, str, list[str]], None] | None = None
+        #: keys whose write-through read their CPU-tier slot and ended, not yet taken
+        self._written_through: list[str] = []
 
     def add_lower(self, tier: StorageBackend, *, before: frozenset[str] = frozenset()) -> None:
         """Add a lower tier before the first lower tier named in ``before`` (else last): the
@@ -272,11 +277,20 @@ class TierManager:
                         break
         return num_found
 
-    def get_prefix(self, keys: Sequence[str], *, cpu_only: bool = False) -> PrefixRead:
+    def get_prefix(
+        self,
+        keys: Sequence[str],
+        *,
+        cpu_only: bool = False,
+        cpu_chunks: dict[str, KVChunk] | None = None,
+        promotion_slots: dict[str, int] | None = None,
+    ) -> PrefixRead:
         """The chunks of the leading present ``keys`` (stops at the first key that no
         tier returns; with ``cpu_only`` the lower tiers are not read: the fetcher
         brought what a step may load into the CPU tier). Lower-tier hits are promoted
-        into the CPU tier.
+        into the CPU tier. ``cpu_chunks``: the CPU tier's chunks as the scheduler side
+        granted them (views of READ-pinned slots): the CPU tier is not asked, nothing pinned;
+        ``promotion_slots``: key -> the slot granted to promote it into (nothing else is).
 
         Returns ``(chunks, held_keys, tier_names)``: CPU-tier chunks are zero-copy views
         kept valid by a pin on each of ``held_keys``; the caller must :meth:`release`
@@ -284,7 +298,9 @@ class TierManager:
         """
         key_to_found: dict[str, tuple[KVChunk, StorageBackend]] = {}
         held_keys: list[str] = []
-        if self.cpu is not None:
+        if cpu_chunks is not None:
+            key_to_found = {key: (chunk, self.cpu) for key, chunk in cpu_chunks.items()}
+        elif self.cpu is not None:
             for key, chunk in self.cpu.pin_and_get(keys).items():
                 key_to_found[key] = (chunk, self.cpu)
                 held_keys.append(key)
@@ -309,10 +325,15 @@ class TierManager:
             found.append(chunk)
             tier_names.append(tier.name)
             self._count(f"hits_{tier.name}", 1)
-            if self.cpu is not None and tier is not self.cpu:
+            if self.cpu is not None and tier is not self.cpu and promotion_slots is None:
                 self._put_cpu(key, chunk)
                 self._count("promotions", 1)
-        return PrefixRead(found, held_keys, tier_names)
+        fills = []
+        for key, slot_id in (promotion_slots or {}).items():
+            chunk = key_to_found[key][0] if key in key_to_found and key in keys[: len(found)] else None
+            fills.append((key, slot_id, chunk is not None and self.cpu.fill(slot_id, chunk)))
+            self._count("promotions", int(fills[-1][2]))
+        return PrefixRead(found, held_keys, tier_names, fills)
 
     def count_hits(self, tier_to_num_chunks: dict[str, int]) -> None:
         """Count chunks read from lower tiers outside :meth:`get_prefix` (background fetches)."""
@@ -325,20 +346,23 @@ class TierManager:
             self.cpu.unpin(held_keys, PinKind.READ)
 
     # ---- writes --------------------------------------------------------------
-    def begin_put(self, key: str, shape: tuple[int, ...], *, pin_memory: bool) -> PendingPut | None:
+    def begin_put(
+        self, key: str, shape: tuple[int, ...], *, slot_id: int, pin_memory: bool
+    ) -> PendingPut | None:
         """A host buffer ``shape`` ([num_layers, 2, num_tokens, heads, head_dim]) to fill
-        with the chunk for ``key``: a CPU-tier slot (its reservation), or a private
-        tensor when there is no CPU tier or it has no room. None when the CPU tier
-        already holds or is filling ``key``, or there is nowhere to put it.
-        Follow with :meth:`end_put` (filled) or :meth:`abort_put` of the same object."""
-        if self.cpu is not None and not self.cpu.staging:
-            try:
-                reservation = self.cpu.reserve(key, shape)
-                return None if reservation is None else PendingPut(key, reservation.buffer, reservation)
-            except CapacityError:
-                # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
-                # skip the CPU tier, still write through below.
-                self._count("dropped_writes_cpu", 1)
+        with the chunk for ``key``: the CPU-tier slot ``slot_id`` the scheduler side (or the
+        cache engine, standing alone) reserved for it, or a private tensor when there is no
+        slot (``SAVE_NO_ROOM``, ``SAVE_NO_CPU``: lower tiers only). None for ``SAVE_SKIP``
+        (the CPU tier holds or fills it already) or when there is nowhere to put it.
+        Follow with :meth:`end_put`. Changes nothing of the CPU tier's index."""
+        if slot_id == SAVE_SKIP:
+            return None
+        if slot_id >= 0:
+            return PendingPut(key, self.cpu.view(slot_id, tuple(shape)), slot_id)
+        if slot_id == SAVE_NO_ROOM:
+            # Every slot is pinned (reads, lookups, writes in flight to lower tiers):
+            # skip the CPU tier, still write through below.
+            self._count("dropped_writes_cpu", 1)
         if not self.lower:
             return None
         buffer = self.write_buffers.take(shape, self.dtype, pin_memory=pin_memory)
@@ -349,34 +373,30 @@ class TierManager:
         return PendingPut(key, buffer, None)
 
     def end_put(self, pending: PendingPut) -> None:
-        """Publish a filled :meth:`begin_put` buffer and queue its write-through (never blocks).
-        Only ``pending``'s own reservation is published: another put of the same key
-        (still filling its slot) stays invisible until its own ``end_put``."""
-        in_cpu = pending.reservation is not None
-        if in_cpu:
-            # Pinned at publication while a write-through will read the slot.
-            self.cpu.publish(pending.reservation, num_pins=int(bool(self.lower)))
+        """Queue a filled :meth:`begin_put` buffer's write-through (never blocks). A slot's
+        write-through ends in :meth:`take_written_through` (written, failed or dropped); its
+        publication is the slot's granter's (the fill is reported)."""
         if not self.lower:
             return
+        in_cpu = pending.slot_id is not None
         self._ensure_writer()
         try:
             self._write_queue.put_nowait((pending.key, KVChunk(pending.buffer, KV_LAYOUT), in_cpu))
         except queue.Full:
             self._count("dropped_writes", 1)
             if in_cpu:
-                self.cpu.unpin([pending.key], PinKind.WRITE_THROUGH)
+                self._written_through_now([pending.key])
 
-    def abort_put(self, pending: PendingPut) -> None:
-        """Forget a :meth:`begin_put` buffer that was not filled."""
-        if pending.reservation is not None:
-            self.cpu.cancel(pending.reservation)
+    def take_written_through(self) -> list[str]:
+        """Keys of CPU-tier slots whose write-through ended since the last call (their
+        granter drops the write-through pins). Any thread."""
+        with self._counts_lock:
+            keys, self._written_through = self._written_through, []
+        return keys
 
-    def put(self, key: str, chunk: KVChunk) -> None:
-        """Store a host chunk (copying it into the CPU tier) and queue its write-through."""
-        pending = self.begin_put(key, tuple(chunk.tensor.shape), pin_memory=False)
-        if pending is not None:
-            pending.buffer.copy_(chunk.tensor)
-            self.end_put(pending)
+    def _written_through_now(self, keys: list[str]) -> None:
+        with self._counts_lock:
+            self._written_through += keys
 
     def _put_cpu(self, key: str, chunk: KVChunk) -> None:
         """Copy a lower-tier hit into the CPU tier (no write-through: it came from below)."""
@@ -422,7 +442,7 @@ class TierManager:
                     self._count(f"dropped_writes_{tier.name}", len(items))
             held_keys = [key for key, _, held in entries if held]
             if held_keys:
-                self.cpu.unpin(held_keys, PinKind.WRITE_THROUGH)
+                self._written_through_now(held_keys)
             done_stop = len(entries) != len(batch)
             num_done = len(batch)
             # Drop this batch's chunks before waiting for the next: a private buffer counts

@@ -36,14 +36,16 @@ from typing import NamedTuple
 import torch
 
 from connector.base import (
+    LOAD_NOT_IN_CPU,
     ConnectorMetadata,
     FetchProgress,
     KVConnectorWorker,
     LoadReport,
     LoadSpec,
+    SaveSpec,
     WorkerReport,
 )
-from connector.cache_engine import CacheEngine, LoadPlan
+from connector.cache_engine import CacheEngine, LoadPlan, PendingStore
 from connector.fetcher import ChunkFetcher, FetchJob
 from connector.tiers import LOAD_WRITE_HOLD_S
 
@@ -78,6 +80,19 @@ def load_layer_pieces(num_layers: int, num_pieces: int = LOAD_LAYER_PIECES) -> l
     return [(first, last) for first, last in zip([0, *ends[:-1]], ends, strict=True)]
 
 
+def _unfilled_promotions(engine: CacheEngine, spec: LoadSpec) -> list[tuple[str, int, bool]]:
+    """The promotion slots granted to a load that never ran, reported unfilled."""
+    if not spec.promotion_slot_ids:
+        return []
+    spans = engine.token_db.chunk_spans(spec.token_ids, spec.cache_salt)
+    spans = [span for span in spans if span.start < spec.num_load_end and span.end > spec.num_load_start]
+    return [
+        (span.key, slot_id, False)
+        for span, slot_id in zip(spans, spec.promotion_slot_ids, strict=True)
+        if slot_id != LOAD_NOT_IN_CPU
+    ]
+
+
 class _Load(NamedTuple):
     spec: LoadSpec
     plan: LoadPlan
@@ -94,8 +109,13 @@ class OffloadWorker(KVConnectorWorker):
         layerwise: bool,
         fetcher: ChunkFetcher | None = None,
         pipelined_loads: bool = True,
+        grants_own_slots: bool = False,
     ) -> None:
         self.cache_engine = cache_engine
+        #: a worker side alone (a later pipeline stage or tensor-parallel rank): its CPU tier's
+        #: index is its own, so its cache engine grants the saves' slots and publishes them;
+        #: otherwise the metadata's slot ids are the scheduler side's and fills are reported
+        self.grants_own_slots = grants_own_slots
         #: runs the metadata's background fetches; with it a step loads from the CPU tier only
         self.fetcher = fetcher
         #: fetch id -> its running (or ended, not yet released) job
@@ -113,11 +133,14 @@ class OffloadWorker(KVConnectorWorker):
         #: this step's loads that stopped early: request id -> leading tokens truly in the cache
         self._request_id_to_num_valid: dict[str, int] = {}
         self._num_saves_queued = 0  # saves of the bound metadata queued so far
+        self._num_saves_started = 0  # saves of the bound metadata whose slots were handed to a store
+        self._loads_ended = True  # the bound metadata's loads are in a report's ended_loads
         self._releases_applied = True  # the bound metadata's released fetches were released
         #: what goes into the next report; saves finish on whichever thread publishes them
         self._report_lock = threading.Lock()
         self._report = WorkerReport()
         self._failures_reported = True  # the bound metadata's load failures are in a report
+        self._num_reports = 0  # reports handed out so far (``WorkerReport.report_number``)
 
     @property
     def needs_layer_hooks(self) -> bool:
@@ -142,8 +165,12 @@ class OffloadWorker(KVConnectorWorker):
         self._metadata = metadata
         self._clear_failed_loads()
         self._num_saves_queued = 0
+        self._num_saves_started = 0
+        self._loads_ended = not metadata.loads
         self._releases_applied = not metadata.released_fetch_ids
         self._failures_reported = False
+        if self.fetcher is not None:
+            self.fetcher.forget_fills(metadata.num_reports_applied)
         if metadata.loads:
             # From here until the loads' copies are queued and done, the step thread needs
             # the host: the lower tiers' background writes wait (released in _finish_loads).
@@ -177,7 +204,12 @@ class OffloadWorker(KVConnectorWorker):
                 slot_mapping=spec.slot_mapping,
                 cache_salt=spec.cache_salt,
                 cpu_only=self.fetcher is not None,
+                slot_ids=None if self.grants_own_slots else spec.slot_ids,
+                promotion_slot_ids=None if self.grants_own_slots else spec.promotion_slot_ids,
             )
+            if plan.fills:
+                with self._report_lock:
+                    self._report.fills += plan.fills
             self._loads.append(_Load(spec, plan, time.perf_counter() - began))
             if plan.num_loaded_end < spec.num_load_end:
                 self._request_id_to_num_valid[spec.request_id] = plan.num_loaded_end
@@ -240,6 +272,7 @@ class OffloadWorker(KVConnectorWorker):
             self.wait_for_layer_load(engine.num_layers - 1)
         for load in self._loads:
             engine.finish_load(load.plan)
+        self._end_loads(len(self._loads))
         engine.tiers.write_gate.release()
         move_seconds = self._move_seconds
         if self._timing is not None:
@@ -284,9 +317,10 @@ class OffloadWorker(KVConnectorWorker):
         self._finish_loads()
         engine = self.cache_engine
         for spec in self._metadata.saves:
+            self._num_saves_started += 1
             if spec.request_id in self._request_id_to_num_valid:
                 # Its load failed: KV past the valid length is not in the cache, save nothing.
-                self._saved(spec.request_id, 0)
+                self._saved(spec.request_id, 0, self._unfilled(spec))
                 self._num_saves_queued += 1
                 continue
             store = engine.begin_store(
@@ -295,33 +329,70 @@ class OffloadWorker(KVConnectorWorker):
                 kv_caches=self.kv_cache,
                 slot_mapping=spec.slot_mapping,
                 cache_salt=spec.cache_salt,
+                slot_ids=None if self.grants_own_slots else spec.slot_ids,
             )
-            engine.finish_store_later(store, self._on_saved(spec.request_id))
+            engine.finish_store_later(store, self._on_saved(spec.request_id, store))
             self._num_saves_queued += 1
         engine.publish_finished_stores()
+        if self.grants_own_slots:
+            engine.settle_write_throughs()
 
     def abort_step(self) -> None:
         loads, self._loads = self._loads, []
         for load in loads:
             self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins
+        self._end_loads(len(loads))
         self.cache_engine.tiers.write_gate.release()
-        for spec in self._metadata.saves[self._num_saves_queued :]:
-            self._saved(spec.request_id, 0)
+        for index, spec in enumerate(self._metadata.saves[self._num_saves_queued :], self._num_saves_queued):
+            # a store that raised may have queued copies into its slots: those stay reserved
+            self._saved(spec.request_id, 0, self._unfilled(spec) if index >= self._num_saves_started else [])
         self._apply_releases()  # the step's loads are over: no pin of them is needed
         self._metadata = ConnectorMetadata()
         self._clear_failed_loads()
         self._num_saves_queued = 0
+        self._num_saves_started = 0
+
+    def _end_loads(self, num_planned: int) -> None:
+        """Every load of the bound metadata is over (moved, stopped or dropped): the next
+        report lists them, so the scheduler side drops the pins it holds for them (once),
+        and gives back the promotion slots of those never planned (the first ``num_planned``
+        reported theirs)."""
+        if not self._loads_ended:
+            self._loads_ended = True
+            with self._report_lock:
+                self._report.ended_loads += [
+                    (spec.request_id, spec.num_load_start) for spec in self._metadata.loads
+                ]
+                if not self.grants_own_slots:
+                    for spec in self._metadata.loads[num_planned:]:
+                        self._report.fills += _unfilled_promotions(self.cache_engine, spec)
 
     def _clear_failed_loads(self) -> None:
         self._request_id_to_num_valid = {}
 
-    def _on_saved(self, request_id: str):
-        return lambda num_saved_tokens: self._saved(request_id, num_saved_tokens)
+    def _on_saved(self, request_id: str, store: PendingStore):
+        fills = [] if store.granted_here else store.fills
+        return lambda num_saved_tokens: self._saved(request_id, num_saved_tokens, fills)
 
-    def _saved(self, request_id: str, num_saved_tokens: int) -> None:
-        """A save read its blocks (or was skipped): the next report says it."""
+    def _unfilled(self, spec: SaveSpec) -> list[tuple[str, int, bool]]:
+        """A save skipped before any copy: each slot the scheduler side granted it is given
+        back (reported unfilled). The keys are the engine's cut of the same chunks."""
+        if self.grants_own_slots or not spec.slot_ids:
+            return []
+        spans = self.cache_engine.token_db.chunk_spans(spec.token_ids[: spec.num_save_end], spec.cache_salt)
+        spans = [span for span in spans if span.end > spec.num_save_start]
+        return [
+            (span.key, slot_id, False)
+            for span, slot_id in zip(spans, spec.slot_ids, strict=True)
+            if slot_id >= 0
+        ]
+
+    def _saved(self, request_id: str, num_saved_tokens: int, fills: list[tuple[str, int, bool]]) -> None:
+        """A save read its blocks (or was skipped): the next report says it, with the
+        granted slots it filled (or gave back)."""
         with self._report_lock:
             self._report.saves.append((request_id, num_saved_tokens))
+            self._report.fills += fills
 
     # ---- fetches -------------------------------------------------------------
     def _apply_releases(self) -> None:
@@ -380,14 +451,26 @@ class OffloadWorker(KVConnectorWorker):
 
     def take_report(self) -> WorkerReport:
         """What this side did since the last report: saves that read their blocks, finished
-        loads, the bound step's load failures (once), fetches that ended and, with
+        loads, the bound step's load failures (once), the fetches' reads that ended (fills:
+        the scheduler side publishes them), fetches that ended and, with
         ``pipelined_loads``, running fetches whose ready prefix grew (their requests load
         it while the rest is read: partial receives), and the CPU tier's read rate."""
         self.cache_engine.publish_finished_stores()
+        self._num_reports += 1
         fetches = self._fetch_progress() if self.fetcher is not None else []
+        # after the progress: every chunk it counts as ready has its fill in this report or an earlier one
+        fills = self.fetcher.take_fills(self._num_reports) if self.fetcher is not None else []
+        if self.grants_own_slots:
+            self.cache_engine.settle_write_throughs()
+            written_through = []
+        else:
+            written_through = self.cache_engine.tiers.take_written_through()
         with self._report_lock:
             report, self._report = self._report, WorkerReport()
         report.fetches = fetches
+        report.fills += fills
+        report.written_through = written_through
+        report.report_number = self._num_reports
         if not self._failures_reported:
             self._failures_reported = True
             report.load_failures = dict(self._request_id_to_num_valid)

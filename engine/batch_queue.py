@@ -35,12 +35,14 @@ tokens of the previous step). Called only by `EngineCore`; not thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput
@@ -213,9 +215,17 @@ class BatchQueue:
             outputs += self._collect_oldest(finish)
         return latest_per_request(outputs)
 
-    def abandon(self) -> list[Request]:
+    def abandon(self, apply_report: Callable[[Any], None]) -> list[Request]:
         """After a step raised: forget every step in flight, taking their advances back
-        -> their requests (the engine core ends or retries them with the failed step's)."""
+        -> their requests (the engine core ends or retries them with the failed step's).
+        The connector reports of the steps no result was collected for go to
+        `apply_report`, oldest first, once each step's device work ended (or failed): the
+        transfers they report on (saves, fetches, CPU-tier slots) happened all the same."""
+        for step in self._in_flight:
+            with contextlib.suppress(Exception):  # the step's own failure: its report stands
+                step.future.result()
+            if step.future.connector_report is not None:
+                apply_report(step.future.connector_report)
         requests: list[Request] = []
         collecting = [self._collecting] if self._collecting is not None else []
         for step in [*collecting, *self._in_flight]:

@@ -479,7 +479,7 @@ class EngineCore:
             self.stats.num_step_errors += 1
             if self._batch_queue is not None:
                 # the steps in flight are given up with the failed one: their requests too
-                in_flight = self._batch_queue.abandon()
+                in_flight = self._batch_queue.abandon(self.scheduler.apply_abandoned_report)
                 step_requests = self.scheduler.step_requests
                 self.scheduler.step_requests = step_requests + [
                     r for r in in_flight if r not in step_requests

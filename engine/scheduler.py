@@ -461,6 +461,17 @@ class Scheduler:
             finished_recving_ids,
         )
 
+    def apply_abandoned_report(self, report) -> None:
+        """The worker report of a step the engine gave up after a failed one (its tokens
+        are dropped, its requests rolled back or ended): the transfers it reports on ran
+        all the same (saves written, fetches ended, CPU-tier slots filled, loads over), so it
+        is applied as a collected step's is. Dropping it left finished requests waiting
+        for their saves forever and their blocks and slots held. Called by the engine core,
+        oldest step first, before it rolls the requests back."""
+        finished_sending_ids, finished_recving_ids = self.apply_connector_report(report)
+        self.free_sent(finished_sending_ids)
+        self.readmit_received(finished_recving_ids)
+
     def apply_connector_report(self, report) -> tuple[set[str], set[str]]:
         """The connector's scheduler side applies a step's worker report (called once per
         step result, before `update_from_output`) -> (request ids done sending, request

@@ -44,6 +44,12 @@ class StepFuture:
         """A step whose tokens are known already (no sampling, or drafts verified)."""
         return cls(output, [], None)
 
+    @property
+    def connector_report(self):
+        """The connector worker's report made when the step was submitted (None without
+        a connector); known before the tokens, so a step given up still gives it."""
+        return self._output.connector_report
+
     def result(self) -> RunnerOutput:
         """Wait for the step's sampled tokens -> its output (idempotent)."""
         if not self._done:

@@ -102,6 +102,12 @@ class StepInFlight:
     def result(self) -> RunnerOutput:
         return self.executor.collect(self)
 
+    @property
+    def connector_report(self):
+        """Stage 0's connector report, made when the step was submitted (None without a
+        connector, or when stage 0 raised): a step given up still gives it."""
+        return self.output.connector_report if self.output is not None else None
+
 
 class PipelineDeadError(RuntimeError):
     """A stage process is gone: the pipeline cannot run another step."""

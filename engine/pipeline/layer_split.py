@@ -79,9 +79,10 @@ def process_group_backend(devices: list[torch.device]) -> str:
 
 
 def stage_offload_config(config: OffloadConfig, layout: StageLayout) -> OffloadConfig:
-    """A stage's offload settings: its share (1/N) of the CPU and disk byte caps (a
-    stage's chunks hold 1/N of the layers, so every stage keeps as many chunks as one
-    whole-model engine would), its own disk folder (a disk tier locks its folder), and
+    """A stage's offload settings: its share of the CPU byte cap by its layers (a stage's
+    chunks hold its layers only, so every stage has as many CPU-tier slots as one
+    whole-model engine would: the same number in every stage, whose layer counts may
+    differ by one) and 1/N of the disk's, its own disk folder (a disk tier locks its folder), and
     loads read synchronously: background fetches are planned by the first stage's
     scheduler side with its own keys, which the other stages cannot use."""
     disk_path = config.disk_path
@@ -89,7 +90,9 @@ def stage_offload_config(config: OffloadConfig, layout: StageLayout) -> OffloadC
         disk_path = str(Path(disk_path) / f"pp{layout.num_stages}-stage{layout.stage}")
     return dataclasses.replace(
         config,
-        cpu_bytes=config.cpu_bytes // layout.num_stages if config.cpu_bytes else 0,
+        cpu_bytes=max(1, config.cpu_bytes // layout.num_model_layers * layout.num_layers)
+        if config.cpu_bytes
+        else 0,
         disk_bytes=max(1, config.disk_bytes // layout.num_stages),
         disk_path=disk_path,
         async_loads=False,

@@ -264,8 +264,11 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
         for fetch_id, (request_id, pipelined) in enumerate((("on", True), ("off", False)), start=1):
             worker.pipelined_loads = pipelined
             transfer = registry.get_or_create(request_id, tuple(range(48)))
-            spec = FetchSpec(
-                fetch_id, request_id, ("k0", "k1", "k2"), (shape,) * 3, ("cpu", "redis", "redis"), 60.0
+            # the scheduler side grants its slots (k0 pinned, k1 and k2 reserved or shared)
+            spec = scheduler.grants.grant_fetch(
+                FetchSpec(
+                    fetch_id, request_id, ("k0", "k1", "k2"), (shape,) * 3, ("cpu", "redis", "redis"), 60.0
+                )
             )
             registry.fetch_started(transfer, FetchState(fetch_id, 0, spec.tier_names))
             worker.bind_connector_metadata(ConnectorMetadata(fetches=[spec]))
@@ -276,6 +279,8 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
             assert scheduler.update_connector_output(worker.take_report()) == (set(), received)
             assert scheduler.update_connector_output(worker.take_report()) == (set(), set())  # nothing new
             assert transfer.phase is TransferPhase.FETCHING
+        for job in jobs.values():
+            scheduler.grants.release_fetch(job.fetch_id)  # their pins are the scheduler side's
         worker.bind_connector_metadata(
             ConnectorMetadata(released_fetch_ids=[job.fetch_id for job in jobs.values()])
         )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from connector.cpu_tier import PinnedChunkPool
+from connector.slot_grants import SlotGrants
 from connector.tiers import TierManager
 from connector.token_db import KV_LAYOUT
 from storage_backends.disk_backend import TMP_PREFIX, DiskBackend
@@ -42,9 +43,13 @@ class SlowPinDisk(DiskBackend):
 
 
 def store(tiers: TierManager, key: str, value: float) -> None:
-    pending = tiers.begin_put(key, CHUNK_SHAPE, pin_memory=False)
+    """A save as the connector makes it: a slot granted, filled, written through, published."""
+    grants = SlotGrants(tiers.cpu.index, write_through=True)
+    (slot_id,) = grants.grant_save([key], [CHUNK_SHAPE])
+    pending = tiers.begin_put(key, CHUNK_SHAPE, slot_id=slot_id, pin_memory=False)
     pending.buffer.fill_(value)
     tiers.end_put(pending)
+    grants.apply_fills([(key, slot_id, True)])
 
 
 def make_tiers(tmp_path: Path, disk_class=DiskBackend) -> TierManager:

@@ -1,6 +1,7 @@
 """The connector's roles in two processes (docs/architecture.md, The connector contract):
 the scheduler side here, the worker side in a spawned child, both built from one
-``OffloadConfig`` with only a Redis tier (no CPU tier, so they share nothing). Only the
+``OffloadConfig`` with only a Redis tier (no CPU tier, so they share nothing), or with a
+staging area whose slots the scheduler side grants to the child's fetches. Only the
 per-step ``ConnectorMetadata`` (pickled to the child) and the child's ``WorkerReport``
 (pickled back) go between them."""
 
@@ -11,9 +12,12 @@ import multiprocessing
 import torch
 
 from connector import OffloadConfig, create_kv_connector
-from connector.base import Grant, WorkerReport
+from connector.base import ConnectorMetadata, FetchSpec, Grant, WorkerReport
+from connector.request_transfer import FetchState
 from connector.scheduler_side import slot_mapping_for
 from engine.step_time import StepTimeModel
+from storage_backends import create_backend
+from storage_backends.chunk import KVChunk
 from tests.connector.kv_helpers import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -124,4 +128,122 @@ def test_the_worker_side_runs_in_another_process_from_metadata_and_reports_alone
     finally:
         if child.is_alive():
             child.kill()
+        unused_worker.close()
+
+
+F_BLOCKS = list(range(40, 50))
+F_SLOTS = slot_mapping_for(F_BLOCKS, BLOCK_SIZE, len(PROMPT))
+
+
+def staging_pair(redis_url: str):
+    """Both roles over a staging area (no CPU tier) above Redis: lower-tier hits are fetched."""
+    config = OffloadConfig(chunk_size=CHUNK, cpu_bytes=0, staging_bytes=1 << 20, remote_url=redis_url)
+    return create_kv_connector(
+        config,
+        model_id="fetch-in-another-process",
+        dtype=torch.float32,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=BLOCK_SIZE,
+        device=torch.device("cpu"),
+        step_times=StepTimeModel(),
+    )
+
+
+def serve_fetches(conn, redis_url: str) -> None:
+    """The child: a worker side whose fetcher reads into, and whose loads read from, the
+    slots the metadata names. Per message: run one step of the metadata (its fetches waited
+    for until they ended), answer with the report, what its own staging area's index holds
+    (nothing: the index is the scheduler side's), the memory of the slots read and the KV
+    rows of ``slots``."""
+    _, worker = staging_pair(redis_url)
+    kv_cache = new_kv_cache(7)
+    worker.register_kv_caches(kv_cache)
+    staging = worker.cache_engine.tiers.cpu
+    try:
+        while (message := conn.recv()) is not None:
+            metadata, slots = message
+            worker.bind_connector_metadata(metadata)
+            worker.start_load_kv()
+            while any(not job.done for job in worker._fetch_jobs.values()):
+                worker.wait_for_transfers(0.05)
+            for layer in range(NUM_LAYERS):
+                worker.wait_for_layer_load(layer)
+                worker.save_kv_layer(layer)
+            worker.wait_for_save()
+            worker.flush()
+            report = worker.take_report()
+            filled = {
+                slot_id: staging.view(slot_id, staging.chunk_shape).clone() for _, slot_id, _ in report.fills
+            }
+            rows = token_rows(kv_cache, slots).clone()
+            conn.send((report, staging.keys(), staging.pin_counts(), filled, rows))
+    finally:
+        worker.close()
+
+
+def test_a_fetch_runs_in_another_process_into_the_slots_the_scheduler_side_granted(redis_url):
+    scheduler, unused_worker = staging_pair(redis_url)
+    engine = scheduler.cache_engine
+    spans = engine.token_db.chunk_spans(PROMPT)[:2]  # two whole chunks of 16
+    shape = engine.chunk_shape
+    redis = create_backend(redis_url)
+    chunks = [torch.full(shape, float(index + 1)) for index in range(len(spans))]
+    for span, tensor in zip(spans, chunks, strict=True):
+        redis.put(span.key, KVChunk(tensor))
+    context = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = context.Pipe()
+    child = context.Process(target=serve_fetches, args=(child_conn, redis_url), daemon=True)
+    child.start()
+    try:
+        f = FakeRequest("f", PROMPT, len(PROMPT))
+        transfer = scheduler._transfer_of(f)  # its chunk keys cut as a grant does
+        spec = FetchSpec(1, "f", tuple(s.key for s in spans), (shape,) * 2, ("redis", "redis"), 30.0)
+        scheduler.registry.fetch_started(transfer, FetchState(1, 0, spec.tier_names))
+        granted = scheduler.grants.grant_fetch(spec)  # as build_connector_meta does
+        assert min(granted.slot_ids) >= 0
+
+        def step(metadata, slots):
+            parent_conn.send((metadata, slots))  # pickled: plain data only
+            assert parent_conn.poll(60), "the worker process did not answer"
+            return parent_conn.recv()
+
+        report, child_keys, child_pins, slots, _ = step(ConnectorMetadata(fetches=[granted]), F_SLOTS[:0])
+        # the child read into the granted slots and changed nothing of its own index
+        assert child_keys == [] and child_pins == {}
+        assert sorted(report.fills) == sorted(
+            (span.key, slot_id, True) for span, slot_id in zip(spans, granted.slot_ids, strict=True)
+        )
+        for slot_id, tensor in zip(granted.slot_ids, chunks, strict=True):
+            assert torch.equal(slots[slot_id], tensor)
+        (progress,) = report.fetches
+        assert (progress.num_ready_chunks, progress.done) == (2, True)
+        # the scheduler side publishes the fills, pinned for the fetch that waits for them
+        assert scheduler.update_connector_output(report) == (set(), {"f"})
+        assert scheduler.cpu_index.present([s.key for s in spans]) == [True, True]
+        assert scheduler.cpu_index.pin_counts() == {"fetch": 2}
+
+        # admitted, it loads the fetched chunks in the child, by the slots the scheduler side pinned
+        grant = scheduler.grant(f, 0, None)
+        assert (grant.num_computed_tokens, grant.num_load_tokens) == (0, 32)
+        scheduler.update_state_after_alloc(f, F_BLOCKS, grant)
+        metadata = scheduler.build_connector_meta([scheduled(f, F_BLOCKS, 32, 8)])
+        (load,) = metadata.loads
+        assert load.slot_ids == granted.slot_ids
+        # the fetch's pins went with its release; the lookup's and the reads' hold them until it ends
+        assert scheduler.cpu_index.pin_counts() == {"lookup": 2, "read": 2}
+        report, child_keys, child_pins, _, rows = step(metadata, F_SLOTS)
+        assert child_keys == [] and child_pins == {}
+        assert report.load_failures == {} and report.ended_loads == [("f", 0)]
+        assert bool((rows[:, :, :16] == 1.0).all()) and bool((rows[:, :, 16:32] == 2.0).all())
+        scheduler.update_connector_output(report)
+        assert scheduler.cpu_index.pin_counts() == {}  # the load's pins went with its report
+        parent_conn.send(None)
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+        redis.close()
         unused_worker.close()

@@ -374,3 +374,96 @@ def test_async_scheduling_with_weights_streamed_from_cpu_memory(model_dir):
     assert llm.engine.model.weight_offloader.offloaded_layer_ids
     assert token_ids(llm, MIXED_PROMPTS, MIXED_PARAMS) == expected
     assert llm.engine.runner.num_device_filled_input_ids > 0
+
+
+def test_a_failed_async_step_leaves_no_cpu_tier_slot_reserved_or_pinned(model_dir, monkeypatch):
+    """The steps in flight that a failed step makes the engine give up still report the
+    CPU-tier slots they filled and read: the scheduler side applies those facts, so the
+    tier does not shrink by a failure (issue 36: the scheduler side owns the index)."""
+    from connector import OffloadConfig
+    from engine.engine_core import EngineStepError
+
+    prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=90 + i) for i in range(4)}
+    config = OffloadConfig(cpu_bytes=8 << 20, chunk_size=16)
+    expected = dict(
+        zip(prompts, token_ids(plain_llm(model_dir), list(prompts.values()), GREEDY), strict=True)
+    )
+    llm = async_llm(model_dir, kv_offload=config)
+    engine = llm.engine
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    runner = engine.runner
+    run_model = runner._run_model
+    num_failures = 0
+
+    def failing_forward(plan, host):
+        # fails inside the runner, as a real forward does: the step's connector metadata is bound
+        nonlocal num_failures
+        if any(r.request_id == "r1" and len(r.output_token_ids) >= 3 for r in plan.requests):
+            num_failures += 1
+            raise RuntimeError("injected failure")
+        return run_model(plan, host)
+
+    monkeypatch.setattr(runner, "_run_model", failing_forward)
+    finished = {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except EngineStepError as error:
+            outputs = error.outputs
+        for output in outputs:
+            if output.finished:
+                finished[output.request_id] = output
+    assert num_failures > 0 and finished["r1"].finish_reason == "error"
+    for request_id in ("r0", "r2", "r3"):
+        assert finished[request_id].token_ids == expected[request_id]
+    llm.flush_kv_offload()
+    index = engine.scheduler.connector.grants.index
+    gauges = index.gauges()
+    assert gauges["num_keys"] > 0  # the prompts' chunks were stored
+    assert gauges["num_used_slots"] == gauges["num_keys"], gauges  # no reservation left
+    assert gauges["num_pinned"] == 0 and not any(index.pin_counts().values()), index.pin_counts()
+
+
+def test_a_step_failing_behind_one_that_saved_loses_none_of_its_saves(model_dir, monkeypatch):
+    """A step fails while the step before it is still in flight, and that step's worker
+    report says saves read their blocks: the engine gives the in-flight step up but applies
+    its report, so its requests are not left waiting for saves that were reported already
+    (they would hold their blocks, and the engine would never be idle)."""
+    from connector import OffloadConfig
+    from engine.engine_core import EngineStepError
+
+    prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=70 + i) for i in range(4)}
+    expected = dict(
+        zip(prompts, token_ids(plain_llm(model_dir), list(prompts.values()), GREEDY), strict=True)
+    )
+    llm = async_llm(model_dir, kv_offload=OffloadConfig(cpu_bytes=8 << 20, chunk_size=16))
+    engine = llm.engine
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    runner = engine.runner
+    run_model = runner._run_model
+    num_failures = 0
+
+    def failing_forward(plan, host):
+        nonlocal num_failures
+        in_flight_reports = [step.future.connector_report for step in engine._batch_queue._in_flight]
+        if num_failures == 0 and any(report is not None and report.saves for report in in_flight_reports):
+            num_failures += 1
+            raise RuntimeError("injected failure")
+        return run_model(plan, host)
+
+    monkeypatch.setattr(runner, "_run_model", failing_forward)
+    finished = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs = engine.step()
+        except EngineStepError as error:
+            outputs = error.outputs
+        finished.update((output.request_id, output) for output in outputs if output.finished)
+    assert num_failures == 1
+    assert not engine.has_unfinished_requests(), dict(engine.scheduler.request_id_to_sending)
+    assert {request_id: output.token_ids for request_id, output in finished.items()} == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -55,6 +55,19 @@ def test_layers_split_into_contiguous_stages() -> None:
         split_layers(2, 3)
 
 
+def test_every_stage_gets_as_many_cpu_tier_slots_as_a_whole_model_engine() -> None:
+    """Stages of 3 and 2 layers: the CPU tier's bytes are shared by layers, so both hold the
+    same number of chunks (before: half the bytes each, 1.5x the slots in the 2-layer stage)."""
+    from engine.pipeline.layer_split import stage_offload_config
+
+    config = OffloadConfig(cpu_bytes=10_000_000)
+    per_layer_slot_bytes = 2 * 256 * 8 * 64 * 2  # K and V of 256 tokens, 8 KV heads of 64, bf16
+    whole_model_slots = config.cpu_bytes // (5 * per_layer_slot_bytes)
+    for layout in split_layers(5, 2):
+        stage_bytes = stage_offload_config(config, layout).cpu_bytes
+        assert stage_bytes // (layout.num_layers * per_layer_slot_bytes) == whole_model_slots
+
+
 def test_bad_sizes_are_refused_before_any_process_starts(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         LLM(tiny_model_dir("llama"), device="cpu", pipeline_parallel_size=0)

@@ -44,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 MIB = 1 << 20
+CHUNK_SIZE = 64  # tokens per stored chunk in the engine run: the shared prefix is 3 chunks
 START_TIMEOUT_S = 180.0
 
 
@@ -249,6 +250,7 @@ def server_memory(address: str) -> dict:
         "capacity_bytes": memory.capacity_bytes,
         "evictions": memory.evictions,
         "num_rejected": stats.num_rejected,
+        "puts": memory.puts,
     }
 
 
@@ -284,7 +286,22 @@ async def stream_completion(client, url: str, prompt: list[int], max_tokens: int
     return {"ok": True, "ttft_s": ttft, "latency_s": time.perf_counter() - started}
 
 
-async def run_streams(url: str, num_streams: int, requests_per_stream: int, max_tokens: int) -> dict:
+async def wait_for_puts(cache_address: str, num_puts: int, timeout_s: float = 60.0) -> None:
+    """Wait until the cache server has taken ``num_puts`` puts in all: the engine's
+    write-through is asynchronous, and the streams must find the prefix stored."""
+    deadline = time.monotonic() + timeout_s
+    while (done := server_memory(cache_address)["puts"]) < num_puts:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the warm-up's prefix did not reach the cache server in {timeout_s:g} s "
+                f"({done} of {num_puts} puts)"
+            )
+        await asyncio.sleep(0.05)
+
+
+async def run_streams(
+    url: str, cache_address: str, num_streams: int, requests_per_stream: int, max_tokens: int
+) -> dict:
     import httpx
 
     rng = random.Random(1)
@@ -300,11 +317,12 @@ async def run_streams(url: str, num_streams: int, requests_per_stream: int, max_
 
     # One request stores the shared prefix in the cache server first; with GPU prefix caching
     # off, every later request then loads it from there while 31 others stream.
+    num_puts_before = server_memory(cache_address)["puts"]
     async with httpx.AsyncClient(timeout=600) as client:
         warmup = await stream_completion(client, url, shared_prefix + [3] * 24, max_tokens)
     if not warmup["ok"]:
         raise RuntimeError(f"the warm-up request failed: {warmup['reason']}")
-    await asyncio.sleep(1.0)  # the write-through to the remote tier is asynchronous
+    await wait_for_puts(cache_address, num_puts_before + len(shared_prefix) // CHUNK_SIZE)
     started = time.perf_counter()
     outcomes = [o for stream in await asyncio.gather(*map(one_stream, range(num_streams))) for o in stream]
     elapsed = time.perf_counter() - started
@@ -450,7 +468,12 @@ def main(
 
 
 def run_engine_load(cache_port: int, num_streams: int, requests_per_stream: int, max_tokens: int) -> dict:
-    """Start ``kvstash serve`` on a tiny model with offload to the cache server and stream at it."""
+    """Start ``kvstash serve`` on a tiny model with offload to the cache server and stream at it.
+
+    The engine loads every hit (``--kv-offload-load-policy always``): this run measures the
+    server under load, and the planner, timing a loaded 2-core machine, would otherwise
+    recompute the tiny prefix instead of loading it (CI once saw 0 hit tokens that way).
+    """
     from bench.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvstash-load-model-") as model_dir:
@@ -459,14 +482,17 @@ def run_engine_load(cache_port: int, num_streams: int, requests_per_stream: int,
             [
                 "serve", model_dir, "--host", "127.0.0.1", "--port", "0", "--served-model-name", "tiny",
                 "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "32", "--no-enable-prefix-caching",
-                "--kv-offload", "--kv-offload-cpu-gb", "0", "--kv-offload-chunk-size", "64",
+                "--kv-offload", "--kv-offload-cpu-gb", "0", "--kv-offload-chunk-size", str(CHUNK_SIZE),
+                "--kv-offload-load-policy", "always",
                 "--kv-offload-remote", f"grpc://127.0.0.1:{cache_port}",
             ],
             r"Uvicorn running on http://127\.0\.0\.1:(\d+)",
         )  # fmt: skip
         url = f"http://127.0.0.1:{serve.port}"
         try:
-            figures = asyncio.run(run_streams(url, num_streams, requests_per_stream, max_tokens))
+            figures = asyncio.run(
+                run_streams(url, f"127.0.0.1:{cache_port}", num_streams, requests_per_stream, max_tokens)
+            )
             figures["external_hit_tokens"] = external_hit_tokens(url)
         finally:
             serve.close()

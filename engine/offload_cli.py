@@ -17,6 +17,7 @@ import click
 from connector.config import (
     CODECS,
     GIB,
+    LOAD_POLICIES,
     OffloadConfig,
     check_key_prefix,
     config_from_fields,
@@ -36,6 +37,7 @@ _OPTION_TO_SETTING = {
     "kv_offload_remote": "remote_url",
     "kv_offload_chunk_size": "chunk_size",
     "kv_offload_codec": "codec",
+    "kv_offload_load_policy": "load_policy",
     "kv_offload_key_prefix": "key_prefix",
     "kv_offload_replicas_per_host": "replicas_per_host",
 }
@@ -154,6 +156,13 @@ _OPTIONS = [
     ),
     click.option(
         "--kv-offload-codec", type=click.Choice(CODECS), default=None, help="Codec of disk and remote values."
+    ),
+    click.option(
+        "--kv-offload-load-policy",
+        type=click.Choice(LOAD_POLICIES),
+        default=None,
+        help="planned: load a lower-tier hit only where it beats recomputing it; "
+        f"always: load every hit [default: {OffloadConfig.load_policy}].",
     ),
     click.option(
         "--kv-offload-key-prefix",

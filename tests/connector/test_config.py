@@ -160,6 +160,7 @@ def no_flags(**flags):
         "kv_offload_remote": None,
         "kv_offload_chunk_size": None,
         "kv_offload_codec": None,
+        "kv_offload_load_policy": None,
         "kv_offload_key_prefix": None,
         "kv_offload_config": None,
     }
@@ -196,6 +197,18 @@ def test_key_prefix_flag_wins_over_the_environment():
         offload_config_from_options(no_flags(kv_offload_key_prefix="team a/"), {})
 
 
+def test_load_policy_flag_wins_over_the_environment_and_is_on_its_own_a_request_for_offload():
+    environ = {"KVSTASH_KV_OFFLOAD_LOAD_POLICY": "always"}
+    assert offload_config_from_options(no_flags(kv_offload=True), environ).load_policy == "always"
+    assert (
+        offload_config_from_options(no_flags(kv_offload_load_policy="planned"), environ).load_policy
+        == "planned"
+    )
+    config = offload_config_from_options(no_flags(kv_offload_load_policy="always"), {})
+    assert config is not None and config.load_policy == "always"
+    assert offload_config_from_options(no_flags(kv_offload=True), {}).load_policy == "planned"
+
+
 def test_offload_is_off_unless_asked_for():
     assert offload_config_from_options(no_flags(), {}) is None
     host = HostMemory(total_bytes=64 * GIB, available_bytes=60 * GIB)
@@ -226,6 +239,7 @@ def test_generate_lists_the_offload_flags():
         "--kv-offload-remote",
         "--kv-offload-chunk-size",
         "--kv-offload-codec",
+        "--kv-offload-load-policy",
         "--kv-offload-key-prefix",
         "--kv-offload-config",
     ):

@@ -269,6 +269,7 @@ def create_kv_connector(
                 interval_s=config.tier_probe_interval_s,
                 name_to_breaker=name_to_breaker,
             )
+            planner.background_probed_tiers = frozenset(remotes)  # plans measure the others again
             prober.start()
             weakref.finalize(cache_engine, prober.close)
             tiers.on_close(prober.close)  # it writes and reads the tiers: it stops first

@@ -22,7 +22,12 @@ flight (``connector.tier_rates``): a fetch of n chunks from a tier is planned at
 measured with ``min(n, reads_in_flight)`` reads in flight. Each remote tier is measured
 when the connector opens it, and a tier the plans skip (a measurement says it is slower
 than recomputing) is measured again in the background (``connector.tier_probe``, at most
-once per ``probe_interval_s``): a tier that was slow is used again once it is fast.
+once per ``probe_interval_s``): a tier that was slow is used again once it is fast. A tier
+the prober does not measure (the local disk, whose probe would read from the page cache)
+is measured again by a plan instead: once per ``probe_interval_s`` a hit on it is planned
+at the best rate the tier ever delivered (or its prior, if more), and what that fetch
+brings replaces the estimate
+(its deadline bounds what a tier still slow costs that request).
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class LoadDecision:
     num_head_end: int = 0
     #: lower tiers holding chunks of the hit that the plan recomputes instead of fetching
     skipped_tiers: frozenset[str] = frozenset()
+    #: tiers this plan fetches from to measure them again (planned at their best rate)
+    remeasured_tiers: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         """One line for the request's log."""
@@ -110,6 +117,7 @@ class LoadPlanner:
         remote_reads_in_flight: int = 8,
         tier_to_reads_in_flight: dict[str, int] | None = None,
         max_fetch_bytes: int | None = None,
+        background_probed_tiers: frozenset[str] = frozenset(),
         clock=time.monotonic,
     ) -> None:
         self.bytes_per_token = bytes_per_token
@@ -132,10 +140,16 @@ class LoadPlanner:
         #: most bytes of lower-tier chunks one fetch brings (what the CPU tier or the staging
         #: area can hold for it; None: no bound): the tokens after them are recomputed
         self.max_fetch_bytes = max_fetch_bytes
+        #: tiers a ``TierProber`` measures in the background; the others are measured again
+        #: by a plan's fetch (``remeasured_tiers``). Set by the factory once it made the prober.
+        self.background_probed_tiers = background_probed_tiers
         self._clock = clock
         #: tier name -> when a plan acted on last skipped it (it recomputed that tier's chunks)
         self._tier_to_skipped_at: dict[str, float] = {}
         self._tier_to_next_probe_at: dict[str, float] = {}
+        #: tiers a recorded plan fetches from to measure them again: their next reported
+        #: read replaces their estimate
+        self._remeasured_tiers: set[str] = set()
         #: the engine's step-time model (shared with its scheduler's prefill cap)
         self.step_times = step_times
         self._lock = threading.Lock()
@@ -187,7 +201,12 @@ class LoadPlanner:
     ) -> None:
         """Reads of ``tier_name`` delivered ``num_bytes`` in ``seconds``, ``connections`` at a
         time (None: a rate that holds whatever the reads in flight: the CPU tier's loads);
-        ``replace``: what the tier delivers now (see ``TierRates.observe``)."""
+        ``replace``: what the tier delivers now (see ``TierRates.observe``; always so for
+        the fetch a plan made to measure the tier again)."""
+        with self._lock:
+            if tier_name in self._remeasured_tiers and num_bytes > 0 and seconds > 0:
+                self._remeasured_tiers.discard(tier_name)
+                replace = True
         self.rates.observe(tier_name, num_bytes, seconds, connections, replace=replace)
 
     def tier_rate(self, tier_name: str, connections: int = 1) -> float:
@@ -212,26 +231,34 @@ class LoadPlanner:
         a plan acted on skipped it or it measured slower than recomputing (so plans would
         skip it: it is used again once it is fast). Claiming starts the interval (the caller
         probes). Never with ``load_policy: always`` or a zero interval."""
-        if self.probe_interval_s <= 0 or self.always_load:
-            return []
         now = self._clock()
-        # a tier is "slow" when loading a token takes longer than recomputing it in a mid-sized prompt
-        break_even = self.bytes_per_token * self.step_times.rate(BREAK_EVEN_PROMPT_TOKENS)
         claimed = []
         with self._lock:
             for tier in tier_names:
-                measured_at = self.rates.measured_at(tier)
-                if now - measured_at < self.probe_interval_s:
-                    continue
-                skipped = self._tier_to_skipped_at.get(tier, -math.inf) >= measured_at
-                if not skipped and self.rates.rate(tier, self.reads_in_flight_for(tier)) >= break_even:
-                    continue
-                if now < self._tier_to_next_probe_at.get(tier, -math.inf):
-                    continue
-                self._tier_to_next_probe_at[tier] = now + self.probe_interval_s
-                self.counts["probes"] += 1
-                claimed.append(tier)
+                if self._due_for_measuring(tier, now):
+                    self._claim_measuring(tier, now)
+                    claimed.append(tier)
         return claimed
+
+    def _due_for_measuring(self, tier: str, now: float) -> bool:
+        """Whether ``tier`` should be measured again now (see :meth:`tiers_to_probe`)."""
+        if self.probe_interval_s <= 0 or self.always_load:
+            return False
+        measured_at = self.rates.measured_at(tier)
+        if now - measured_at < self.probe_interval_s:
+            return False
+        if now < self._tier_to_next_probe_at.get(tier, -math.inf):
+            return False
+        if self._tier_to_skipped_at.get(tier, -math.inf) >= measured_at:
+            return True
+        # a tier is "slow" when loading a token takes longer than recomputing it in a mid-sized prompt
+        break_even = self.bytes_per_token * self.step_times.rate(BREAK_EVEN_PROMPT_TOKENS)
+        return self.rates.rate(tier, self.reads_in_flight_for(tier)) < break_even
+
+    def _claim_measuring(self, tier: str, now: float) -> None:
+        """Under the lock: the interval to ``tier``'s next measurement starts now."""
+        self._tier_to_next_probe_at[tier] = now + self.probe_interval_s
+        self.counts["probes"] += 1
 
     def reads_in_flight_for(self, tier_name: str) -> int:
         """How many reads of ``tier_name`` a fetch has in flight (remote tiers: more; at most
@@ -262,10 +289,22 @@ class LoadPlanner:
         first_fetch = index
         step_times = self.step_times
         rates = {"prefill": step_times.rate(num_prompt_tokens)}
+        now = self._clock()
+        remeasured = set()
         for tier in set(chunk_tiers[first_fetch:]) - {"cpu"}:
             # a fetch reads its chunks of a tier reads_in_flight_for(tier) at a time
             num_chunks = sum(1 for name in chunk_tiers[first_fetch:] if name == tier)
-            rates[tier] = self.tier_rate(tier, min(num_chunks, self.reads_in_flight_for(tier)))
+            connections = min(num_chunks, self.reads_in_flight_for(tier))
+            rates[tier] = self.tier_rate(tier, connections)
+            if tier not in self.background_probed_tiers:
+                with self._lock:
+                    due = self._due_for_measuring(tier, now)
+                if due:
+                    # measured again by this fetch: planned at the best it ever delivered
+                    # (its prior when that is more: a tier measured only while it was slow)
+                    best = max(self.rates.best_rate(tier, connections), self.rates.priors.get(tier, 0.0))
+                    rates[tier] = max(rates[tier], best)
+                    remeasured.add(tier)
 
         def chunk_start(chunk: int) -> int:
             return chunk_ends[chunk - 1] if chunk > 0 else 0
@@ -349,6 +388,7 @@ class LoadPlanner:
             rates=rates,
             num_head_end=num_head_end,
             skipped_tiers=skipped,
+            remeasured_tiers=frozenset(remeasured & fetched_tiers),
         )
 
     def record(self, decision: LoadDecision, num_computed: int) -> None:
@@ -357,6 +397,9 @@ class LoadPlanner:
         with self._lock:
             for tier in decision.skipped_tiers:
                 self._tier_to_skipped_at[tier] = now
+            for tier in decision.remeasured_tiers:
+                self._claim_measuring(tier, now)
+                self._remeasured_tiers.add(tier)
             self.counts["requests"] += 1
             self.counts["fetched_tokens"] += decision.num_fetch_end - max(
                 decision.num_cpu_end, decision.num_head_end

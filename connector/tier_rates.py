@@ -123,6 +123,17 @@ class TierRates:
             ceiling = [rate.best for other, rate in buckets.items() if other >= connections]
             return min(scaled, max(ceiling)) if ceiling else scaled
 
+    def best_rate(self, tier_name: str, connections: int = 1) -> float:
+        """The fastest the tier ever delivered with ``connections`` or more reads in flight
+        (the fastest with any count when none was measured so; its prior before any)."""
+        connections = max(1, int(connections))
+        with self._lock:
+            buckets = self._tier_to_connections_to_rate.get(tier_name)
+            if not buckets:
+                return self.priors.get(tier_name, 0.1e9)
+            as_many = [rate.best for count, rate in buckets.items() if count >= connections]
+            return max(as_many) if as_many else max(rate.best for rate in buckets.values())
+
     def measured_at(self, tier_name: str) -> float:
         """When the tier was last measured (the clock's seconds; -inf: never)."""
         with self._lock:

@@ -270,6 +270,50 @@ def test_a_skipped_or_slow_tier_is_claimed_for_a_measurement_once_per_interval()
     assert planner.tiers_to_probe(["disk"]) == ["disk"]
 
 
+def test_a_tier_no_prober_measures_is_measured_again_by_a_plan_once_per_interval():
+    """A disk fetch cut by its deadline with nothing arrived puts the disk near 0 B/s, and
+    plans then skip it: nothing would ever read it again (the prober measures only the
+    remotes; an H100 run recomputed every later 16k disk hit). Once per interval a plan
+    fetches from it at the best rate it ever delivered, and what that fetch brings
+    replaces the estimate."""
+    clock = [0.0]
+    planner = LoadPlanner(
+        bytes_per_token=MIB,
+        step_times=StepTimeModel(),
+        probe_interval_s=5.0,
+        background_probed_tiers=frozenset({"grpc"}),
+        clock=lambda: clock[0],
+    )
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=1000)  # 0.256 s per chunk
+    planner.observe_read("disk", 4 << 30, 1.0, connections=4)  # 4 GiB/s: loaded
+    assert plan(planner, ["disk"] * 4).num_fetch_chunks == 4
+    planner.observe_read("disk", 1, 0.02, connections=4, replace=True)  # a cut fetch, nothing arrived
+    planner.observe_read("grpc", 1, 0.02, connections=4, replace=True)
+    skipped = plan(planner, ["disk"] * 4)
+    assert skipped.num_fetch_chunks == 0 and skipped.remeasured_tiers == frozenset()
+    planner.record(skipped, 0)
+    clock[0] = 4.0
+    assert plan(planner, ["disk"] * 4).num_fetch_chunks == 0  # within the interval: trusted
+    clock[0] = 5.5
+    again = plan(planner, ["disk"] * 4)
+    assert again.remeasured_tiers == {"disk"} and again.num_fetch_chunks == 4
+    assert again.rates["disk"] == pytest.approx(4 * (1 << 30))  # the best it delivered
+    # the cache server is measured by the prober, never by a plan's fetch
+    assert plan(planner, ["grpc"] * 4).remeasured_tiers == frozenset()
+    probes = planner.counts["probes"]
+    planner.record(again, 0)
+    assert planner.counts["probes"] == probes + 1
+    # one such plan per interval
+    assert plan(planner, ["disk"] * 4).remeasured_tiers == frozenset()
+    # what the fetch brought replaces the estimate (an average would keep it near 0)
+    planner.observe_read("disk", 2 << 30, 1.0, connections=4)
+    assert planner.tier_rate("disk", 4) == pytest.approx(2 * (1 << 30))
+    assert plan(planner, ["disk"] * 4).tier_to_planned_tokens["disk"] >= 3 * 256  # loaded again
+    # the next reads average in again
+    planner.observe_read("disk", 1 << 30, 1.0, connections=4)
+    assert planner.tier_rate("disk", 4) == pytest.approx(0.7 * 2 * (1 << 30) + 0.3 * (1 << 30))
+
+
 def test_no_background_measurements_with_always_load_or_a_zero_interval():
     for planner in (
         LoadPlanner(bytes_per_token=MIB, step_times=StepTimeModel(), always_load=True),
@@ -364,6 +408,34 @@ def test_a_local_disk_is_measured_by_its_fetches_only(tiny_model_dir, tmp_path):
     assert "tier:disk" not in llm.engine.scheduler.connector.planner.snapshot()
     close(llm)
     assert not list(tmp_path.glob("*probe*"))
+
+
+def test_a_disk_measured_near_zero_is_read_again_after_the_probe_interval(tiny_model_dir, tmp_path):
+    """A real engine over a real disk tier: once the disk's estimate drops to nothing (as a
+    fetch its deadline cut before any chunk arrived leaves it), a disk hit is recomputed;
+    after ``tier_probe_interval_s`` one request reads the disk again, and the next hits
+    load from it. Tokens equal those of an engine without offload."""
+    from tests.connector.test_async_loads import PARAMS, close, disk_config, write_to
+
+    model_dir = tiny_model_dir("llama")
+    prompts = [make_prompt(200, seed) for seed in (31, 32, 33)]
+    expected = [o.token_ids for o in new_llm(model_dir, None).generate(prompts, PARAMS)]
+    write_to(model_dir, disk_config(tmp_path), prompts)
+    llm = new_llm(model_dir, disk_config(tmp_path, tier_probe_interval_s=0.5))
+    planner = llm.engine.scheduler.connector.planner
+    # recomputing is slow (5,000 tokens/s), so a disk that delivers anything is worth reading
+    planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=5000)
+    planner.observe_read("disk", 1, 0.05, connections=4, replace=True)
+    first = llm.generate([prompts[0]], PARAMS)[0]
+    assert first.metrics.num_external_cached_tokens == 0  # the disk looks dead: recomputed
+    time.sleep(0.6)
+    second = llm.generate([prompts[1]], PARAMS)[0]
+    assert second.metrics.tier_to_loaded_tokens.get("disk", 0) > 0  # measured again by this fetch
+    assert planner.tier_rate("disk", 4) > 1e6
+    third = llm.generate([prompts[2]], PARAMS)[0]
+    assert third.metrics.tier_to_loaded_tokens.get("disk", 0) > 0
+    assert [first.token_ids, second.token_ids, third.token_ids] == expected
+    close(llm)
 
 
 def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from connector import OffloadConfig, create_cache_engine
+from connector import OffloadConfig, create_cache_engine, create_kv_connector
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -39,4 +39,21 @@ def make_cache_engine(**config_fields):
         num_kv_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         device=torch.device("cpu"),
+    )
+
+
+def make_connector_pair(config: OffloadConfig, model_id: str):
+    """Both connector roles over the synthetic KV shape, as the engine builds them (CPU)."""
+    from engine.step_time import StepTimeModel
+
+    return create_kv_connector(
+        config,
+        model_id=model_id,
+        dtype=torch.float32,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=BLOCK_SIZE,
+        device=torch.device("cpu"),
+        step_times=StepTimeModel(),
     )

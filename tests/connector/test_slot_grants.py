@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from connector import OffloadConfig, create_kv_connector
+from connector import OffloadConfig
 from connector.base import (
     FETCH_IN_CPU,
     FETCH_MISS,
@@ -25,13 +25,10 @@ from connector.scheduler_side import slot_mapping_for
 from connector.slot_grants import SlotGrants
 from connector.slot_index import PinKind, SlotIndex
 from connector.token_db import KV_LAYOUT
-from engine.step_time import StepTimeModel
 from storage_backends.chunk import KVChunk
 from tests.connector.kv_helpers import (
     BLOCK_SIZE,
-    HEAD_DIM,
-    NUM_KV_HEADS,
-    NUM_LAYERS,
+    make_connector_pair,
     new_kv_cache,
     token_rows,
 )
@@ -225,17 +222,7 @@ def count_changes(index: SlotIndex) -> list[str]:
 
 def test_the_worker_side_saves_into_granted_slots_and_the_report_publishes_them(tmp_path):
     config = OffloadConfig(chunk_size=16, cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 24)
-    scheduler, worker = create_kv_connector(
-        config,
-        model_id="saves-by-slot",
-        dtype=torch.float32,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        step_times=StepTimeModel(),
-    )
+    scheduler, worker = make_connector_pair(config, "saves-by-slot")
     kv_cache = new_kv_cache(5)
     worker.register_kv_caches(kv_cache)
     index = scheduler.cpu_index
@@ -295,17 +282,7 @@ def test_a_lower_tier_hit_read_in_the_step_is_promoted_into_a_slot_the_scheduler
     config = OffloadConfig(
         chunk_size=16, cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 24, async_loads=False
     )
-    scheduler, worker = create_kv_connector(
-        config,
-        model_id="promotions-by-slot",
-        dtype=torch.float32,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        step_times=StepTimeModel(),
-    )
+    scheduler, worker = make_connector_pair(config, "promotions-by-slot")
     kv_cache = new_kv_cache(6)
     worker.register_kv_caches(kv_cache)
     index = scheduler.cpu_index

@@ -11,18 +11,16 @@ import multiprocessing
 
 import torch
 
-from connector import OffloadConfig, create_kv_connector
+from connector import OffloadConfig
 from connector.base import ConnectorMetadata, FetchSpec, Grant, WorkerReport
 from connector.request_transfer import FetchState
 from connector.scheduler_side import slot_mapping_for
-from engine.step_time import StepTimeModel
 from storage_backends import create_backend
 from storage_backends.chunk import KVChunk
 from tests.connector.kv_helpers import (
     BLOCK_SIZE,
-    HEAD_DIM,
-    NUM_KV_HEADS,
     NUM_LAYERS,
+    make_connector_pair,
     new_kv_cache,
     token_rows,
 )
@@ -37,17 +35,7 @@ B_BLOCKS = list(range(20, 32))
 def connector_pair(redis_url: str):
     """Both roles as the engine builds them; each process uses one of them."""
     config = OffloadConfig(chunk_size=CHUNK, cpu_bytes=0, staging_bytes=0, remote_url=redis_url)
-    return create_kv_connector(
-        config,
-        model_id="worker-in-another-process",
-        dtype=torch.float32,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        step_times=StepTimeModel(),
-    )
+    return make_connector_pair(config, "worker-in-another-process")
 
 
 def serve_worker_side(conn, redis_url: str) -> None:
@@ -138,17 +126,7 @@ F_SLOTS = slot_mapping_for(F_BLOCKS, BLOCK_SIZE, len(PROMPT))
 def staging_pair(redis_url: str):
     """Both roles over a staging area (no CPU tier) above Redis: lower-tier hits are fetched."""
     config = OffloadConfig(chunk_size=CHUNK, cpu_bytes=0, staging_bytes=1 << 20, remote_url=redis_url)
-    return create_kv_connector(
-        config,
-        model_id="fetch-in-another-process",
-        dtype=torch.float32,
-        num_layers=NUM_LAYERS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        step_times=StepTimeModel(),
-    )
+    return make_connector_pair(config, "fetch-in-another-process")
 
 
 def serve_fetches(conn, redis_url: str) -> None:

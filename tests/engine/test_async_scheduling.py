@@ -376,12 +376,41 @@ def test_async_scheduling_with_weights_streamed_from_cpu_memory(model_dir):
     assert llm.engine.runner.num_device_filled_input_ids > 0
 
 
+def run_with_failing_forward(engine, monkeypatch, should_fail) -> tuple[dict, int]:
+    """Step ``engine`` until it is idle (at most 300 steps: a leak fails, never hangs) while
+    its forward raises for each plan ``should_fail(plan)`` accepts: inside the runner, as a
+    real forward fails, with the step's connector metadata bound. -> (request id -> its
+    final output, number of failures injected)."""
+    from engine.engine_core import EngineStepError
+
+    run_model = engine.runner._run_model
+    num_failures = 0
+
+    def failing_forward(plan, host):
+        nonlocal num_failures
+        if should_fail(plan, num_failures):
+            num_failures += 1
+            raise RuntimeError("injected failure")
+        return run_model(plan, host)
+
+    monkeypatch.setattr(engine.runner, "_run_model", failing_forward)
+    finished = {}
+    for _ in range(300):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs = engine.step()
+        except EngineStepError as error:
+            outputs = error.outputs
+        finished.update((output.request_id, output) for output in outputs if output.finished)
+    return finished, num_failures
+
+
 def test_a_failed_async_step_leaves_no_cpu_tier_slot_reserved_or_pinned(model_dir, monkeypatch):
     """The steps in flight that a failed step makes the engine give up still report the
     CPU-tier slots they filled and read: the scheduler side applies those facts, so the
     tier does not shrink by a failure (issue 36: the scheduler side owns the index)."""
     from connector import OffloadConfig
-    from engine.engine_core import EngineStepError
 
     prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=90 + i) for i in range(4)}
     config = OffloadConfig(cpu_bytes=8 << 20, chunk_size=16)
@@ -392,28 +421,12 @@ def test_a_failed_async_step_leaves_no_cpu_tier_slot_reserved_or_pinned(model_di
     engine = llm.engine
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, GREEDY)
-    runner = engine.runner
-    run_model = runner._run_model
-    num_failures = 0
-
-    def failing_forward(plan, host):
-        # fails inside the runner, as a real forward does: the step's connector metadata is bound
-        nonlocal num_failures
-        if any(r.request_id == "r1" and len(r.output_token_ids) >= 3 for r in plan.requests):
-            num_failures += 1
-            raise RuntimeError("injected failure")
-        return run_model(plan, host)
-
-    monkeypatch.setattr(runner, "_run_model", failing_forward)
-    finished = {}
-    while engine.has_unfinished_requests():
-        try:
-            outputs = engine.step()
-        except EngineStepError as error:
-            outputs = error.outputs
-        for output in outputs:
-            if output.finished:
-                finished[output.request_id] = output
+    finished, num_failures = run_with_failing_forward(
+        engine,
+        monkeypatch,
+        lambda plan, _: any(r.request_id == "r1" and len(r.output_token_ids) >= 3 for r in plan.requests),
+    )
+    assert not engine.has_unfinished_requests()
     assert num_failures > 0 and finished["r1"].finish_reason == "error"
     for request_id in ("r0", "r2", "r3"):
         assert finished[request_id].token_ids == expected[request_id]
@@ -431,7 +444,6 @@ def test_a_step_failing_behind_one_that_saved_loses_none_of_its_saves(model_dir,
     its report, so its requests are not left waiting for saves that were reported already
     (they would hold their blocks, and the engine would never be idle)."""
     from connector import OffloadConfig
-    from engine.engine_core import EngineStepError
 
     prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=70 + i) for i in range(4)}
     expected = dict(
@@ -441,28 +453,12 @@ def test_a_step_failing_behind_one_that_saved_loses_none_of_its_saves(model_dir,
     engine = llm.engine
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, GREEDY)
-    runner = engine.runner
-    run_model = runner._run_model
-    num_failures = 0
 
-    def failing_forward(plan, host):
-        nonlocal num_failures
+    def behind_a_step_that_saved(plan, num_failures: int) -> bool:
         in_flight_reports = [step.future.connector_report for step in engine._batch_queue._in_flight]
-        if num_failures == 0 and any(report is not None and report.saves for report in in_flight_reports):
-            num_failures += 1
-            raise RuntimeError("injected failure")
-        return run_model(plan, host)
+        return num_failures == 0 and any(report is not None and report.saves for report in in_flight_reports)
 
-    monkeypatch.setattr(runner, "_run_model", failing_forward)
-    finished = {}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            outputs = engine.step()
-        except EngineStepError as error:
-            outputs = error.outputs
-        finished.update((output.request_id, output) for output in outputs if output.finished)
+    finished, num_failures = run_with_failing_forward(engine, monkeypatch, behind_a_step_that_saved)
     assert num_failures == 1
     assert not engine.has_unfinished_requests(), dict(engine.scheduler.request_id_to_sending)
     assert {request_id: output.token_ids for request_id, output in finished.items()} == expected

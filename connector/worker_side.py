@@ -36,7 +36,6 @@ from typing import NamedTuple
 import torch
 
 from connector.base import (
-    LOAD_NOT_IN_CPU,
     ConnectorMetadata,
     FetchProgress,
     KVConnectorWorker,
@@ -80,17 +79,26 @@ def load_layer_pieces(num_layers: int, num_pieces: int = LOAD_LAYER_PIECES) -> l
     return [(first, last) for first, last in zip([0, *ends[:-1]], ends, strict=True)]
 
 
+def _given_back(
+    engine: CacheEngine, token_ids, cache_salt, num_start: int, slot_ids
+) -> list[tuple[str, int, bool]]:
+    """The slots granted to the chunks of ``token_ids`` that end after ``num_start`` (one
+    slot id each, negative: none granted), reported unfilled: their copy never ran. The
+    keys are the engine's cut of the same chunks the scheduler side granted."""
+    spans = [span for span in engine.token_db.chunk_spans(token_ids, cache_salt) if span.end > num_start]
+    return [(span.key, slot_id, False) for span, slot_id in zip(spans, slot_ids, strict=True) if slot_id >= 0]
+
+
 def _unfilled_promotions(engine: CacheEngine, spec: LoadSpec) -> list[tuple[str, int, bool]]:
     """The promotion slots granted to a load that never ran, reported unfilled."""
     if not spec.promotion_slot_ids:
         return []
-    spans = engine.token_db.chunk_spans(spec.token_ids, spec.cache_salt)
-    spans = [span for span in spans if span.start < spec.num_load_end and span.end > spec.num_load_start]
-    return [
-        (span.key, slot_id, False)
-        for span, slot_id in zip(spans, spec.promotion_slot_ids, strict=True)
-        if slot_id != LOAD_NOT_IN_CPU
-    ]
+    # the chunks up to the one holding the load's end (a chunk is read whole)
+    chunk_size = engine.token_db.chunk_size
+    num_chunks_end = -(-spec.num_load_end // chunk_size) * chunk_size
+    return _given_back(
+        engine, spec.token_ids[:num_chunks_end], spec.cache_salt, spec.num_load_start, spec.promotion_slot_ids
+    )
 
 
 class _Load(NamedTuple):
@@ -379,13 +387,13 @@ class OffloadWorker(KVConnectorWorker):
         back (reported unfilled). The keys are the engine's cut of the same chunks."""
         if self.grants_own_slots or not spec.slot_ids:
             return []
-        spans = self.cache_engine.token_db.chunk_spans(spec.token_ids[: spec.num_save_end], spec.cache_salt)
-        spans = [span for span in spans if span.end > spec.num_save_start]
-        return [
-            (span.key, slot_id, False)
-            for span, slot_id in zip(spans, spec.slot_ids, strict=True)
-            if slot_id >= 0
-        ]
+        return _given_back(
+            self.cache_engine,
+            spec.token_ids[: spec.num_save_end],
+            spec.cache_salt,
+            spec.num_save_start,
+            spec.slot_ids,
+        )
 
     def _saved(self, request_id: str, num_saved_tokens: int, fills: list[tuple[str, int, bool]]) -> None:
         """A save read its blocks (or was skipped): the next report says it, with the

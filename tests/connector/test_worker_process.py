@@ -7,6 +7,7 @@ per-step ``ConnectorMetadata`` (pickled to the child) and the child's ``WorkerRe
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 
 import torch
@@ -61,61 +62,71 @@ def serve_worker_side(conn, redis_url: str) -> None:
         worker.close()
 
 
-def test_the_worker_side_runs_in_another_process_from_metadata_and_reports_alone(redis_url):
-    scheduler, unused_worker = connector_pair(redis_url)  # the child's worker side does the work
+@contextlib.contextmanager
+def child_serving(serve, redis_url: str):
+    """A spawned child running ``serve(conn, redis_url)``; yields the parent's end of the
+    pipe. On leaving, the child is told to stop and must exit cleanly (killed if it hangs)."""
     context = multiprocessing.get_context("spawn")
     parent_conn, child_conn = context.Pipe()
-    child = context.Process(target=serve_worker_side, args=(child_conn, redis_url), daemon=True)
+    child = context.Process(target=serve, args=(child_conn, redis_url), daemon=True)
     child.start()
     try:
-
-        def step(metadata, slots) -> tuple[WorkerReport, torch.Tensor]:
-            parent_conn.send((metadata, slots))  # pickled: plain data only
-            assert parent_conn.poll(60), "the worker process did not answer"
-            return parent_conn.recv()
-
-        # A computes its whole prompt in the child, which saves it to Redis.
-        a = FakeRequest("a", PROMPT, len(PROMPT))
-        assert scheduler.grant(a, 0, None) == Grant(0)
-        scheduler.update_state_after_alloc(a, A_BLOCKS, Grant(0))
-        metadata = scheduler.build_connector_meta([scheduled(a, A_BLOCKS, 0, len(PROMPT))])
-        assert [(s.num_save_start, s.num_save_end) for s in metadata.saves] == [(0, 40)]
-        # it ends with its step: its blocks stay until the report says its save read them
-        assert scheduler.request_finished(a, A_BLOCKS) is True
-        a_slots = slot_mapping_for(A_BLOCKS, BLOCK_SIZE, len(PROMPT))
-        report, a_rows = step(metadata, a_slots)
-        assert report.saves == [("a", 40)] and report.loads == [] and report.load_failures == {}
-        assert scheduler.update_connector_output(report) == ({"a"}, set())
-        assert scheduler.request_stats("a").num_saved_tokens == 40
-
-        # B shares A's first two chunks: the scheduler side's lookup finds them in Redis.
-        b = FakeRequest("b", PROMPT + list(range(8)), len(PROMPT) + 8)
-        grant = scheduler.grant(b, 0, None)
-        assert (grant.num_computed_tokens, grant.num_load_tokens) == (0, 32)
-        scheduler.update_state_after_alloc(b, B_BLOCKS, grant)
-        metadata = scheduler.build_connector_meta([scheduled(b, B_BLOCKS, 32, 16)])
-        assert [(s.num_load_start, s.num_load_end) for s in metadata.loads] == [(0, 32)]
-        assert scheduler.request_finished(b, B_BLOCKS) is True  # its step saves chunk 3
-        b_slots = slot_mapping_for(B_BLOCKS, BLOCK_SIZE, 48)
-        report, b_rows = step(metadata, b_slots)
-        assert report.load_failures == {}
-        (load,) = report.loads
-        assert (load.request_id, load.num_load_start, load.num_loaded) == ("b", 0, 32)
-        # the child loaded into its KV tensor exactly what A's step saved
-        assert torch.equal(b_rows[:, :, :32], a_rows[:, :, :32])
-        assert not torch.equal(b_rows[:, :, 32:40], a_rows[:, :, 32:40])  # computed, not loaded
-        assert scheduler.update_connector_output(report) == ({"b"}, set())
-        stats = scheduler.request_stats("b")
-        assert (stats.num_external_hit_tokens, stats.num_loaded_tokens) == (32, 32)
-        assert stats.num_loaded_bytes == 32 * scheduler.cache_engine.bytes_per_token
-        assert stats.tier_to_loaded_tokens == {"redis": 32}
-        assert stats.num_saved_tokens == 16
+        yield parent_conn
         parent_conn.send(None)
         child.join(60)
         assert child.exitcode == 0
     finally:
         if child.is_alive():
             child.kill()
+
+
+def test_the_worker_side_runs_in_another_process_from_metadata_and_reports_alone(redis_url):
+    scheduler, unused_worker = connector_pair(redis_url)  # the child's worker side does the work
+    try:
+        with child_serving(serve_worker_side, redis_url) as parent_conn:
+
+            def step(metadata, slots) -> tuple[WorkerReport, torch.Tensor]:
+                parent_conn.send((metadata, slots))  # pickled: plain data only
+                assert parent_conn.poll(60), "the worker process did not answer"
+                return parent_conn.recv()
+
+            # A computes its whole prompt in the child, which saves it to Redis.
+            a = FakeRequest("a", PROMPT, len(PROMPT))
+            assert scheduler.grant(a, 0, None) == Grant(0)
+            scheduler.update_state_after_alloc(a, A_BLOCKS, Grant(0))
+            metadata = scheduler.build_connector_meta([scheduled(a, A_BLOCKS, 0, len(PROMPT))])
+            assert [(s.num_save_start, s.num_save_end) for s in metadata.saves] == [(0, 40)]
+            # it ends with its step: its blocks stay until the report says its save read them
+            assert scheduler.request_finished(a, A_BLOCKS) is True
+            a_slots = slot_mapping_for(A_BLOCKS, BLOCK_SIZE, len(PROMPT))
+            report, a_rows = step(metadata, a_slots)
+            assert report.saves == [("a", 40)] and report.loads == [] and report.load_failures == {}
+            assert scheduler.update_connector_output(report) == ({"a"}, set())
+            assert scheduler.request_stats("a").num_saved_tokens == 40
+
+            # B shares A's first two chunks: the scheduler side's lookup finds them in Redis.
+            b = FakeRequest("b", PROMPT + list(range(8)), len(PROMPT) + 8)
+            grant = scheduler.grant(b, 0, None)
+            assert (grant.num_computed_tokens, grant.num_load_tokens) == (0, 32)
+            scheduler.update_state_after_alloc(b, B_BLOCKS, grant)
+            metadata = scheduler.build_connector_meta([scheduled(b, B_BLOCKS, 32, 16)])
+            assert [(s.num_load_start, s.num_load_end) for s in metadata.loads] == [(0, 32)]
+            assert scheduler.request_finished(b, B_BLOCKS) is True  # its step saves chunk 3
+            b_slots = slot_mapping_for(B_BLOCKS, BLOCK_SIZE, 48)
+            report, b_rows = step(metadata, b_slots)
+            assert report.load_failures == {}
+            (load,) = report.loads
+            assert (load.request_id, load.num_load_start, load.num_loaded) == ("b", 0, 32)
+            # the child loaded into its KV tensor exactly what A's step saved
+            assert torch.equal(b_rows[:, :, :32], a_rows[:, :, :32])
+            assert not torch.equal(b_rows[:, :, 32:40], a_rows[:, :, 32:40])  # computed, not loaded
+            assert scheduler.update_connector_output(report) == ({"b"}, set())
+            stats = scheduler.request_stats("b")
+            assert (stats.num_external_hit_tokens, stats.num_loaded_tokens) == (32, 32)
+            assert stats.num_loaded_bytes == 32 * scheduler.cache_engine.bytes_per_token
+            assert stats.tier_to_loaded_tokens == {"redis": 32}
+            assert stats.num_saved_tokens == 16
+    finally:
         unused_worker.close()
 
 
@@ -170,58 +181,50 @@ def test_a_fetch_runs_in_another_process_into_the_slots_the_scheduler_side_grant
     chunks = [torch.full(shape, float(index + 1)) for index in range(len(spans))]
     for span, tensor in zip(spans, chunks, strict=True):
         redis.put(span.key, KVChunk(tensor))
-    context = multiprocessing.get_context("spawn")
-    parent_conn, child_conn = context.Pipe()
-    child = context.Process(target=serve_fetches, args=(child_conn, redis_url), daemon=True)
-    child.start()
     try:
-        f = FakeRequest("f", PROMPT, len(PROMPT))
-        transfer = scheduler._transfer_of(f)  # its chunk keys cut as a grant does
-        spec = FetchSpec(1, "f", tuple(s.key for s in spans), (shape,) * 2, ("redis", "redis"), 30.0)
-        scheduler.registry.fetch_started(transfer, FetchState(1, 0, spec.tier_names))
-        granted = scheduler.grants.grant_fetch(spec)  # as build_connector_meta does
-        assert min(granted.slot_ids) >= 0
+        with child_serving(serve_fetches, redis_url) as parent_conn:
+            f = FakeRequest("f", PROMPT, len(PROMPT))
+            transfer = scheduler._transfer_of(f)  # its chunk keys cut as a grant does
+            spec = FetchSpec(1, "f", tuple(s.key for s in spans), (shape,) * 2, ("redis", "redis"), 30.0)
+            scheduler.registry.fetch_started(transfer, FetchState(1, 0, spec.tier_names))
+            granted = scheduler.grants.grant_fetch(spec)  # as build_connector_meta does
+            assert min(granted.slot_ids) >= 0
 
-        def step(metadata, slots):
-            parent_conn.send((metadata, slots))  # pickled: plain data only
-            assert parent_conn.poll(60), "the worker process did not answer"
-            return parent_conn.recv()
+            def step(metadata, slots):
+                parent_conn.send((metadata, slots))  # pickled: plain data only
+                assert parent_conn.poll(60), "the worker process did not answer"
+                return parent_conn.recv()
 
-        report, child_keys, child_pins, slots, _ = step(ConnectorMetadata(fetches=[granted]), F_SLOTS[:0])
-        # the child read into the granted slots and changed nothing of its own index
-        assert child_keys == [] and child_pins == {}
-        assert sorted(report.fills) == sorted(
-            (span.key, slot_id, True) for span, slot_id in zip(spans, granted.slot_ids, strict=True)
-        )
-        for slot_id, tensor in zip(granted.slot_ids, chunks, strict=True):
-            assert torch.equal(slots[slot_id], tensor)
-        (progress,) = report.fetches
-        assert (progress.num_ready_chunks, progress.done) == (2, True)
-        # the scheduler side publishes the fills, pinned for the fetch that waits for them
-        assert scheduler.update_connector_output(report) == (set(), {"f"})
-        assert scheduler.cpu_index.present([s.key for s in spans]) == [True, True]
-        assert scheduler.cpu_index.pin_counts() == {"fetch": 2}
+            report, child_keys, child_pins, slots, _ = step(ConnectorMetadata(fetches=[granted]), F_SLOTS[:0])
+            # the child read into the granted slots and changed nothing of its own index
+            assert child_keys == [] and child_pins == {}
+            assert sorted(report.fills) == sorted(
+                (span.key, slot_id, True) for span, slot_id in zip(spans, granted.slot_ids, strict=True)
+            )
+            for slot_id, tensor in zip(granted.slot_ids, chunks, strict=True):
+                assert torch.equal(slots[slot_id], tensor)
+            (progress,) = report.fetches
+            assert (progress.num_ready_chunks, progress.done) == (2, True)
+            # the scheduler side publishes the fills, pinned for the fetch that waits for them
+            assert scheduler.update_connector_output(report) == (set(), {"f"})
+            assert scheduler.cpu_index.present([s.key for s in spans]) == [True, True]
+            assert scheduler.cpu_index.pin_counts() == {"fetch": 2}
 
-        # admitted, it loads the fetched chunks in the child, by the slots the scheduler side pinned
-        grant = scheduler.grant(f, 0, None)
-        assert (grant.num_computed_tokens, grant.num_load_tokens) == (0, 32)
-        scheduler.update_state_after_alloc(f, F_BLOCKS, grant)
-        metadata = scheduler.build_connector_meta([scheduled(f, F_BLOCKS, 32, 8)])
-        (load,) = metadata.loads
-        assert load.slot_ids == granted.slot_ids
-        # the fetch's pins went with its release; the lookup's and the reads' hold them until it ends
-        assert scheduler.cpu_index.pin_counts() == {"lookup": 2, "read": 2}
-        report, child_keys, child_pins, _, rows = step(metadata, F_SLOTS)
-        assert child_keys == [] and child_pins == {}
-        assert report.load_failures == {} and report.ended_loads == [("f", 0)]
-        assert bool((rows[:, :, :16] == 1.0).all()) and bool((rows[:, :, 16:32] == 2.0).all())
-        scheduler.update_connector_output(report)
-        assert scheduler.cpu_index.pin_counts() == {}  # the load's pins went with its report
-        parent_conn.send(None)
-        child.join(60)
-        assert child.exitcode == 0
+            # admitted, it loads the fetched chunks in the child, by the slots the scheduler side pinned
+            grant = scheduler.grant(f, 0, None)
+            assert (grant.num_computed_tokens, grant.num_load_tokens) == (0, 32)
+            scheduler.update_state_after_alloc(f, F_BLOCKS, grant)
+            metadata = scheduler.build_connector_meta([scheduled(f, F_BLOCKS, 32, 8)])
+            (load,) = metadata.loads
+            assert load.slot_ids == granted.slot_ids
+            # the fetch's pins went with its release; the lookup's and the reads' hold them until it ends
+            assert scheduler.cpu_index.pin_counts() == {"lookup": 2, "read": 2}
+            report, child_keys, child_pins, _, rows = step(metadata, F_SLOTS)
+            assert child_keys == [] and child_pins == {}
+            assert report.load_failures == {} and report.ended_loads == [("f", 0)]
+            assert bool((rows[:, :, :16] == 1.0).all()) and bool((rows[:, :, 16:32] == 2.0).all())
+            scheduler.update_connector_output(report)
+            assert scheduler.cpu_index.pin_counts() == {}  # the load's pins went with its report
     finally:
-        if child.is_alive():
-            child.kill()
         redis.close()
         unused_worker.close()

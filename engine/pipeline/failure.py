@@ -37,6 +37,16 @@ class CollectiveError(RuntimeError):
     the first failure: the process that failed first recorded its own error, or died."""
 
 
+def start_collective(op, *args):
+    """``op(*args)``: a send, receive or collective of a process group -> its work. A
+    failure to start it is raised as CollectiveError too (gloo raises at once, not from
+    ``wait``, when a peer's connection is already closed: a killed node's ranks)."""
+    try:
+        return op(*args)
+    except RuntimeError as error:
+        raise CollectiveError(f"a collective of the process group failed: {error}") from error
+
+
 def wait_collective(work) -> None:
     """`work.wait()`, a failure raised as CollectiveError (called by every collective and
     send/receive of engine.pipeline.comm and engine.tensor_parallel.comm)."""

@@ -205,3 +205,25 @@ def test_an_engine_core_of_node_1_is_refused() -> None:
         EngineCore(
             "/nonexistent", EngineArgs(nnodes=2, node_rank=1, dist_init_addr="h:5", tensor_parallel_size=2)
         )
+
+
+def test_a_collective_that_fails_to_start_is_a_collective_failure() -> None:
+    """gloo raises when an op is started, not waited for, once a peer's connection is
+    closed (a killed node): such an error is a consequence (CollectiveError), so the
+    executor waits for the cause (the node's word) instead of reporting it as the first
+    failure. CI once reported "rank 0 failed ... Connection closed by peer" instead of
+    the killed node 1. Here a real gloo group refuses to start an op on a meta tensor."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.pipeline.failure import CollectiveError, is_collective_failure, start_collective
+
+    group = dist.ProcessGroupGloo(dist.FileStore(tempfile.mktemp(), 1), 0, 1)
+    ones = torch.ones(2)
+    start_collective(group.allreduce, [ones], dist.AllreduceOptions()).wait()  # a working op passes
+    assert ones.tolist() == [1.0, 1.0]
+    with pytest.raises(CollectiveError, match="meta") as raised:
+        start_collective(group.allreduce, [torch.zeros(1, device="meta")], dist.AllreduceOptions())
+    assert is_collective_failure(raised.value)

@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     print(f"wrote {out / 'soak.json'}, {out / 'soak.png'} and the logs in {out}")
     if args.check and not result["summary"]["passed"]:
-        print("soak: a target failed (see FAIL above)", file=sys.stderr)
+        failed = [f"{c['name']} ({c['detail']})" for c in result["summary"]["checks"] if not c["ok"]]
+        print("soak: targets failed: " + "; ".join(failed), file=sys.stderr)
         return 1
     return 0
 

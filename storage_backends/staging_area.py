@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 AREA_SEALS = (
     getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
 )
+#: the shared file's name (``/proc/PID/fd`` shows ``/memfd:kvstash-staging (deleted)``)
+AREA_NAME = "kvstash-staging"
 #: areas are whole multiples of this (a client asking for 2 MiB + a header gets 3 MiB)
 AREA_GRANULE_BYTES = 1 << 20
 #: both sides map an area with its pages in place: one call instead of a page fault per 4 KiB
@@ -124,7 +126,7 @@ def create_sealed_area(size: int) -> tuple[int, StagingArea]:
     """A new shared file of ``size`` bytes (> 0), sealed against resizing, and the server's
     read-only mapping of it. The caller sends the descriptor to its client and then closes it.
     OSError when the system cannot create it (no memfd, no memory)."""
-    fd = os.memfd_create("kvstash-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(AREA_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, AREA_SEALS)

@@ -54,7 +54,9 @@ def print_table(result: dict) -> None:
     restart = summary["restart"]
     hits = counters["tier_hit_chunks"]
     console.print(
-        "* open files other than the load's own connections to the HTTP port\n"
+        "* open files other than the load's own connections to the HTTP port and serve's pool towards the "
+        "cache server (**: those connections and their shared-memory staging areas, opened on demand up to "
+        "the pool's size; not held to the tolerance)\n"
         f"disk tier: max {summary['disk_max_bytes'] / MIB:.2f} MiB of files (du: "
         f"{summary['disk_max_du_bytes'] / MIB:.2f}) of a {summary['disk_cap_bytes'] / MIB:.2f} MiB cap\n"
         f"requests: {summary['requests']} ({summary['requests_ok']} ok, {summary['streamed']} streamed, "

@@ -1,5 +1,6 @@
 """The soak's samples: every few seconds, on a thread, what the serve process tree holds
-(RSS, threads by name, open files by kind, shared-memory mappings, GPU memory), the disk
+(RSS, threads by name, open files by kind, shared-memory mappings, GPU memory; its
+connections to the cache server and their staging areas apart from its other files), the disk
 tier's bytes, the cache server's RSS and the server's ``/metrics`` counters.
 
 ``benchmarks/soak.py`` starts one `Sampler` when the load starts and stops it (one last
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from storage_backends.staging_area import AREA_NAME
 
 if TYPE_CHECKING:
     from benchmarks.support.soak_children import Child
@@ -144,6 +148,43 @@ def client_connections(pids: list[int], port: int) -> int:
     return count
 
 
+def staging_areas(pids: list[int]) -> int:
+    """Open shared-memory staging areas (one per bulk connection to the cache server that
+    uses one: ``storage_backends/staging_area.py``)."""
+    count = 0
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                count += os.readlink(fd).startswith(f"/memfd:{AREA_NAME}")
+            except OSError:
+                continue
+    return count
+
+
+def accepted_connections(pids: list[int]) -> int:
+    """Connections the processes accepted (the cache server's from its clients: during the
+    soak only serve's gRPC channel and bulk connections): TCP ones to a port they listen
+    on, and Unix-socket ones under a path they listen on (psutil names the listening
+    socket's path on the accepted ones too; one per path is the listener)."""
+    import psutil
+
+    count = 0
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="all")
+        except psutil.Error:
+            continue
+        listen_ports = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+        count += sum(
+            1
+            for c in connections
+            if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port in listen_ports
+        )
+        unix_paths = [c.laddr for c in connections if c.family == socket.AF_UNIX and c.laddr]
+        count += len(unix_paths) - len(set(unix_paths))
+    return count
+
+
 def gpu_bytes(pids: list[int]) -> int | None:
     """GPU memory used by ``pids`` (nvidia-smi's per-process figures), None without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
@@ -224,17 +265,25 @@ class Sampler:
             size, allocated = folder_bytes(soak.disk_dir)
             cache = soak.cache_server
             cache_rss = None
+            cache_connections = 0
             if cache is not None and cache.process is not None and cache.process.poll() is None:
-                cache_rss = tree_figures(cache.process.pid)["rss_bytes"]
+                cache_figures = tree_figures(cache.process.pid)
+                cache_rss = cache_figures["rss_bytes"]
+                cache_connections = accepted_connections(cache_figures["pids"])
             connections = client_connections(serve["pids"], soak.serve.port)
+            # serve's pool towards the cache server: per bulk connection a socket and its
+            # shared-memory staging area, grown on demand up to the pool's bound
+            cache_fds = cache_connections + staging_areas(serve["pids"])
             sample = {
                 "t_s": round(t, 2),
                 "serve_rss_bytes": serve["rss_bytes"],
                 "serve_threads": serve["threads"],
-                # open files other than the load's own connections to the HTTP port
-                "serve_fds": serve["fds"] - connections,
+                # open files other than the load's own connections to the HTTP port and
+                # serve's pool towards the cache server (tracked apart: cache_server_fds)
+                "serve_fds": serve["fds"] - connections - cache_fds,
                 "serve_fds_all": serve["fds"],
                 "client_connections": connections,
+                "cache_server_fds": cache_fds if cache_rss is not None else None,
                 "thread_names": thread_names(serve["pids"]),
                 "fd_kinds": fd_kinds(serve["pids"]),
                 "shm_mappings": shm_mappings(serve["pids"]),

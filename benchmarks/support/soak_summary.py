@@ -24,6 +24,7 @@ TRACKED = (
     ("serve_rss_bytes", "serve RSS (MiB)", MIB),
     ("serve_threads", "serve threads", 1),
     ("serve_fds", "serve open files*", 1),
+    ("cache_server_fds", "cache-server files**", 1),
     ("disk_bytes", "disk tier (MiB)", MIB),
     ("gpu_bytes", "GPU memory (MiB)", MIB),
 )

@@ -14,7 +14,7 @@ import pytest
 def run_benchmark(repo_root, subprocess_env) -> Callable[..., subprocess.CompletedProcess]:
     """Factory: ``run_benchmark(["benchmarks/x.py", *args])`` runs the script with this
     interpreter from the repository root (its packages on the path), asserts that it
-    exited 0 (showing the end of its stderr otherwise) and returns the finished process."""
+    exited 0 (showing the ends of its stdout and stderr otherwise) and returns the finished process."""
 
     def run(argv: Sequence[str], timeout_s: float = 600) -> subprocess.CompletedProcess:
         result = subprocess.run(
@@ -25,7 +25,8 @@ def run_benchmark(repo_root, subprocess_env) -> Callable[..., subprocess.Complet
             text=True,
             timeout=timeout_s,
         )
-        assert result.returncode == 0, result.stderr[-3000:]
+        # both streams: a script's table (with its failed targets) goes to stdout
+        assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
         return result
 
     return run

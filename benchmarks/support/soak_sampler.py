@@ -98,19 +98,26 @@ def thread_names(pids: list[int]) -> dict[str, int]:
     return dict(sorted(names.items()))
 
 
-def fd_kinds(pids: list[int]) -> dict[str, int]:
-    """Open files by kind (socket, pipe, anon_inode:..., file; Linux /proc; empty elsewhere)."""
-    kinds: dict[str, int] = {}
+def fd_targets(pids: list[int]) -> list[str]:
+    """What each open file of the processes is (``/proc/PID/fd`` links; empty elsewhere)."""
+    targets = []
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
             try:
-                target = os.readlink(fd)
+                targets.append(os.readlink(fd))
             except OSError:
-                continue
-            kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
-            if target.startswith("anon_inode:"):
-                kind = target.split("[")[0]
-            kinds[kind] = kinds.get(kind, 0) + 1
+                continue  # closed meanwhile
+    return targets
+
+
+def fd_kinds(pids: list[int]) -> dict[str, int]:
+    """Open files by kind (socket, pipe, anon_inode:..., file; Linux /proc; empty elsewhere)."""
+    kinds: dict[str, int] = {}
+    for target in fd_targets(pids):
+        kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
+        if target.startswith("anon_inode:"):
+            kind = target.split("[")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
     return dict(sorted(kinds.items()))
 
 
@@ -151,14 +158,7 @@ def client_connections(pids: list[int], port: int) -> int:
 def staging_areas(pids: list[int]) -> int:
     """Open shared-memory staging areas (one per bulk connection to the cache server that
     uses one: ``storage_backends/staging_area.py``)."""
-    count = 0
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                count += os.readlink(fd).startswith(f"/memfd:{AREA_NAME}")
-            except OSError:
-                continue
-    return count
+    return sum(target.startswith(f"/memfd:{AREA_NAME}") for target in fd_targets(pids))
 
 
 def accepted_connections(pids: list[int]) -> int:

@@ -146,9 +146,9 @@ def _forget_gpu_cache(llm, *, drop_cpu_tier: bool) -> None:
     """Finish offload writes, optionally empty the CPU tier (its chunks stay in the lower
     tiers), and drop the GPU prefix cache. Raises RuntimeError when the engine refuses."""
     llm.flush_kv_offload()
-    connector = llm.engine.scheduler.connector
-    if drop_cpu_tier and connector is not None:
-        cpu_tier = connector.cache_engine.tiers.cpu
+    cache_engine = llm.engine.offload_cache_engine
+    if drop_cpu_tier and cache_engine is not None:
+        cpu_tier = cache_engine.tiers.cpu
         if cpu_tier is not None:
             kept = [key for key in cpu_tier.keys() if not cpu_tier.delete(key)]  # noqa: SIM118 (not a mapping)
             if kept:  # pinned by a reader: the warm-up's disk step would load them from the CPU tier

@@ -157,7 +157,7 @@ class Runner:
         if offload is not None:  # the seed run stores every prompt in both tiers
             self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             self.llm.flush_kv_offload()
-            self.tiers = self.llm.engine.scheduler.connector.cache_engine.tiers
+            self.tiers = self.llm.engine.offload_cache_engine.tiers
 
     def _empty_cpu_tier(self) -> None:
         """Drop every chunk of the CPU tier (the disk tier keeps its copies)."""

@@ -173,10 +173,9 @@ class FixedStepTimes:
 
 
 def measure_probe(url: str, chunk_bytes: int, connections: int, rounds: int, duty: float) -> list[dict]:
-    from connector.config import OffloadConfig
+    from connector.config import OffloadConfig, backend_urls
     from connector.planner import LoadPlanner
     from connector.tier_probe import TierProber
-    from connector.tiers import backend_urls
     from connector.token_db import KV_LAYOUT
     from storage_backends import create_backend
 

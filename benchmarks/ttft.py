@@ -112,7 +112,7 @@ def hf_prefill_seconds(config, prompts: dict[int, list[list[int]]], device, dtyp
 
 def evict_cpu_tier(llm: LLM) -> None:
     """Empty the connector's CPU tier (the KV then exists only in the lower tiers)."""
-    cpu = llm.engine.scheduler.connector.cache_engine.tiers.cpu
+    cpu = llm.engine.offload_cache_engine.tiers.cpu
     for key in cpu.keys(""):
         cpu.delete(key)
 

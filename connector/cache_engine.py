@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from connector.base import LOAD_NOT_IN_CPU, SAVE_NO_CPU
+from connector.scheduler_index import ChunkGeometry, SchedulerIndex
 from connector.slot_grants import SlotGrants
 from connector.tiers import PendingPut, TierManager
 from connector.token_db import KV_LAYOUT, ChunkSpan, TokenDatabase
@@ -84,10 +85,11 @@ class CacheEngine:
         self.tiers = tiers
         self.dtype = dtype
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.chunk_shape = (num_layers, 2, token_db.chunk_size, num_kv_heads, head_dim)
-        self.bytes_per_token = (
-            num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.geometry = ChunkGeometry(
+            num_layers, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size()
         )
+        self.chunk_shape = (num_layers, 2, token_db.chunk_size, num_kv_heads, head_dim)
+        self.bytes_per_token = self.geometry.bytes_per_token
         cpu = tiers.cpu
         #: the CPU tier's slots as granted (None: no CPU tier); the scheduler side's, in a connector
         self.grants: SlotGrants | None = None
@@ -168,7 +170,13 @@ class CacheEngine:
 
     def shape_of(self, span: ChunkSpan) -> tuple[int, ...]:
         """[num_layers, 2, num_tokens, num_kv_heads, head_dim] of the chunk ``span`` keys."""
-        return (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
+        return self.geometry.shape_of(span)
+
+    def scheduler_index(self) -> SchedulerIndex:
+        """What a scheduler side over these tiers reads and pins (no bytes): the keys, the
+        chunks' geometry, the tiers' membership and pins, and the CPU tier's slot grants,
+        which it then takes over from this cache engine. Called once, by the factory."""
+        return SchedulerIndex(self.token_db, self.geometry, self.tiers, self.grants)
 
     def settle_write_throughs(self) -> None:
         """Drop the write-through pins of the slots whose writes to the lower tiers ended
@@ -360,7 +368,7 @@ class CacheEngine:
 
     # ---- checks --------------------------------------------------------------
     def _chunk_fits(self, span: ChunkSpan, chunk) -> bool:
-        expected = (self.num_layers, 2, span.end - span.start, self.num_kv_heads, self.head_dim)
+        expected = self.geometry.shape_of(span)
         tensor = chunk.tensor
         if tuple(tensor.shape) == expected and tensor.dtype == self.dtype and chunk.layout == KV_LAYOUT:
             return True

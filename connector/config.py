@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 # REMOTE_SCHEMES: the schemes accepted for ``remote_url`` (re-exported)
 from connector.cpu_tier_size import (
@@ -111,7 +112,7 @@ class OffloadConfig:
     #: background reads in flight per remote tier (Redis, the cache server): more fill the
     #: link (with 8, a 16k gRPC hit on an H200 took 201 ms where 4 took 222). A cache
     #: server's tier opens as many bulk connections unless its URL names ``bulk_connections``
-    #: (``tiers.backend_urls``); a tier that runs fewer reads at once gets that many
+    #: (``backend_urls``); a tier that runs fewer reads at once gets that many
     remote_reads_in_flight: int = 8
     #: longest a step waits for a lower tier's lookup answer per request (then asks next step)
     lookup_wait_s: float = 0.002
@@ -425,3 +426,24 @@ def env_values(environ: Mapping[str, str]) -> dict[str, str]:
         if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "CONFIG":
             values[key[len(ENV_PREFIX) :].lower()] = value
     return values
+
+
+def backend_urls(config: OffloadConfig) -> list[str]:
+    """The ``create_backend`` URLs of the configured lower tiers (disk, then remote); the
+    remote URL gets ``config.codec`` and a cache server's ``bulk_connections`` =
+    ``remote_reads_in_flight`` unless it names its own (a connection per read in flight: with
+    the tier's default of 4, half of a fetch's 8 reads waited while the planner counted 8)."""
+    urls = []
+    if config.disk_path is not None:
+        urls.append(
+            f"file://{Path(config.disk_path).resolve()}?capacity={config.disk_bytes}&codec={config.codec}"
+        )
+    if config.remote_url is not None:
+        parts = urlsplit(config.remote_url)
+        query = parse_qs(parts.query)
+        added = [] if "codec" in query else [f"codec={config.codec}"]
+        if parts.scheme in ("grpc", "grpcs") and "bulk_connections" not in query:
+            added.append(f"bulk_connections={config.remote_reads_in_flight}")
+        separator = "&" if "?" in config.remote_url else "?"
+        urls.append(f"{config.remote_url}{separator}{'&'.join(added)}" if added else config.remote_url)
+    return urls

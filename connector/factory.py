@@ -280,7 +280,7 @@ def create_kv_connector(
         exporter = DirectExporter(tiers.cpu, hold_s=config.direct_hold_s)
         tiers.on_close(exporter.close)  # its pins are the CPU tier's: it ends first
     scheduler = HandoffScheduler(
-        cache_engine,
+        cache_engine.scheduler_index(),
         TransferRegistry(),
         block_size=block_size,
         lookups=lookups,
@@ -290,6 +290,10 @@ def create_kv_connector(
         prober=prober,
         handoff=config,
         exporter=exporter,
+        # a consumer's nixl tier, and the remote tier a producer's durable hand-over waits for
+        peer=next((tier for tier in tiers.lower if isinstance(tier, DirectPeerTier)), None),
+        shared_tier=next((tier for tier in reversed(tiers.lower) if tier.name in REMOTE_TIER_NAMES), None),
+        num_pending_writes=tiers.num_pending_writes,
     )
     if prober is not None:
         prober.busy = scheduler.is_fetching_from  # a tier fetches read is measured by them

@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from connector.base import ConnectorRequest, Grant, KVTransferParams, WorkerReport
-from connector.config import REMOTE_TIER_NAMES, OffloadConfig
+from connector.config import OffloadConfig
 from connector.direct_export import DirectExporter
 from connector.direct_offer import DIRECT_TIER
 from connector.direct_peer import DirectPeerTier
 from connector.request_transfer import ADMITTED_PHASES, RequestTransfer
 from connector.scheduler_side import OffloadScheduler
+from storage_backends.base import StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,14 @@ class HandoffScheduler(OffloadScheduler):
         *args: Any,
         handoff: OffloadConfig | None = None,
         exporter: DirectExporter | None = None,
+        peer: DirectPeerTier | None = None,
+        shared_tier: StorageBackend | None = None,
+        num_pending_writes: Callable[[], int] = lambda: 0,
         **kwargs: Any,
     ) -> None:
+        """``peer``: a consumer's ``nixl`` tier; ``shared_tier``: the remote tier a producer's
+        durable hand-over waits for, ``num_pending_writes`` its writes still queued (both
+        of the engine's tiers)."""
         super().__init__(*args, **kwargs)
         config = handoff if handoff is not None else OffloadConfig()
         self.fetch_deadline_s = config.handoff_fetch_deadline_s
@@ -114,9 +121,10 @@ class HandoffScheduler(OffloadScheduler):
         #: producer, direct path: offers the CPU tier's chunks to consumers' agents
         self.exporter = exporter
         #: consumer, direct path: the ``nixl`` tier reading what producers offer
-        self.peer = next(
-            (tier for tier in self.cache_engine.tiers.lower if isinstance(tier, DirectPeerTier)), None
-        )
+        self.peer = peer
+        #: producer, shared path: the remote tier its saves reach, and its queued writes
+        self.shared_tier = shared_tier
+        self._num_pending_writes = num_pending_writes
 
     def _transfer_of(self, request: ConnectorRequest) -> RequestTransfer:
         transfer = self.registry.get(request.request_id)
@@ -154,7 +162,7 @@ class HandoffScheduler(OffloadScheduler):
         )
 
     def _key_head(self) -> str:
-        token_db = self.cache_engine.token_db
+        token_db = self.index.token_db
         return f"{token_db.key_prefix}{token_db.namespace}"
 
     def grant(self, request: ConnectorRequest, num_computed_tokens: int, seconds_left: float | None) -> Grant:
@@ -186,7 +194,7 @@ class HandoffScheduler(OffloadScheduler):
         chunks the CPU tier holds once its saves are published (``kv_transfer`` "direct", or
         "auto" with an agent); otherwise the shared tier's durable chunks. None without
         either. Any thread but the engine's (it waits)."""
-        spans = self.cache_engine.token_db.chunk_spans(prompt, cache_salt)
+        spans = self.index.token_db.chunk_spans(prompt, cache_salt)
         # its saves are published once the registry forgot it (it ended, none pending)
         is_sending = lambda: self.registry.get(request_id) is not None  # noqa: E731
         if self.exporter is not None:
@@ -206,15 +214,14 @@ class HandoffScheduler(OffloadScheduler):
                 return KVTransferParams(
                     self._key_head(), self.chunk_size, num_chunks, num_tokens, DIRECT_TIER, offer
                 )
-        tiers = self.cache_engine.tiers
-        remote = next((tier for tier in reversed(tiers.lower) if tier.name in REMOTE_TIER_NAMES), None)
+        remote = self.shared_tier
         if remote is None:
             return None
         params = wait_durable(
             is_sending=is_sending,
             spans=spans,
             remote=remote,
-            num_pending_writes=tiers.num_pending_writes,
+            num_pending_writes=self._num_pending_writes,
             namespace=self._key_head(),
             chunk_size=self.chunk_size,
             timeout_s=self.durable_timeout_s,

@@ -32,7 +32,6 @@ from connector.base import (
     WorkerReport,
     slot_mapping_for,
 )
-from connector.cache_engine import CacheEngine
 from connector.lookup import TierLookups
 from connector.planner import LoadDecision, LoadPlanner
 from connector.request_transfer import (
@@ -43,6 +42,7 @@ from connector.request_transfer import (
     TransferPhase,
     TransferRegistry,
 )
+from connector.scheduler_index import SchedulerIndex
 from connector.slot_grants import SlotGrants
 from connector.slot_index import PinKind, SlotIndex
 from connector.tier_probe import TierProber
@@ -59,7 +59,7 @@ class OffloadScheduler(KVConnectorScheduler):
 
     def __init__(
         self,
-        cache_engine: CacheEngine,
+        index: SchedulerIndex,
         registry: TransferRegistry,
         *,
         block_size: int,
@@ -69,21 +69,21 @@ class OffloadScheduler(KVConnectorScheduler):
         pipelined_loads: bool = True,
         prober: TierProber | None = None,
     ) -> None:
-        self.cache_engine = cache_engine
-        cpu = cache_engine.tiers.cpu
+        #: what this side reads and pins of the tiers: keys, shapes, membership (no bytes)
+        self.index = index
         #: the CPU tier's index (which chunk each slot holds, pins; no memory): the only
         #: part of the CPU tier this side reads or pins (None: no CPU tier)
-        self.cpu_index: SlotIndex | None = None if cpu is None else cpu.index
+        self.cpu_index: SlotIndex | None = index.cpu_index
         #: the saves' and fetches' slots and pins in that index (the worker only fills slots)
-        self.grants: SlotGrants | None = cache_engine.grants
+        self.grants: SlotGrants | None = index.grants
         #: the highest report number applied (``ConnectorMetadata.num_reports_applied``)
         self._num_reports_applied = 0
         #: the CPU tier is a staging area (fetched chunks only: stores skip it)
-        self.cpu_staging = cpu is not None and cpu.staging
+        self.cpu_staging = index.cpu_staging
         self.registry = registry
         self.block_size = block_size
-        self.chunk_size = cache_engine.token_db.chunk_size
-        self.save_partial_chunks = cache_engine.token_db.save_partial_chunks
+        self.chunk_size = index.token_db.chunk_size
+        self.save_partial_chunks = index.token_db.save_partial_chunks
         self.lookups = lookups
         self.planner = planner
         #: measures the lower tiers in the background for the planner (the tiers close it first)
@@ -104,7 +104,7 @@ class OffloadScheduler(KVConnectorScheduler):
         if transfer is not None:
             return transfer
         prompt = tuple(request.all_token_ids[: request.num_prompt_tokens])
-        token_db = self.cache_engine.token_db
+        token_db = self.index.token_db
         return self.registry.get_or_create(
             request.request_id,
             prompt,
@@ -208,10 +208,9 @@ class OffloadScheduler(KVConnectorScheduler):
         if transfer.chunk_tiers is None:
             num_loadable_end = len(transfer.prompt) - 1
             if self.lookups is None:
-                tiers = self.cache_engine.tiers
-                names = [tier.name for tier in tiers.tiers]
+                names = self.index.tiers.names
                 name = names[0] if len(names) == 1 else "lower"
-                transfer.looked_up([name] * tiers.contains_prefix(keys))
+                transfer.looked_up([name] * self.index.tiers.contains_prefix(keys))
             elif num_computed_tokens >= num_loadable_end and not self.cpu_staging:
                 # A full GPU hit loads nothing: the CPU tier's answer is enough (for saves;
                 # a staging area holds no stores, so there the lower tiers are asked).
@@ -266,7 +265,7 @@ class OffloadScheduler(KVConnectorScheduler):
         slots, then the host->device copies and the unpacks (CUDA events around them)."""
         if self.planner is None or num_tokens <= 0:
             return 0.0
-        return num_tokens * self.cache_engine.bytes_per_token / self.planner.tier_rate("cpu")
+        return num_tokens * self.index.geometry.bytes_per_token / self.planner.tier_rate("cpu")
 
     def fit_load_tokens(self, num_start: int, num_tokens: int, seconds_left: float | None) -> int:
         """How many of ``num_tokens`` tokens loadable from the CPU tier from prompt position
@@ -385,7 +384,7 @@ class OffloadScheduler(KVConnectorScheduler):
     ) -> None:
         """Record the load of prompt tokens [num_start, num_end) for the next metadata, every
         chunk up to its end lookup-pinned until the load's plan (which releases them all)."""
-        self.cache_engine.tiers.pin([span.key for span in transfer.spans if span.start < num_end])
+        self.index.tiers.pin([span.key for span in transfer.spans if span.start < num_end])
         self._pending_loads.append(
             LoadSpec(
                 transfer.request_id,
@@ -443,7 +442,7 @@ class OffloadScheduler(KVConnectorScheduler):
             self._num_fetches,
             transfer.request_id,
             tuple(span.key for span in spans),
-            tuple(self.cache_engine.shape_of(span) for span in spans),
+            tuple(self.index.geometry.shape_of(span) for span in spans),
             tuple(transfer.chunk_tiers[first : first + len(spans)]),
             deadline_s=decision.fetch_deadline_s,
             first_chunk=first,
@@ -504,7 +503,7 @@ class OffloadScheduler(KVConnectorScheduler):
         slot_ids = self.grants.grant_load(
             (spec.request_id, spec.num_load_start), keys, [s.key for s in covering]
         )
-        shapes = [self.cache_engine.shape_of(span) for span in spans]
+        shapes = [self.index.geometry.shape_of(span) for span in spans]
         promotions = None if self.fetches else self.grants.grant_promotions(keys, shapes, slot_ids)
         return spec._replace(slot_ids=slot_ids, promotion_slot_ids=promotions)
 
@@ -513,7 +512,8 @@ class OffloadScheduler(KVConnectorScheduler):
         spans = [span for span in transfer.spans if num_start < span.end <= num_end]
         if self.grants is None:
             return (SAVE_NO_CPU,) * len(spans)
-        return self.grants.grant_save([s.key for s in spans], [self.cache_engine.shape_of(s) for s in spans])
+        shape_of = self.index.geometry.shape_of
+        return self.grants.grant_save([s.key for s in spans], [shape_of(s) for s in spans])
 
     def _forget_pending(self, request_id: str) -> None:
         """Drop the request's load and fetches not yet handed to the worker."""
@@ -546,7 +546,7 @@ class OffloadScheduler(KVConnectorScheduler):
                 self.grants.apply_fills(report.fills)
                 self.grants.write_through_done(report.written_through)
                 for load_id in report.ended_loads:
-                    self.cache_engine.tiers.unpin(self.grants.release_load(load_id) or [])
+                    self.index.tiers.unpin(self.grants.release_load(load_id) or [])
             for load in report.loads:
                 registry.loaded(
                     load.request_id,

@@ -25,14 +25,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from connector.base import SAVE_NO_ROOM, SAVE_SKIP
-from connector.config import OffloadConfig
+from connector.config import OffloadConfig, backend_urls
 from connector.cpu_tier import PinnedChunkPool
 from connector.slot_index import PinKind
 from connector.token_db import KV_LAYOUT
@@ -98,30 +96,8 @@ class PendingPut(NamedTuple):
     slot_id: int | None  # the granted CPU-tier slot ``buffer`` is, or None (a private buffer)
 
 
-def backend_urls(config: OffloadConfig) -> list[str]:
-    """The ``create_backend`` URLs of the configured lower tiers (disk, then remote);
-    ``config.codec`` is added unless the remote URL names its own, and a cache server's
-    URL gets ``bulk_connections`` = ``remote_reads_in_flight`` unless it names its own (one
-    connection per read a fetch keeps in flight: with the tier's default of 4, half of a
-    fetch's 8 reads waited for a connection while the planner counted 8; issue 31)."""
-    urls = []
-    if config.disk_path is not None:
-        urls.append(
-            f"file://{Path(config.disk_path).resolve()}?capacity={config.disk_bytes}&codec={config.codec}"
-        )
-    if config.remote_url is not None:
-        parts = urlsplit(config.remote_url)
-        query = parse_qs(parts.query)
-        added = [] if "codec" in query else [f"codec={config.codec}"]
-        if parts.scheme in ("grpc", "grpcs") and "bulk_connections" not in query:
-            added.append(f"bulk_connections={config.remote_reads_in_flight}")
-        separator = "&" if "?" in config.remote_url else "?"
-        urls.append(f"{config.remote_url}{separator}{'&'.join(added)}" if added else config.remote_url)
-    return urls
-
-
-#: longest pause of the lower tiers' background writes per load (a hold the connector
-#: never releases, e.g. a request admitted and then aborted, ends after this)
+#: longest pause of the lower tiers' background writes per load (ends a hold never
+#: released, e.g. of a request admitted, then aborted)
 LOAD_WRITE_HOLD_S = 0.25
 
 
@@ -256,6 +232,11 @@ class TierManager:
             self.cpu.start_growing()
 
     # ---- reads ---------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """The tiers' names, the CPU tier's first (``SchedulerIndex.tiers``)."""
+        return [tier.name for tier in self.tiers]
+
     def contains_prefix(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are present in some tier (each key may sit in a
         different tier). Side-effect free apart from LRU recency."""

@@ -153,6 +153,8 @@ class EngineCore:
         #: next step's time includes that work
         self._device_work_left_over = False
         scheduler_connector = worker_connector = model_id = None
+        #: stage 0's cache engine, its tiers (metrics read them; the scheduler side their index)
+        self.offload_cache_engine = None
         if args.kv_offload is not None:
             from connector import create_kv_connector
             from engine.models.fingerprint import dummy_model_fingerprint, model_fingerprint
@@ -183,6 +185,7 @@ class EngineCore:
                     grow_cpu_tier=self.device.type == "cuda",  # pinning is slow: after ready
                 )
                 self.startup.cpu_tier = worker_connector.cache_engine.tiers.cpu
+            self.offload_cache_engine = worker_connector.cache_engine
             self.startup.add_since("tiers", mark)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         #: the KV event stream (kv_events), when `kv_events_endpoint` is set
@@ -392,8 +395,7 @@ class EngineCore:
         return self.block_manager.reset_prefix_cache()
 
     def flush_kv_offload(self) -> None:
-        """Block until every save is in the CPU tier and every queued write-through to
-        lower offload tiers was attempted."""
+        """Block until every save is in the CPU tier and every write-through was attempted."""
         if self.scheduler.connector is not None:
             self.runner.connector.flush()
             if self.pipeline is not None:

@@ -318,8 +318,8 @@ def _planner_and_breaker_metrics(engine: EngineCore):
             "over this is its tokens per second (a router's tier costs).",
             planner.bytes_per_token,
         )
-    breakers = getattr(getattr(connector, "cache_engine", None), "tiers", None)
-    breakers = getattr(breakers, "breakers", {}) if breakers is not None else {}
+    cache_engine = engine.offload_cache_engine
+    breakers = cache_engine.tiers.breakers if cache_engine is not None else {}
     if breakers:
         trips = CounterMetricFamily(
             "kvstash_tier_breaker_trips", "Times a tier's circuit breaker opened.", labels=["tier"]
@@ -343,8 +343,7 @@ def _planner_and_breaker_metrics(engine: EngineCore):
 
 def _tier_hits(engine: EngineCore) -> dict[str, int]:
     """Chunk hits per tier name from the connector's tier manager ({} without offload)."""
-    connector = engine.scheduler.connector
-    cache_engine = getattr(connector, "cache_engine", None)
+    cache_engine = engine.offload_cache_engine
     if cache_engine is None:
         return {}
     tiers = cache_engine.tiers
@@ -354,7 +353,7 @@ def _tier_hits(engine: EngineCore) -> dict[str, int]:
 
 def _tier_errors(engine: EngineCore) -> dict[str, int]:
     """Failed calls per tier name, as the connector's tier manager counted them ({} without offload)."""
-    cache_engine = getattr(engine.scheduler.connector, "cache_engine", None)
+    cache_engine = engine.offload_cache_engine
     if cache_engine is None:
         return {}
     return {health.name: health.counts["errors"] for health in cache_engine.tiers.health.values()}

@@ -102,7 +102,7 @@ def test_loaded_recomputed_and_split_give_identical_tokens(model_dir, tmp_path):
     # fails midway) and the rest is recomputed; the first chunk comes from the CPU tier.
     splitter = new_llm(model_dir, disk_config(tmp_path, load_policy="always"))
     splitter.generate([prompts[0][:CHUNK_SIZE] + [7]], PARAMS)  # puts chunk 0 of prompt 0 in CPU
-    spans = connector_of(splitter).cache_engine.token_db.chunk_spans(prompts[0])
+    spans = connector_of(splitter).index.token_db.chunk_spans(prompts[0])
     (tmp_path / key_to_filename(spans[3].key)).unlink()
     outputs = splitter.generate(prompts[:1], PARAMS)
     assert [o.token_ids for o in outputs] == baseline[:1]
@@ -178,14 +178,14 @@ def test_abort_while_waiting_releases_every_pin_and_the_prompt_still_works(model
         assert connector.registry.get("hit") is None
         assert not engine.has_unfinished_requests()
         proxy.rate_bytes_per_s = None
-        cpu = connector.cache_engine.tiers.cpu
+        cpu = llm.engine.offload_cache_engine.tiers.cpu
         fetcher = fetcher_of(llm)
         for _ in range(10_000):  # the reads in flight finish for the tier alone
             fetcher.wait_for_progress(0.01)
             if not fetcher._key_to_read:
                 break
         assert cpu.stats()["num_pinned"] == 0
-        assert connector.cache_engine.tiers.num_pinned() == 0
+        assert llm.engine.offload_cache_engine.tiers.num_pinned() == 0
         assert llm.generate([prompt], PARAMS)[0].token_ids == baseline
 
 
@@ -215,13 +215,13 @@ def test_two_requests_waiting_on_the_same_chunks_share_the_reads(model_dir, tmp_
     baseline = new_llm(model_dir, None).generate([prompt], PARAMS)[0].token_ids
     write_to(model_dir, disk_config(tmp_path), [prompt])
     llm = new_llm(model_dir, disk_config(tmp_path, load_policy="always"))
-    disk = connector_of(llm).cache_engine.tiers.lower[0]
+    disk = llm.engine.offload_cache_engine.tiers.lower[0]
     hits_before = disk.stats().get("hits", 0)
     outputs = llm.generate([prompt, prompt], PARAMS)
     assert [o.token_ids for o in outputs] == [baseline, baseline]
     assert [o.metrics.num_external_cached_tokens for o in outputs] == [223, 223]
     assert disk.stats().get("hits", 0) - hits_before == 7  # each chunk read once for both
-    assert connector_of(llm).cache_engine.tiers.cpu.stats()["num_pinned"] == 0
+    assert llm.engine.offload_cache_engine.tiers.cpu.stats()["num_pinned"] == 0
 
 
 def test_cpu_moves_on_a_worker_thread_publish_only_when_done(tmp_path):
@@ -273,7 +273,7 @@ def test_head_recomputed_while_the_tail_is_fetched_gives_identical_tokens(model_
     write_to(model_dir, disk_config(tmp_path), [prompt])
     llm = new_llm(model_dir, disk_config(tmp_path))
     planner = connector_of(llm).planner
-    bytes_per_chunk = connector_of(llm).cache_engine.bytes_per_token * CHUNK_SIZE
+    bytes_per_chunk = connector_of(llm).index.geometry.bytes_per_token * CHUNK_SIZE
     # Estimates, not measurements: a chunk recomputed in 0.32 s and read in 0.32 s (the
     # fetch deadline, a second or two, leaves the local disk all the time it needs).
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
@@ -293,7 +293,7 @@ def test_head_recomputed_while_the_tail_is_fetched_gives_identical_tokens(model_
     assert set(loaded) == {"disk"} and 0 < loaded["disk"] < 255
     assert output.metrics.num_planned_recompute_tokens == 256 - loaded["disk"]
     assert output.metrics.num_external_cached_tokens == loaded["disk"]
-    assert connector_of(llm).cache_engine.tiers.cpu.pin_counts() == {}
+    assert llm.engine.offload_cache_engine.tiers.cpu.pin_counts() == {}
 
 
 def test_a_fetch_cut_by_its_deadline_teaches_the_planner_the_tier_is_slow(model_dir, redis_server):

@@ -109,7 +109,7 @@ class CappedEngine:
         raise AssertionError("the hit did not finish")
 
     def cpu_pins(self) -> dict[str, int]:
-        return self.connector.cache_engine.tiers.cpu.pin_counts()
+        return self.engine.offload_cache_engine.tiers.cpu.pin_counts()
 
     def close(self) -> None:
         if "decode" in self.engine.requests:
@@ -249,7 +249,7 @@ def test_abort_while_partly_loaded_releases_everything(model_dir, source):
     block_manager = engine.engine.scheduler.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
     assert engine.cpu_pins() == {}
-    assert engine.connector.cache_engine.tiers.num_pinned() == 0
+    assert engine.engine.offload_cache_engine.tiers.num_pinned() == 0
     assert engine.llm.generate([prompt], PARAMS)[0].token_ids == baseline
     close(engine.llm)
 
@@ -342,7 +342,7 @@ def test_fit_load_tokens_takes_whole_chunks_within_the_time_and_at_least_the_fir
         step_times=StepTimeModel(),
     )
     # a CPU tier that loads 1,000 tokens per second (its prior: nothing measured yet)
-    scheduler.planner.tier_priors["cpu"] = 1_000 * scheduler.cache_engine.bytes_per_token
+    scheduler.planner.tier_priors["cpu"] = 1_000 * scheduler.index.geometry.bytes_per_token
     assert scheduler.estimate_load_seconds(500) == pytest.approx(0.5)
     fit = scheduler.fit_load_tokens
     assert fit(0, 500, None) == 500  # no time cap: all of it

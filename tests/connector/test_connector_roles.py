@@ -33,7 +33,7 @@ class FakeRequest:
 
 def roles(layerwise=False):
     engine = make_cache_engine(chunk_size=CHUNK)
-    scheduler = OffloadScheduler(engine, TransferRegistry(), block_size=BLOCK_SIZE)
+    scheduler = OffloadScheduler(engine.scheduler_index(), TransferRegistry(), block_size=BLOCK_SIZE)
     worker = OffloadWorker(engine, layerwise=layerwise)
     return engine, scheduler, worker
 

@@ -40,7 +40,7 @@ def new_llm(model_dir, kv_offload, **engine_args) -> LLM:
 
 
 def cache_engine_of(llm: LLM):
-    return llm.engine.scheduler.connector.cache_engine
+    return llm.engine.offload_cache_engine
 
 
 def token_ids(outputs) -> list[list[int]]:

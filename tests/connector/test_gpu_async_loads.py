@@ -33,7 +33,7 @@ def test_async_loads_from_disk_keep_tokens_exact_on_cuda(tiny_model_dir, tmp_pat
     assert [o.token_ids for o in outputs] == reference
     assert [o.metrics.tier_to_loaded_tokens for o in outputs] == [{"disk": len(p) - 1} for p in prompts]
 
-    spans = loader.engine.scheduler.connector.cache_engine.token_db.chunk_spans(prompts[3])
+    spans = loader.engine.offload_cache_engine.token_db.chunk_spans(prompts[3])
     loader.engine.runner.connector.close()
     (tmp_path / key_to_filename(spans[5].key)).unlink()  # a read that fails midway
     splitter = LLM(model, **common, kv_offload=config(load_policy="always"))

@@ -163,7 +163,7 @@ def test_a_hit_loads_in_pieces_as_chunks_arrive_with_identical_tokens(model_dir,
             assert output.metrics.num_external_cached_tokens == PROMPT_LEN - 1
             stats = connector_of(llm).request_stats("hit")
             assert stats.num_loaded_tokens == PROMPT_LEN - 1
-            assert connector_of(llm).cache_engine.tiers.cpu.pin_counts() == {}
+            assert llm.engine.offload_cache_engine.tiers.cpu.pin_counts() == {}
             close(llm)
         # Pipelined: several loads of whole chunks while the fetch ran, each in a step that
         # computed nothing; the last piece loads in the step that computes the last token.
@@ -181,10 +181,10 @@ def test_a_read_failing_midway_after_partial_loads_recomputes_the_rest(model_dir
 
     with partly_loaded_hit(model_dir, redis_server, 52) as hit:
         connector = hit.connector
-        spans = connector.cache_engine.token_db.chunk_spans(hit.prompt)
+        spans = connector.index.token_db.chunk_spans(hit.prompt)
         assert hit.transfer.fetch.num_ready_chunks < 6  # chunks are read in order, one at a time
         # Chunk 6 vanishes after the lookup found it: its read misses, the fetch stops there.
-        redis_tier = connector.cache_engine.tiers.lower[0]
+        redis_tier = hit.engine.offload_cache_engine.tiers.lower[0]
         with redis.Redis(port=redis_server.port) as direct:
             assert direct.delete(redis_tier.key_prefix + spans[6].key) == 1
         pieces = [hit.request.num_computed_tokens, *step_until_loaded(hit.engine, "hit")]
@@ -195,7 +195,7 @@ def test_a_read_failing_midway_after_partial_loads_recomputes_the_rest(model_dir
         assert output.metrics.tier_to_loaded_tokens == {"redis": 6 * CHUNK_SIZE}
         assert output.metrics.num_external_cached_tokens == 6 * CHUNK_SIZE
         wait_for_reads(fetcher_of(hit.llm))
-        assert connector.cache_engine.tiers.cpu.pin_counts() == {}
+        assert hit.engine.offload_cache_engine.tiers.cpu.pin_counts() == {}
 
 
 def test_abort_while_partly_loaded_releases_everything(model_dir, redis_server):
@@ -208,8 +208,8 @@ def test_abort_while_partly_loaded_releases_everything(model_dir, redis_server):
         assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
         hit.remote.proxy.rate_bytes_per_s = None
         wait_for_reads(fetcher_of(hit.llm))
-        assert connector.cache_engine.tiers.cpu.stats()["num_pinned"] == 0
-        assert connector.cache_engine.tiers.num_pinned() == 0
+        assert hit.engine.offload_cache_engine.tiers.cpu.stats()["num_pinned"] == 0
+        assert hit.engine.offload_cache_engine.tiers.num_pinned() == 0
         assert hit.llm.generate([hit.prompt], PARAMS)[0].token_ids == hit.baseline
 
 
@@ -223,7 +223,7 @@ def test_preempted_while_partly_loaded_the_request_starts_over_with_identical_to
         assert output.token_ids == hit.baseline
         assert hit.transfer.phase is not TransferPhase.FETCHING
         wait_for_reads(fetcher_of(hit.llm))
-        assert hit.connector.cache_engine.tiers.cpu.pin_counts() == {}
+        assert hit.engine.offload_cache_engine.tiers.cpu.pin_counts() == {}
 
 
 def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_prefix(redis_server):
@@ -258,7 +258,7 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
             step_times=StepTimeModel(),
         )
         registry = scheduler.registry
-        scheduler.cache_engine.tiers.cpu.put("k0", KVChunk(torch.ones(shape)))
+        worker.cache_engine.tiers.cpu.put("k0", KVChunk(torch.ones(shape)))
         proxy.delay_s = 60.0  # the reads of k1 and k2 stay in flight
         jobs = {}
         for fetch_id, (request_id, pipelined) in enumerate((("on", True), ("off", False)), start=1):
@@ -285,6 +285,6 @@ def test_the_registry_reports_a_partial_receive_once_per_growth_of_the_ready_pre
             ConnectorMetadata(released_fetch_ids=[job.fetch_id for job in jobs.values()])
         )
         worker.start_load_kv()
-        assert scheduler.cache_engine.tiers.cpu.pin_counts() == {}
+        assert worker.cache_engine.tiers.cpu.pin_counts() == {}
         proxy.close()  # the reads in flight fail at once
         worker.close()

@@ -130,7 +130,7 @@ def test_a_blackholed_remote_is_skipped_and_decoding_goes_on(tiny_model_dir, bla
     # The lookup of "first" hung on the remote: "first" was skipped for several steps while
     # "decode" got a token in each of them (the old code blocked the step for 30 s).
     assert num_steps > 2 and num_decode_tokens >= num_steps - 2
-    breaker = engine.scheduler.connector.cache_engine.tiers.breakers["redis"]
+    breaker = engine.offload_cache_engine.tiers.breakers["redis"]
     assert breaker.num_trips == 1 and breaker.is_open
     # The next request does not ask the remote at all: admitted at once (its prompt may be
     # chunked: "decode" is decoding, engine.prefill_cap). Its lookup of the CPU tier runs on
@@ -385,7 +385,7 @@ def test_a_remote_is_measured_when_opened_and_its_first_hit_loads(tiny_model_dir
     with redis.Redis(port=redis_server.port) as client:
         probe_keys = [key.decode() for key in client.scan_iter(f"*{PROBE_KEY_SUFFIX}")]
     assert len(probe_keys) == 1  # the backend puts its own prefix in front of the engine's key
-    assert probe_keys[0].endswith(f"{connector.cache_engine.token_db.namespace}:{PROBE_KEY_SUFFIX}")
+    assert probe_keys[0].endswith(f"{connector.index.token_db.namespace}:{PROBE_KEY_SUFFIX}")
     # Recompute estimated at 100 tokens/s (the tiny model on a busy machine may beat a
     # loopback read): Redis, measured, beats it.
     planner.step_times = StepTimeModel.from_parameters(step_s=0.0, tokens_per_s=100.0)
@@ -453,6 +453,6 @@ def test_loads_from_the_cpu_tier_measure_its_rate(tiny_model_dir, tmp_path):
     measured = connector.planner.tier_rate("cpu")
     assert measured != prior
     assert connector.estimate_load_seconds(1000) == pytest.approx(
-        1000 * connector.cache_engine.bytes_per_token / measured
+        1000 * connector.index.geometry.bytes_per_token / measured
     )
     close(llm)

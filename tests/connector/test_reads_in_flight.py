@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.config import OffloadConfig, reads_in_flight_for
+from connector.config import OffloadConfig, backend_urls, reads_in_flight_for
 from connector.factory import tier_reads_in_flight
 from connector.planner import LoadPlanner
-from connector.tiers import backend_urls
 from engine.step_time import StepTimeModel
 from storage_backends.grpc_backend import GrpcBackend
 

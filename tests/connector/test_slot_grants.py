@@ -234,7 +234,7 @@ def test_the_worker_side_saves_into_granted_slots_and_the_report_publishes_them(
     metadata = scheduler.build_connector_meta([scheduled(request, blocks, 0, len(prompt))])
     (save,) = metadata.saves
     assert len(save.slot_ids) == 3 and min(save.slot_ids) >= 0
-    keys = [span.key for span in scheduler.cache_engine.token_db.chunk_spans(prompt)]
+    keys = [span.key for span in scheduler.index.token_db.chunk_spans(prompt)]
     changes = count_changes(index)
     worker.bind_connector_metadata(metadata)
     worker.start_load_kv()
@@ -247,7 +247,7 @@ def test_the_worker_side_saves_into_granted_slots_and_the_report_publishes_them(
     assert sorted(report.written_through) == sorted(keys)
     scheduler.update_connector_output(report)
     assert index.present(keys) == [True] * 3 and index.pin_counts() == {}
-    slab = scheduler.cache_engine.tiers.cpu
+    slab = worker.cache_engine.tiers.cpu
     rows = token_rows(kv_cache, slot_mapping_for(blocks, BLOCK_SIZE, 16))
     assert torch.equal(slab.view(save.slot_ids[0], slab.chunk_shape), rows)
     assert set(changes) <= {"reserve", "publish", "pin", "unpin", "pin_each"}  # the scheduler side's
@@ -297,7 +297,7 @@ def test_a_lower_tier_hit_read_in_the_step_is_promoted_into_a_slot_the_scheduler
     worker.wait_for_save()
     worker.flush()
     scheduler.update_connector_output(worker.take_report())
-    keys = [span.key for span in scheduler.cache_engine.token_db.chunk_spans(prompt)][:2]
+    keys = [span.key for span in scheduler.index.token_db.chunk_spans(prompt)][:2]
     assert all(index.delete(key) for key in keys)  # on disk only now
     b, b_blocks = FakeRequest("b", prompt[:32] + [9] * 16, 48), list(range(20, 32))
     grant = scheduler.grant(b, 0, None)

@@ -85,7 +85,7 @@ def test_a_slow_remote_stalls_nothing_and_is_used_again_once_fast(model_dir, red
         connector = engine.scheduler.connector
         planner = connector.planner
         prober = connector.prober
-        assert connector.cache_engine.tiers.cpu.staging is (cpu_bytes == 0)
+        assert engine.offload_cache_engine.tiers.cpu.staging is (cpu_bytes == 0)
         wait_until(lambda: prober.tier_to_num_probes.get("redis", 0) >= 1, 30, "the opening measurement")
 
         engine.add_request("decode", make_prompt(16, 9), DECODE)

@@ -88,7 +88,7 @@ def test_an_engine_outside_its_tenants_prefixes_gets_misses_not_a_crash(
     for output in (*outputs, again):
         assert output.token_ids == reference
         assert output.metrics.num_external_cached_tokens == 0
-    tiers = intruder.engine.scheduler.connector.cache_engine.tiers
+    tiers = intruder.engine.offload_cache_engine.tiers
     assert tiers.stats()["tiers"]["grpc"]["connector_errors"] >= 1
     failing = [record for record in caplog.records if "tier grpc failing" in record.getMessage()]
     assert len(failing) == 1 and "PERMISSION_DENIED" in failing[0].getMessage()

@@ -123,7 +123,7 @@ def test_the_worker_side_runs_in_another_process_from_metadata_and_reports_alone
             assert scheduler.update_connector_output(report) == ({"b"}, set())
             stats = scheduler.request_stats("b")
             assert (stats.num_external_hit_tokens, stats.num_loaded_tokens) == (32, 32)
-            assert stats.num_loaded_bytes == 32 * scheduler.cache_engine.bytes_per_token
+            assert stats.num_loaded_bytes == 32 * scheduler.index.geometry.bytes_per_token
             assert stats.tier_to_loaded_tokens == {"redis": 32}
             assert stats.num_saved_tokens == 16
     finally:
@@ -174,9 +174,8 @@ def serve_fetches(conn, redis_url: str) -> None:
 
 def test_a_fetch_runs_in_another_process_into_the_slots_the_scheduler_side_granted(redis_url):
     scheduler, unused_worker = staging_pair(redis_url)
-    engine = scheduler.cache_engine
-    spans = engine.token_db.chunk_spans(PROMPT)[:2]  # two whole chunks of 16
-    shape = engine.chunk_shape
+    spans = scheduler.index.token_db.chunk_spans(PROMPT)[:2]  # two whole chunks of 16
+    shape = scheduler.index.geometry.shape_of(spans[0])
     redis = create_backend(redis_url)
     chunks = [torch.full(shape, float(index + 1)) for index in range(len(spans))]
     for span, tensor in zip(spans, chunks, strict=True):

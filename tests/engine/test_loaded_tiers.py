@@ -36,7 +36,7 @@ def test_loaded_tokens_are_attributed_to_the_tier_they_came_from(tiny_model_dir,
     assert from_cpu.metrics.tier_to_loaded_tokens == {"cpu": 299}
 
     # Forget the CPU copies: the same prompt now loads from the disk tier.
-    tiers = llm.engine.scheduler.connector.cache_engine.tiers
+    tiers = llm.engine.offload_cache_engine.tiers
     llm.flush_kv_offload()
     for key in tiers.cpu.keys():  # noqa: SIM118 (a storage backend, not a mapping)
         assert tiers.cpu.delete(key)

@@ -97,7 +97,7 @@ def test_engines_of_checkpoints_differing_in_one_byte_use_different_namespaces(t
     namespaces = [
         LLM(
             folder, dtype="float32", device="cpu", kv_offload=offload
-        ).engine.scheduler.connector.cache_engine.token_db.namespace
+        ).engine.offload_cache_engine.token_db.namespace
         for folder in (first, second)
     ]
     assert namespaces[0] != namespaces[1]
@@ -166,7 +166,7 @@ def test_model_id_overrides_the_weight_hash(tmp_path):
 
     def namespace(folder, **args):
         llm = LLM(folder, dtype="float32", device="cpu", kv_offload=offload, **args)
-        return llm.engine.scheduler.connector.cache_engine.token_db.namespace
+        return llm.engine.offload_cache_engine.token_db.namespace
 
     assert namespace(first) != namespace(other)
     # Two different checkpoints given one id share a namespace: the operator's responsibility.

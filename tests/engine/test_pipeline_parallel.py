@@ -280,7 +280,7 @@ def test_pp2_flushes_every_stages_writes_to_redis_and_hits_them(tiny_model_dir, 
     try:
         assert _token_ids(llm.generate(PROMPTS[3:5], GREEDY)) == pp1
         llm.flush_kv_offload()
-        stage0_namespace = "kvstash:" + llm.engine.scheduler.connector.cache_engine.token_db.namespace
+        stage0_namespace = "kvstash:" + llm.engine.offload_cache_engine.token_db.namespace
         with redis.Redis(port=redis_server.port) as client:
             # chunk keys only: an engine of an earlier test may still measure this Redis
             keys = [key.decode() for key in client.scan_iter("*") if not key.endswith(b"kvstash-tier-probe")]

@@ -121,9 +121,7 @@ def test_a_warmed_engine_gives_the_cold_engines_tokens_and_keeps_nothing(
     assert warm.runner.connector is connector_tiers, "the connector is attached again"
     assert warm.block_manager.num_free_blocks == free_before
     assert warm.stats.num_steps == 0, "warm-up steps are not engine steps"
-    assert warm.scheduler.connector.cache_engine.tiers.stats()["tiers"]["cpu"]["puts"] == 0, (
-        "warm-up stored nothing"
-    )
+    assert warm.offload_cache_engine.tiers.stats()["tiers"]["cpu"]["puts"] == 0, "warm-up stored nothing"
 
     assert _generate(warm, prompts) == expected
     # the third prompt shares 192 tokens (12 blocks) with the first: the prefix cache holds

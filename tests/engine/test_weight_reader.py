@@ -103,10 +103,10 @@ def test_an_engine_hashes_while_it_reads_and_the_fingerprint_reads_nothing_again
     fresh = model_fingerprint(copy, WeightHashCache(tmp_path / "other-cache"))
     cached = WeightHashCache(tmp_path / "cache")
     assert model_fingerprint(model_dir, cached) == fresh and cached.num_files_hashed == 0
-    namespace = llm.engine.scheduler.connector.cache_engine.token_db.namespace
+    namespace = llm.engine.offload_cache_engine.token_db.namespace
     assert (
         namespace
         == LLM(
             copy, dtype="float32", device="cpu", kv_offload=OffloadConfig(cpu_bytes=1 << 24, chunk_size=64)
-        ).engine.scheduler.connector.cache_engine.token_db.namespace
+        ).engine.offload_cache_engine.token_db.namespace
     )

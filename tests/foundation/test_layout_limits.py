@@ -35,6 +35,34 @@ def test_no_import_circle() -> None:
     assert not circles, "import circles: " + "; ".join(circles)
 
 
+#: the worker side's modules: the bytes of the tiers, the movers, the fetcher, the kernels
+WORKER_SIDE_MODULES = (
+    "connector.cache_engine",
+    "connector.worker_side",
+    "connector.fetcher",
+    "connector.transfer",
+)
+
+
+def test_the_scheduler_side_reaches_no_worker_side_module() -> None:
+    """The scheduler side (``OffloadScheduler`` and the ``HandoffScheduler`` the factory
+    makes) is built over a ``SchedulerIndex``: none of its imports, direct or not, reaches
+    the cache engine, the worker side, the fetcher, the movers or the kernels."""
+    module_to_targets: dict[str, set[str]] = {}
+    for arrow in import_arrows(REPO_ROOT):
+        module_to_targets.setdefault(arrow.source, set()).add(arrow.target)
+    for side in ("connector.scheduler_side", "connector.handoff"):
+        reached, todo = set(), [side]
+        while todo:
+            for target in module_to_targets.get(todo.pop(), ()):
+                if target not in reached:
+                    reached.add(target)
+                    todo.append(target)
+        assert "connector.scheduler_index" in reached  # the walk follows the imports
+        offenders = sorted(m for m in reached if m in WORKER_SIDE_MODULES or m.startswith("kernels"))
+        assert not offenders, f"{side} reaches {offenders}"
+
+
 def write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / name

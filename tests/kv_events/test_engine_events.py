@@ -55,7 +55,7 @@ def test_the_engine_publishes_what_its_caches_hold(tiny_model_dir, tmp_path):
     publisher = llm.engine.kv_events
     follower = KVEventFollower(publisher.endpoint, publisher.replay_endpoint)
     try:
-        token_db = llm.engine.scheduler.connector.cache_engine.token_db
+        token_db = llm.engine.offload_cache_engine.token_db
         prompt = random_prompt(100, seed=3)
         llm.generate([prompt], GREEDY)
         llm.flush_kv_offload()
@@ -85,7 +85,7 @@ def test_the_engine_publishes_what_its_caches_hold(tiny_model_dir, tmp_path):
         until(lambda: GPU not in held.medium_to_keys, follower, "the cleared GPU cache")
         assert held.num_leading(CPU, chunk_keys) == 4
         # a chunk deleted from the disk tier is reported gone
-        disk = llm.engine.scheduler.connector.cache_engine.tiers.lower[0]
+        disk = llm.engine.offload_cache_engine.tiers.lower[0]
         assert disk.delete(chunk_keys[1])
         until(lambda: held.num_leading(DISK, chunk_keys) == 1, follower, "the deleted disk chunk")
         assert follower.synced and follower.num_gaps == 0
@@ -110,7 +110,7 @@ def test_a_follower_that_joins_late_gets_the_engines_state(tiny_model_dir, tmp_p
         kv_events_replay_endpoint="tcp://127.0.0.1:*",
     )
     try:
-        cpu = llm.engine.scheduler.connector.cache_engine.tiers.cpu
+        cpu = llm.engine.offload_cache_engine.tiers.cpu
         assert cpu.num_slots == 3
         llm.generate([random_prompt(64, seed=seed) for seed in range(5)], GREEDY)
         llm.flush_kv_offload()

@@ -45,11 +45,11 @@ def new_llm(model_dir, kv_offload=None, dtype: str = "float32") -> LLM:
 
 def tiers_of(llm: LLM):
     """The connector's :class:`~connector.tiers.TierManager`."""
-    return llm.engine.scheduler.connector.cache_engine.tiers
+    return llm.engine.offload_cache_engine.tiers
 
 
 def cache_engine_of(llm: LLM):
-    return llm.engine.scheduler.connector.cache_engine
+    return llm.engine.offload_cache_engine
 
 
 def tier_errors(llm: LLM, tier_name: str) -> int:

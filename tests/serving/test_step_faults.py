@@ -238,7 +238,7 @@ def test_a_failing_step_with_offload_leaks_no_save_and_stores_nothing(
     engine_core = engine.engine
     assert not engine_core.scheduler.request_id_to_sending
     assert engine_core.block_manager.num_free_blocks == engine_core.block_manager.num_blocks
-    cache_engine = engine_core.scheduler.connector.cache_engine
+    cache_engine = engine_core.offload_cache_engine
     assert cache_engine.lookup(tuple(poisoned)) == 0  # nothing of the failed forward was stored
     # The connector goes on storing and loading for other requests.
     for _ in range(2):

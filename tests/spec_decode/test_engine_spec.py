@@ -104,7 +104,7 @@ def test_greedy_ngram_with_kv_offload_matches(arch_case):
     assert [o.token_ids for o in outputs] == expected
     assert outputs[0].metrics.num_external_cached_tokens > 0
     # Only prompt tokens were stored: no chunk holds an output token or a rejected draft.
-    cache_engine = llm.engine.scheduler.connector.cache_engine
+    cache_engine = llm.engine.offload_cache_engine
     for prompt, output in zip(PROMPTS, expected, strict=True):
         assert cache_engine.lookup(prompt) == len(prompt)
         assert cache_engine.lookup(prompt + output) <= len(prompt)

@@ -234,6 +234,9 @@ class ConnectorMetadata:
     #: the highest ``WorkerReport.report_number`` the scheduler side had applied when it
     #: built this metadata: the worker forgets the fills reported up to it
     num_reports_applied: int = 0
+    #: the scheduler side numbers its metadata from 1 in the order built (0: unnumbered);
+    #: the worker side tells by it whether it ever bound one (``abort_step``)
+    step_number: int = 0
 
 
 class LoadReport(NamedTuple):
@@ -503,11 +506,13 @@ class KVConnectorWorker(abc.ABC):
         """Block until every save issued so far is stored and every write queued for lower
         tiers was attempted (tests, benchmarks, shutdown); the step loop never calls it."""
 
-    def abort_step(self) -> None:  # noqa: B027 - optional hook, default no-op
+    def abort_step(self, metadata: ConnectorMetadata | None = None) -> None:  # noqa: B027 - optional hook
         """Called instead of the rest of the step when the step raised (the engine then
         ends the step's requests). Ends the bound metadata's loads and drops its saves that
         ``wait_for_save`` did not queue: KV of a failed forward must never be stored, and no
-        save may stay pending (the engine would hold its request's blocks for it)."""
+        save may stay pending (the engine would hold its request's blocks for it).
+        ``metadata``: the failed step's; one the runner never bound (the step raised
+        before it could) is bound here and ended the same way (its fetches started)."""
 
     @abc.abstractmethod
     def take_report(self) -> WorkerReport:

@@ -97,7 +97,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self._pending_fetches: list[FetchSpec] = []
         #: fetches released since the last metadata (``ConnectorMetadata.released_fetch_ids``)
         self._released_fetch_ids: list[int] = []
-        self._num_fetches = 0  # fetch ids handed out so far
+        self._num_fetches = self._num_steps = 0  # fetch ids, metadata numbers handed out so far
 
     def _transfer_of(self, request: ConnectorRequest) -> RequestTransfer:
         transfer = self.registry.get(request.request_id)
@@ -461,9 +461,9 @@ class OffloadScheduler(KVConnectorScheduler):
             fetches=[self.grants.grant_fetch(spec) for spec in self._pending_fetches],
             released_fetch_ids=self.take_released_fetch_ids(),
             num_reports_applied=self._num_reports_applied,
+            step_number=self._num_steps + 1,
         )
-        self._pending_loads = []
-        self._pending_fetches = []
+        self._num_steps, self._pending_loads, self._pending_fetches = metadata.step_number, [], []
         for entry in scheduled:
             transfer = self.registry.get(entry.request_id)
             if transfer is None or transfer.phase in ENDED_PHASES:

@@ -133,6 +133,7 @@ class OffloadWorker(KVConnectorWorker):
         self.layerwise = layerwise
         self.kv_cache: torch.Tensor | None = None
         self._metadata = ConnectorMetadata()
+        self._num_steps_bound = 0  # the highest ConnectorMetadata.step_number bound so far
         self._loads: list[_Load] = []
         self._layer_to_event: dict[int, torch.cuda.Event] = {}
         self._num_layers_moved = 0  # CPU layerwise: layers moved so far this step
@@ -171,6 +172,7 @@ class OffloadWorker(KVConnectorWorker):
 
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
         self._metadata = metadata
+        self._num_steps_bound = max(self._num_steps_bound, metadata.step_number)
         self._clear_failed_loads()
         self._num_saves_queued = 0
         self._num_saves_started = 0
@@ -191,11 +193,7 @@ class OffloadWorker(KVConnectorWorker):
         self._num_layers_moved = 0
         self._move_seconds = 0.0
         self._timing = None
-        for spec in self._metadata.fetches:
-            # Never blocks: reads run on the fetcher's threads, their progress goes in the report.
-            job = FetchJob.from_spec(spec)
-            self._fetch_jobs[spec.fetch_id] = job
-            self.fetcher.start(job)
+        self._start_fetches()
         if not self._metadata.loads:
             self._apply_releases()
             return
@@ -345,7 +343,24 @@ class OffloadWorker(KVConnectorWorker):
         if self.grants_own_slots:
             engine.settle_write_throughs()
 
-    def abort_step(self) -> None:
+    def _start_fetches(self) -> None:
+        for spec in self._metadata.fetches:
+            # Never blocks: reads run on the fetcher's threads, their progress goes in the report.
+            job = FetchJob.from_spec(spec)
+            self._fetch_jobs[spec.fetch_id] = job
+            self.fetcher.start(job)
+
+    def abort_step(self, metadata: ConnectorMetadata | None = None) -> None:
+        self._abort_bound_step()
+        if metadata is not None and metadata.step_number > self._num_steps_bound:
+            # The step raised before the runner bound its metadata: bound now, it ends as a
+            # step failing at once (its saves skipped, its loads ended; its fetches are for
+            # requests still waiting, so they run).
+            self.bind_connector_metadata(metadata)
+            self._start_fetches()
+            self._abort_bound_step()
+
+    def _abort_bound_step(self) -> None:
         loads, self._loads = self._loads, []
         for load in loads:
             self.cache_engine.finish_load(load.plan)  # waits for queued moves, drops read pins

@@ -140,6 +140,9 @@ class Scheduler:
     #: the requests of the latest `schedule` call's plan; while it runs, also the one it is
     #: working on. A step that raises ends these (`EngineCore.step`).
     step_requests: list[Request] = field(default_factory=list)
+    #: the latest plan's connector metadata: a step that raises before the runner bound it
+    #: has the worker side end it (`StepRecovery.recover`), else its saves stay pending
+    step_connector_meta: ConnectorMetadata | None = None
     _finished_request_ids: set[str] = field(default_factory=set)
     #: running requests the latest `schedule` skipped because their tail is being fetched
     _num_tail_waits: int = 0
@@ -211,6 +214,7 @@ class Scheduler:
                     if r.num_computed_tokens < r.num_prompt_tokens
                 ]
             )
+            self.step_connector_meta = output.connector_meta
         return output
 
     def _schedule_running(self, step: _StepPlan, only, exclude) -> None:

@@ -116,7 +116,7 @@ class StepRecovery:
     def recover(self, group: set[Request] | None, snapshot: StepSnapshot) -> EngineStepError:
         """Make the engine consistent after a step raised; returns the error to raise."""
         if self.runner.connector is not None:
-            self.runner.connector.abort_step()
+            self.runner.connector.abort_step(self.scheduler.step_connector_meta)
         step_requests = list(self.scheduler.step_requests)
         self.scheduler.step_requests = []
         # A request the step finished before raising cannot be rolled back (the connector
@@ -187,7 +187,7 @@ class StepRecovery:
             logger.warning("the engine's probe step failed too: %s: %s", type(error).__name__, error)
             self.stats.num_probe_failures += 1
             if self.runner.connector is not None:
-                self.runner.connector.abort_step()
+                self.runner.connector.abort_step(self.scheduler.step_connector_meta)
             return False
         finally:
             self.scheduler.step_requests = []

@@ -463,3 +463,58 @@ def test_a_step_failing_behind_one_that_saved_loses_none_of_its_saves(model_dir,
     assert not engine.has_unfinished_requests(), dict(engine.scheduler.request_id_to_sending)
     assert {request_id: output.token_ids for request_id, output in finished.items()} == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_a_step_failing_before_the_runner_bound_its_metadata_leaves_nothing_pending(
+    model_dir, monkeypatch, async_scheduling, num_requests
+):
+    """A step raises after it was planned and before the model runner bound its connector
+    metadata (here: as the runner's ``submit`` starts). The worker side ends that metadata
+    as a failed step's: its saves are not left pending (the engine goes idle, every block
+    comes back) and the CPU-tier slots granted to them are given back. One request alone is
+    ended with an error; several are retried and complete with the plain engine's tokens."""
+    from engine.engine_core import EngineStepError
+
+    prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=50 + i) for i in range(num_requests)}
+    expected = dict(
+        zip(prompts, token_ids(plain_llm(model_dir), list(prompts.values()), GREEDY), strict=True)
+    )
+    config = OffloadConfig(cpu_bytes=8 << 20, chunk_size=16)
+    llm = LLM(model_dir, dtype="float32", device="cpu", async_scheduling=async_scheduling, kv_offload=config)
+    engine = llm.engine
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    submit = engine.runner.submit
+    num_failures = 0
+
+    def failing_submit(plan, *args, **kwargs):
+        nonlocal num_failures
+        if num_failures == 0 and plan.connector_meta is not None and plan.connector_meta.saves:
+            num_failures += 1
+            raise RuntimeError("injected failure before the step's metadata is bound")
+        return submit(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "submit", failing_submit)
+    finished = {}
+    for _ in range(300):  # a leak fails the test, never hangs it
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs = engine.step()
+        except EngineStepError as error:
+            outputs = error.outputs
+        finished.update((output.request_id, output) for output in outputs if output.finished)
+    assert num_failures == 1
+    assert not engine.has_unfinished_requests(), dict(engine.scheduler.request_id_to_sending)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if num_requests == 1:
+        assert finished["r0"].finish_reason == "error"
+    else:
+        assert {request_id: output.token_ids for request_id, output in finished.items()} == expected
+    llm.flush_kv_offload()
+    index = engine.scheduler.connector.grants.index
+    gauges = index.gauges()
+    assert gauges["num_used_slots"] == gauges["num_keys"], gauges  # no reservation left
+    assert gauges["num_pinned"] == 0 and not any(index.pin_counts().values()), index.pin_counts()

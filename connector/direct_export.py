@@ -13,12 +13,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from connector.cpu_tier import PinnedChunkPool
 from connector.direct_offer import DirectOffer, OfferedChunk
 from connector.nixl_agents import NixlAgent
 from connector.slot_index import PinKind
 from connector.token_db import ChunkSpan
+
+if TYPE_CHECKING:
+    from connector.cpu_tier import PinnedChunkPool
 
 log = logging.getLogger(__name__)
 

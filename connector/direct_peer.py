@@ -19,15 +19,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from connector.cpu_tier import PinnedChunkPool
 from connector.direct_offer import DIRECT_TIER, DirectOffer, OfferedChunk
 from connector.nixl_agents import NixlAgent
 from storage_backends.base import StorageBackend
 from storage_backends.chunk import KVChunk
+
+if TYPE_CHECKING:
+    from connector.cpu_tier import PinnedChunkPool
 
 log = logging.getLogger(__name__)
 

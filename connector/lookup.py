@@ -14,10 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from connector.breaker import CircuitBreaker
-from connector.tiers import TierManager
 from storage_backends.thread_pools import started_thread_pool
+
+if TYPE_CHECKING:
+    from connector.tiers import TierManager
 
 
 class PendingLookup:

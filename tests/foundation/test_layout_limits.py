@@ -35,8 +35,11 @@ def test_no_import_circle() -> None:
     assert not circles, "import circles: " + "; ".join(circles)
 
 
-#: the worker side's modules: the bytes of the tiers, the movers, the fetcher, the kernels
+#: the worker side's modules: the tiers and the CPU tier's slab (the bytes), the cache
+#: engine, the worker side, the fetcher, the movers (and the kernels)
 WORKER_SIDE_MODULES = (
+    "connector.tiers",
+    "connector.cpu_tier",
     "connector.cache_engine",
     "connector.worker_side",
     "connector.fetcher",
@@ -46,11 +49,13 @@ WORKER_SIDE_MODULES = (
 
 def test_the_scheduler_side_reaches_no_worker_side_module() -> None:
     """The scheduler side (``OffloadScheduler`` and the ``HandoffScheduler`` the factory
-    makes) is built over a ``SchedulerIndex``: none of its imports, direct or not, reaches
-    the cache engine, the worker side, the fetcher, the movers or the kernels."""
+    makes) is built over a ``SchedulerIndex``: none of its imports that run, direct or not,
+    reaches the tiers' bytes, the cache engine, the worker side, the fetcher, the movers or
+    the kernels (imports for annotations only, under ``TYPE_CHECKING``, load nothing)."""
     module_to_targets: dict[str, set[str]] = {}
     for arrow in import_arrows(REPO_ROOT):
-        module_to_targets.setdefault(arrow.source, set()).add(arrow.target)
+        if arrow.kind != "type-only":
+            module_to_targets.setdefault(arrow.source, set()).add(arrow.target)
     for side in ("connector.scheduler_side", "connector.handoff"):
         reached, todo = set(), [side]
         while todo:
@@ -61,6 +66,13 @@ def test_the_scheduler_side_reaches_no_worker_side_module() -> None:
         assert "connector.scheduler_index" in reached  # the walk follows the imports
         offenders = sorted(m for m in reached if m in WORKER_SIDE_MODULES or m.startswith("kernels"))
         assert not offenders, f"{side} reaches {offenders}"
+    # and so it is when a fresh interpreter imports them
+    probe = "import sys, connector.handoff; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "connector.scheduler_side" in loaded
+    assert not [m for m in loaded if m in WORKER_SIDE_MODULES or m.startswith("kernels")], loaded
 
 
 def write(root: Path, files: dict[str, str]) -> None:

@@ -38,9 +38,10 @@ It prints a table (figures after ``--warmup`` seconds), writes ``soak.json`` (ev
 sample, every error, the summary), ``soak.png`` (RSS, threads, open files, disk bytes,
 GPU memory over time) and the processes' logs into ``--out``. With ``--check`` it exits
 1 when a target fails: RSS, GPU memory, threads and open files after warm-up within
-``--tolerance-pct`` (5) of the first sample after warm-up, the disk tier within its
-cap, no request error outside the restart window, no engine step error, no tier error
-outside the restart window, the engine served after the restart, no differing output.
+``--tolerance-pct`` (5) of the first sample after warm-up, serve's files towards the
+cache server within its pool's bound, the disk tier within its cap, no request error
+outside the restart window, no engine step error, no tier error outside the restart
+window, the engine served after the restart, no differing output.
 
     python benchmarks/soak.py --duration 120 --out soak-out --check           # CPU: bench-size model
     python benchmarks/soak.py --duration 60 --model-size tiny --out /tmp/s --check   # the CI smoke run

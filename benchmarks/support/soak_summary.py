@@ -14,6 +14,8 @@ import math
 import statistics
 from typing import TYPE_CHECKING
 
+from connector.config import OffloadConfig
+
 if TYPE_CHECKING:
     from benchmarks.support.soak_load import Load
     from benchmarks.support.soak_sampler import Sampler
@@ -30,6 +32,9 @@ TRACKED = (
 )
 #: the figures that must stay within --tolerance-pct after warm-up
 STEADY = ("serve_rss_bytes", "serve_threads", "serve_fds", "gpu_bytes")
+#: serve's connections to the cache server beside the bulk ones: the gRPC channel's (one
+#: more while it reconnects)
+CACHE_SERVER_CHANNEL_FDS = 2
 #: figures that count things (threads, open files): a change of one is within any tolerance
 COUNTED = ("serve_threads", "serve_fds")
 
@@ -215,6 +220,17 @@ def checks(args: argparse.Namespace, summary: dict) -> list[dict]:
                 f"after warm-up -> of the last {fig['samples_per_median']}; farthest sample "
                 f"{fig['max_deviation_pct']:.1f}% away)",
             )
+    pool = summary["figures_after_warmup"].get("cache_server_fds")
+    if pool is not None:
+        # serve's tier opens at most remote_reads_in_flight bulk connections (a socket and a
+        # staging area each) and the gRPC channel's: a leak grows past that, a pool does not
+        num_bulk = OffloadConfig().remote_reads_in_flight
+        bound = 2 * num_bulk + CACHE_SERVER_CHANNEL_FDS
+        check(
+            "cache-server files within the pool's bound",
+            pool["max"] <= bound,
+            f"max {pool['max']} of {bound} (2 per bulk connection, {num_bulk} at most, and the gRPC channel's)",
+        )
     check(
         "disk tier within its cap",
         summary["disk_max_bytes"] <= summary["disk_cap_bytes"],

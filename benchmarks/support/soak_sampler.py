@@ -138,21 +138,30 @@ def shm_mappings(pids: list[int]) -> dict[str, int]:
     return {"count": count, "bytes": size}
 
 
+def connections_of(pids: list[int], kind: str) -> list[list]:
+    """Each process's sockets of ``kind`` (psutil's; a process gone meanwhile has none)."""
+    import psutil
+
+    per_process = []
+    for pid in pids:
+        try:
+            per_process.append(psutil.Process(pid).net_connections(kind=kind))
+        except psutil.Error:
+            continue
+    return per_process
+
+
 def client_connections(pids: list[int], port: int) -> int:
     """Established TCP connections of clients to the server's HTTP ``port`` (the load's
     own connections: they come and go with the requests and the aborts)."""
     import psutil
 
-    count = 0
-    for pid in pids:
-        try:
-            connections = psutil.Process(pid).net_connections(kind="tcp")
-        except psutil.Error:
-            continue
-        count += sum(
-            1 for c in connections if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
-        )
-    return count
+    return sum(
+        1
+        for connections in connections_of(pids, "tcp")
+        for c in connections
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 def staging_areas(pids: list[int]) -> int:
@@ -169,11 +178,7 @@ def accepted_connections(pids: list[int]) -> int:
     import psutil
 
     count = 0
-    for pid in pids:
-        try:
-            connections = psutil.Process(pid).net_connections(kind="all")
-        except psutil.Error:
-            continue
+    for connections in connections_of(pids, "all"):
         listen_ports = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
         count += sum(
             1

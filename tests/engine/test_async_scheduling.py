@@ -381,8 +381,6 @@ def run_with_failing_forward(engine, monkeypatch, should_fail) -> tuple[dict, in
     its forward raises for each plan ``should_fail(plan)`` accepts: inside the runner, as a
     real forward fails, with the step's connector metadata bound. -> (request id -> its
     final output, number of failures injected)."""
-    from engine.engine_core import EngineStepError
-
     run_model = engine.runner._run_model
     num_failures = 0
 
@@ -394,6 +392,14 @@ def run_with_failing_forward(engine, monkeypatch, should_fail) -> tuple[dict, in
         return run_model(plan, host)
 
     monkeypatch.setattr(engine.runner, "_run_model", failing_forward)
+    return step_until_idle(engine), num_failures
+
+
+def step_until_idle(engine) -> dict:
+    """Step ``engine`` until it is idle, at most 300 steps (a leak fails, never hangs),
+    through failed steps -> request id -> its final output."""
+    from engine.engine_core import EngineStepError
+
     finished = {}
     for _ in range(300):
         if not engine.has_unfinished_requests():
@@ -403,7 +409,7 @@ def run_with_failing_forward(engine, monkeypatch, should_fail) -> tuple[dict, in
         except EngineStepError as error:
             outputs = error.outputs
         finished.update((output.request_id, output) for output in outputs if output.finished)
-    return finished, num_failures
+    return finished
 
 
 def test_a_failed_async_step_leaves_no_cpu_tier_slot_reserved_or_pinned(model_dir, monkeypatch):
@@ -475,8 +481,6 @@ def test_a_step_failing_before_the_runner_bound_its_metadata_leaves_nothing_pend
     as a failed step's: its saves are not left pending (the engine goes idle, every block
     comes back) and the CPU-tier slots granted to them are given back. One request alone is
     ended with an error; several are retried and complete with the plain engine's tokens."""
-    from engine.engine_core import EngineStepError
-
     prompts = {f"r{i}": make_prompt(40 + 9 * i, seed=50 + i) for i in range(num_requests)}
     expected = dict(
         zip(prompts, token_ids(plain_llm(model_dir), list(prompts.values()), GREEDY), strict=True)
@@ -497,15 +501,7 @@ def test_a_step_failing_before_the_runner_bound_its_metadata_leaves_nothing_pend
         return submit(plan, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "submit", failing_submit)
-    finished = {}
-    for _ in range(300):  # a leak fails the test, never hangs it
-        if not engine.has_unfinished_requests():
-            break
-        try:
-            outputs = engine.step()
-        except EngineStepError as error:
-            outputs = error.outputs
-        finished.update((output.request_id, output) for output in outputs if output.finished)
+    finished = step_until_idle(engine)
     assert num_failures == 1
     assert not engine.has_unfinished_requests(), dict(engine.scheduler.request_id_to_sending)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -89,7 +89,6 @@ class CacheEngine:
             num_layers, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size()
         )
         self.chunk_shape = (num_layers, 2, token_db.chunk_size, num_kv_heads, head_dim)
-        self.bytes_per_token = self.geometry.bytes_per_token
         cpu = tiers.cpu
         #: the CPU tier's slots as granted (None: no CPU tier); the scheduler side's, in a connector
         self.grants: SlotGrants | None = None
@@ -167,6 +166,11 @@ class CacheEngine:
         self.finish_load(plan)
         ret_mask[start : plan.num_loaded_end] = True
         return ret_mask
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token (keys and values of every layer)."""
+        return self.geometry.bytes_per_token
 
     def shape_of(self, span: ChunkSpan) -> tuple[int, ...]:
         """[num_layers, 2, num_tokens, num_kv_heads, head_dim] of the chunk ``span`` keys."""

@@ -301,9 +301,7 @@ class LoadPlanner:
                     due = self._due_for_measuring(tier, now)
                 if due:
                     # measured again by this fetch: planned at the best it ever delivered
-                    # (its prior when that is more: a tier measured only while it was slow)
-                    best = max(self.rates.best_rate(tier, connections), self.rates.priors.get(tier, 0.0))
-                    rates[tier] = max(rates[tier], best)
+                    rates[tier] = max(rates[tier], self.rates.best_rate(tier, connections))
                     remeasured.add(tier)
 
         def chunk_start(chunk: int) -> int:

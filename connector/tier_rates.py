@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 #: bytes per second assumed for a tier before its first measured read
 TIER_PRIOR_BYTES_PER_S = {"cpu": 10e9, "disk": 0.5e9, "redis": 0.1e9, "grpc": 0.2e9}
+#: the same for a tier of another name
+DEFAULT_PRIOR_BYTES_PER_S = 0.1e9
 #: weight of a new sample in a moving average
 RATE_ALPHA = 0.3
 #: the connection count of a rate that holds whatever the reads in flight
@@ -110,7 +112,7 @@ class TierRates:
         with self._lock:
             buckets = self._tier_to_connections_to_rate.get(tier_name)
             if not buckets:
-                return self.priors.get(tier_name, 0.1e9)
+                return self._prior(tier_name)
             own = buckets.get(connections)
             count, newest = max(buckets.items(), key=lambda item: item[1].updated_at)
             if own is not None and own.updated_at >= newest.updated_at:
@@ -125,14 +127,20 @@ class TierRates:
 
     def best_rate(self, tier_name: str, connections: int = 1) -> float:
         """The fastest the tier ever delivered with ``connections`` or more reads in flight
-        (the fastest with any count when none was measured so; its prior before any)."""
+        (the fastest with any count when none was measured so), or its prior when that is
+        more (a tier measured only while it was slow)."""
         connections = max(1, int(connections))
         with self._lock:
             buckets = self._tier_to_connections_to_rate.get(tier_name)
             if not buckets:
-                return self.priors.get(tier_name, 0.1e9)
+                return self._prior(tier_name)
             as_many = [rate.best for count, rate in buckets.items() if count >= connections]
-            return max(as_many) if as_many else max(rate.best for rate in buckets.values())
+            best = max(as_many) if as_many else max(rate.best for rate in buckets.values())
+            return max(best, self.priors.get(tier_name, 0.0))
+
+    def _prior(self, tier_name: str) -> float:
+        """The rate assumed before any measurement of the tier."""
+        return self.priors.get(tier_name, DEFAULT_PRIOR_BYTES_PER_S)
 
     def measured_at(self, tier_name: str) -> float:
         """When the tier was last measured (the clock's seconds; -inf: never)."""

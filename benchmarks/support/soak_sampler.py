@@ -110,10 +110,10 @@ def fd_targets(pids: list[int]) -> list[str]:
     return targets
 
 
-def fd_kinds(pids: list[int]) -> dict[str, int]:
-    """Open files by kind (socket, pipe, anon_inode:..., file; Linux /proc; empty elsewhere)."""
+def fd_kinds(targets: list[str]) -> dict[str, int]:
+    """Open files (``fd_targets``) by kind (socket, pipe, anon_inode:..., file)."""
     kinds: dict[str, int] = {}
-    for target in fd_targets(pids):
+    for target in targets:
         kind = target.split(":", 1)[0] if ":" in target and not target.startswith("/") else "file"
         if target.startswith("anon_inode:"):
             kind = target.split("[")[0]
@@ -164,10 +164,10 @@ def client_connections(pids: list[int], port: int) -> int:
     )
 
 
-def staging_areas(pids: list[int]) -> int:
-    """Open shared-memory staging areas (one per bulk connection to the cache server that
-    uses one: ``storage_backends/staging_area.py``)."""
-    return sum(target.startswith(f"/memfd:{AREA_NAME}") for target in fd_targets(pids))
+def staging_areas(targets: list[str]) -> int:
+    """Open shared-memory staging areas among open files (``fd_targets``): one per bulk
+    connection to the cache server that uses one (``storage_backends/staging_area.py``)."""
+    return sum(target.startswith(f"/memfd:{AREA_NAME}") for target in targets)
 
 
 def accepted_connections(pids: list[int]) -> int:
@@ -276,9 +276,10 @@ class Sampler:
                 cache_rss = cache_figures["rss_bytes"]
                 cache_connections = accepted_connections(cache_figures["pids"])
             connections = client_connections(serve["pids"], soak.serve.port)
+            targets = fd_targets(serve["pids"])
             # serve's pool towards the cache server: per bulk connection a socket and its
             # shared-memory staging area, grown on demand up to the pool's bound
-            cache_fds = cache_connections + staging_areas(serve["pids"])
+            cache_fds = cache_connections + staging_areas(targets)
             sample = {
                 "t_s": round(t, 2),
                 "serve_rss_bytes": serve["rss_bytes"],
@@ -290,7 +291,7 @@ class Sampler:
                 "client_connections": connections,
                 "cache_server_fds": cache_fds if cache_rss is not None else None,
                 "thread_names": thread_names(serve["pids"]),
-                "fd_kinds": fd_kinds(serve["pids"]),
+                "fd_kinds": fd_kinds(targets),
                 "shm_mappings": shm_mappings(serve["pids"]),
                 "gpu_bytes": gpu_bytes(serve["pids"]),
                 # what the tier's cap counts (its files' sizes), and what du shows

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from engine.pipeline.failure import start_collective, wait_collective
+from engine.pipeline.failure import run_collective, start_collective, wait_collective
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -110,7 +110,7 @@ class StageLink:
         """Block until the previous stage's output of `step_id` is here. RuntimeError when
         the header is of another step (the stages lost step with each other)."""
         header = torch.empty(_HEADER_FIELDS + len(request_ids), dtype=torch.int64, device=self.wire_device)
-        wait_collective(start_collective(self.group.recv, [header], self.rank - 1, 0))
+        run_collective(self.group.recv, [header], self.rank - 1, 0)
         values = header.tolist()
         received_step, status, num_tokens = values[:_HEADER_FIELDS]
         if received_step != step_id:
@@ -126,5 +126,5 @@ class StageLink:
         payload = torch.empty(
             num_tokens, self.hidden_size * element_size, dtype=torch.uint8, device=self.wire_device
         )
-        wait_collective(start_collective(self.group.recv, [payload], self.rank - 1, 0))
+        run_collective(self.group.recv, [payload], self.rank - 1, 0)
         return StageInput(True, payload.view(self.dtype).to(self.device), load_failures)

@@ -56,6 +56,12 @@ def wait_collective(work) -> None:
         raise CollectiveError(f"a collective of the process group failed: {error}") from error
 
 
+def run_collective(op, *args) -> None:
+    """``op(*args)`` started and waited for (:func:`start_collective`, :func:`wait_collective`):
+    a blocking send, receive or collective."""
+    wait_collective(start_collective(op, *args))
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """Whether `error`, or an exception it was raised from, is a CollectiveError."""
     seen = 0

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from engine.pipeline.failure import start_collective, wait_collective
+from engine.pipeline.failure import run_collective
 
 #: a request's entry in the agreement when its loads did not stop early on a rank
 _NO_FAILURE = torch.iinfo(torch.int64).max
@@ -50,7 +50,7 @@ class TensorParallelGroup:
         wire = self._to_wire(tensor)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        wait_collective(start_collective(self.group.allreduce, [wire], opts))
+        run_collective(self.group.allreduce, [wire], opts)
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -60,7 +60,7 @@ class TensorParallelGroup:
         wire = self._to_wire(tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        wait_collective(start_collective(self.group.broadcast, [wire], opts))
+        run_collective(self.group.broadcast, [wire], opts)
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
@@ -73,9 +73,9 @@ class TensorParallelGroup:
         opts.rootRank = 0
         if self.rank == 0:
             outputs = [torch.empty_like(wire) for _ in range(self.size)]
-            wait_collective(start_collective(self.group.gather, [outputs], [wire], opts))
+            run_collective(self.group.gather, [outputs], [wire], opts)
             return [output.to(tensor.device) for output in outputs]
-        wait_collective(start_collective(self.group.gather, [], [wire], opts))
+        run_collective(self.group.gather, [], [wire], opts)
         return None
 
     def agree(self, request_ids: list[str], ok: bool, load_failures: dict[str, int]) -> StepAgreement:
@@ -88,7 +88,7 @@ class TensorParallelGroup:
         opts.reduceOp = dist.ReduceOp.MIN
         if self.backend == "nccl":
             tensor = tensor.cuda()
-        wait_collective(start_collective(self.group.allreduce, [tensor], opts))
+        run_collective(self.group.allreduce, [tensor], opts)
         merged = tensor.tolist()
         failures = {
             request_id: num_valid

@@ -38,8 +38,13 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+#: long enough for a lower tier's lookup to answer in the step that asks: the default 2 ms
+#: can run out on a loaded machine, and the request then waits a step (counts would shift)
+LOOKUP_WAIT_S = 30.0
+
+
 def cpu_config(**fields) -> OffloadConfig:
-    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, **fields)
+    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, lookup_wait_s=LOOKUP_WAIT_S, **fields)
 
 
 def disk_config(path, *, pipelined_loads: bool = False) -> OffloadConfig:

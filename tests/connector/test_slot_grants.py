@@ -221,7 +221,11 @@ def count_changes(index: SlotIndex) -> list[str]:
 
 
 def test_the_worker_side_saves_into_granted_slots_and_the_report_publishes_them(tmp_path):
-    config = OffloadConfig(chunk_size=16, cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 24)
+    # a long lookup wait: the disk's lookup answers in the call that asks (the default 2 ms can
+    # run out on a loaded machine, and the grant is then "not known yet")
+    config = OffloadConfig(
+        chunk_size=16, cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 24, lookup_wait_s=30.0
+    )
     scheduler, worker = make_connector_pair(config, "saves-by-slot")
     kv_cache = new_kv_cache(5)
     worker.register_kv_caches(kv_cache)

@@ -59,6 +59,10 @@ class DelayProxy:
                 client.close()  # the target is down: the client sees a closed connection
                 continue
             with self._lock:
+                if self._closed:  # accepted as close() ran: cut it as close() cut the rest
+                    client.close()
+                    upstream.close()
+                    return
                 self._sockets += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
                 self._start_pipe(source, sink)
@@ -108,6 +112,10 @@ class DelayProxy:
         """Stop listening and cut every forwarded connection. Idempotent."""
         self._closed = True
         if self._listener is not None:
+            # close() alone does not wake a thread blocked in accept() (its thread stayed,
+            # one per proxy, for the process's life); shutdown() does
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
             sockets, self._sockets = self._sockets, []

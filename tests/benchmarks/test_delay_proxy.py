@@ -9,10 +9,11 @@ import threading
 import time
 
 from benchmarks.support.delay_proxy import DelayProxy
+from tests.waiting import wait_until
 
 
-def proxy_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("delay-proxy")]
+def proxy_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("delay-proxy")}
 
 
 def echo_server() -> socket.socket:
@@ -33,17 +34,15 @@ def echo_server() -> socket.socket:
     return server
 
 
-def wait_for_no_proxy_threads(timeout_s: float = 5.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while proxy_threads() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return proxy_threads()
+def threads_left_after(before: set[threading.Thread]) -> list[str]:
+    """The proxy threads started since ``before`` that still run after up to 5 s."""
+    wait_until(lambda: not proxy_threads() - before, 5.0)
+    return sorted(t.name for t in proxy_threads() - before)
 
 
 def test_a_closed_proxy_leaves_no_thread_even_with_a_connection_accepted_while_closing():
     server = echo_server()
-    before = proxy_threads()
-    assert before == []
+    before = proxy_threads()  # another test's proxies may still be closing: not this test's
     for round_number in range(20):
         with DelayProxy(server.getsockname()[1]) as proxy:
             client = socket.create_connection(("127.0.0.1", proxy.port))
@@ -51,12 +50,13 @@ def test_a_closed_proxy_leaves_no_thread_even_with_a_connection_accepted_while_c
                 client.sendall(b"ping")
                 assert client.recv(16) == b"ping"
             client.close()
-    assert wait_for_no_proxy_threads() == []
+    assert threads_left_after(before) == []
     server.close()
 
 
 def test_a_capped_proxy_paces_what_it_forwards():
     server = echo_server()
+    before = proxy_threads()
     # 16 pieces of 4 KiB each way at 400 KB/s: the proxy sleeps ~10 ms after each, so the last
     # piece leaves at least 15 pieces' time after the first (a slower machine only adds to it)
     message = b"x" * (16 * 4096)
@@ -72,5 +72,5 @@ def test_a_capped_proxy_paces_what_it_forwards():
         client.close()
     assert received == message
     assert elapsed >= 15 * 4096 / rate, elapsed
-    assert wait_for_no_proxy_threads() == []
+    assert threads_left_after(before) == []
     server.close()

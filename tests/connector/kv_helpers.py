@@ -9,6 +9,10 @@ from connector import OffloadConfig, create_cache_engine, create_kv_connector
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 NUM_SLOTS = BLOCK_SIZE * NUM_BLOCKS
+#: ``OffloadConfig.lookup_wait_s`` for tests that count steps or grants: a lower tier's lookup
+#: answers in the step that asks. The default 2 ms can run out on a loaded machine; the
+#: request then waits a step (as designed) and the counts shift (a CI run failed so)
+ANSWERED_LOOKUP_WAIT_S = 30.0
 
 
 def new_kv_cache(seed: int = 0, fill: float | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from connector import OffloadConfig
 from engine import SamplingParams
 from engine.prefill_cap import STEP_TARGET_FRACTION
 from engine.step_time import StepTimeModel
+from tests.connector.kv_helpers import ANSWERED_LOOKUP_WAIT_S
 from tests.connector.test_async_loads import close, connector_of, make_prompt, new_llm, write_to
 
 CHUNK_SIZE = 32
@@ -38,13 +39,10 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-#: long enough for a lower tier's lookup to answer in the step that asks: the default 2 ms
-#: can run out on a loaded machine, and the request then waits a step (counts would shift)
-LOOKUP_WAIT_S = 30.0
-
-
 def cpu_config(**fields) -> OffloadConfig:
-    return OffloadConfig(chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, lookup_wait_s=LOOKUP_WAIT_S, **fields)
+    return OffloadConfig(
+        chunk_size=CHUNK_SIZE, cpu_bytes=32 << 20, lookup_wait_s=ANSWERED_LOOKUP_WAIT_S, **fields
+    )
 
 
 def disk_config(path, *, pipelined_loads: bool = False) -> OffloadConfig:

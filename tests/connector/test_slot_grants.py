@@ -27,6 +27,7 @@ from connector.slot_index import PinKind, SlotIndex
 from connector.token_db import KV_LAYOUT
 from storage_backends.chunk import KVChunk
 from tests.connector.kv_helpers import (
+    ANSWERED_LOOKUP_WAIT_S,
     BLOCK_SIZE,
     make_connector_pair,
     new_kv_cache,
@@ -221,10 +222,12 @@ def count_changes(index: SlotIndex) -> list[str]:
 
 
 def test_the_worker_side_saves_into_granted_slots_and_the_report_publishes_them(tmp_path):
-    # a long lookup wait: the disk's lookup answers in the call that asks (the default 2 ms can
-    # run out on a loaded machine, and the grant is then "not known yet")
-    config = OffloadConfig(
-        chunk_size=16, cpu_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 24, lookup_wait_s=30.0
+    config = OffloadConfig(  # the disk's lookup answers in the grant that asks
+        chunk_size=16,
+        cpu_bytes=1 << 20,
+        disk_path=str(tmp_path),
+        disk_bytes=1 << 24,
+        lookup_wait_s=ANSWERED_LOOKUP_WAIT_S,
     )
     scheduler, worker = make_connector_pair(config, "saves-by-slot")
     kv_cache = new_kv_cache(5)
